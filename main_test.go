@@ -1,0 +1,23 @@
+package sharedtransport
+
+import (
+	"testing"
+
+	"go.uber.org/goleak"
+)
+
+func TestMain(m *testing.M) {
+	goleak.VerifyTestMain(m,
+		// klog's flush daemon, started by client-go's import of klog.
+		goleak.IgnoreTopFunction("k8s.io/klog/v2.(*flushDaemon).run.func1"),
+		// Before v0.36 client-go starts a certificate-file refresher for
+		// every transport it cannot cache (a config with Proxy and cert
+		// files) and never stops it. The hook runs after client-go built
+		// that transport, so the pool cannot prevent it.
+		goleak.IgnoreAnyFunction("k8s.io/client-go/transport.(*dynamicClientCert).Run"),
+		goleak.IgnoreAnyFunction("k8s.io/client-go/transport.(*dynamicClientCert).processNextWorkItem"),
+		goleak.IgnoreAnyFunction("k8s.io/apimachinery/pkg/util/wait.PollImmediateUntilWithContext.poller.func1.1"),
+		goleak.IgnoreAnyFunction("k8s.io/apimachinery/pkg/util/wait.PollImmediateUntil"),
+		goleak.IgnoreAnyFunction("k8s.io/client-go/util/workqueue.(*delayingType[...]).waitingLoop"),
+	)
+}

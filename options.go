@@ -1,0 +1,128 @@
+package sharedtransport
+
+import (
+	"time"
+
+	"k8s.io/client-go/rest"
+	"k8s.io/klog/v2"
+)
+
+// An Option configures a [Pool]. Options are applied by [New] in order, after
+// the defaults are set.
+type Option func(*options)
+
+type options struct {
+	keepAlive         bool
+	sessionResumption bool
+	maxConnsPerHost   int
+	idleTimeout       time.Duration
+	dialIdentity      func(*rest.Config) string
+	pollInterval      time.Duration
+	drainTimeout      time.Duration
+	logger            klog.Logger
+
+	// Test seams, never exported: how long file events settle before a
+	// reload, and whether fsnotify is used at all (so a test can prove the
+	// poll alone finds a change).
+	debounce       time.Duration
+	disableNotify  bool
+	sessionCacheSz int
+}
+
+func defaultOptions() options {
+	return options{
+		keepAlive:         true,
+		sessionResumption: true,
+		idleTimeout:       90 * time.Second,
+		pollInterval:      30 * time.Second,
+		drainTimeout:      2 * time.Minute,
+		logger:            klog.Background().WithName("sharedtransport"),
+		debounce:          100 * time.Millisecond,
+		sessionCacheSz:    64,
+	}
+}
+
+// WithKeepAlive turns HTTP keep-alive on (the default) or off for the pool's
+// transports. With keep-alive off every request opens its own connection, as
+// Karmada's proxy does today; TLS session resumption (see
+// [WithSessionResumption]) keeps most of those handshakes cheap. Transports
+// client-go built for configs outside the pool are never touched.
+func WithKeepAlive(enabled bool) Option {
+	return func(o *options) { o.keepAlive = enabled }
+}
+
+// WithSessionResumption turns TLS session resumption on (the default) or off.
+// Every identity, and every certificate version of it, gets its own session
+// cache: a resumed session carries the client certificate of the handshake it
+// came from, so a cache is never shared.
+func WithSessionResumption(enabled bool) Option {
+	return func(o *options) { o.sessionResumption = enabled }
+}
+
+// WithMaxConnsPerHost caps the connections one identity keeps to one host.
+// Requests beyond the cap wait for a connection (bounded by their context)
+// instead of failing. Over HTTP/2 a cap also makes the server's stream limit
+// global, so requests queue on the open connections instead of dialing new
+// ones. Zero, the default, means no cap.
+func WithMaxConnsPerHost(n int) Option {
+	return func(o *options) {
+		if n >= 0 {
+			o.maxConnsPerHost = n
+		}
+	}
+}
+
+// WithIdleTimeout sets how long an identity that no client refers to any more
+// keeps its connections before they are closed and its memory released.
+// Callers that build a config per request (an aggregated apiserver proxying to
+// member clusters) rely on this grace to reuse the connection between two
+// sparse requests. The default, 90 seconds, matches the idle-connection
+// timeout of client-go's transports.
+func WithIdleTimeout(d time.Duration) Option {
+	return func(o *options) {
+		if d >= 0 {
+			o.idleTimeout = d
+		}
+	}
+}
+
+// WithDialIdentity lets configs with a custom [rest.Config.Dial] share
+// transports. Dial functions cannot be compared, so by default such a config
+// passes through untouched. fn names the dialer: configs whose fn results are
+// equal and non-empty promise that their dialers are interchangeable, and
+// share the dialer of the first config seen. An empty result passes the
+// config through.
+func WithDialIdentity(fn func(cfg *rest.Config) string) Option {
+	return func(o *options) { o.dialIdentity = fn }
+}
+
+// WithPollInterval sets how often watched certificate and CA files are
+// re-read even when no file-system event arrived (network and overlay file
+// systems, bind mounts, a lost watch). The default is 30 seconds; zero turns
+// polling off.
+func WithPollInterval(d time.Duration) Option {
+	return func(o *options) {
+		if d >= 0 {
+			o.pollInterval = d
+		}
+	}
+}
+
+// WithDrainTimeout sets how long connections that were active when a
+// certificate or CA changed (long watches) keep running on the old material
+// before they are closed. Idle connections close at once. The default is 2
+// minutes, so informers re-list once, spread out, instead of all at the
+// moment of rotation.
+func WithDrainTimeout(d time.Duration) Option {
+	return func(o *options) {
+		if d >= 0 {
+			o.drainTimeout = d
+		}
+	}
+}
+
+// WithLogger sets the logger. The default is klog's background logger named
+// "sharedtransport". Nothing logged ever contains key material or tokens.
+func WithLogger(logger klog.Logger) Option {
+	return func(o *options) { o.logger = logger }
+}

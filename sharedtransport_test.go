@@ -1,0 +1,664 @@
+package sharedtransport
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/http"
+	"net/url"
+	"os"
+	"path/filepath"
+	"runtime"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	spdystream "k8s.io/apimachinery/pkg/util/httpstream/spdy"
+	"k8s.io/client-go/discovery"
+	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/informers"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/cache"
+	"k8s.io/client-go/tools/clientcmd"
+	"k8s.io/client-go/transport/spdy"
+
+	"github.com/sharedtransport/sharedtransport/internal/testserver"
+)
+
+// fixture is a TLS server with HTTP/2 (100 streams), client-certificate
+// auth and server-side connection counting, plus client certificates.
+type fixture struct {
+	srv               *testserver.Server
+	ca                *testserver.CA
+	alice, bob, carol *testserver.KeyPair
+	dir               string
+}
+
+func newFixture(t testing.TB, opts testserver.Options) *fixture {
+	t.Helper()
+	ca, err := testserver.NewCA("test-ca")
+	if err != nil {
+		t.Fatal(err)
+	}
+	opts.CA = ca
+	srv, err := testserver.Start(opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { srv.Close() })
+	f := &fixture{srv: srv, ca: ca, dir: t.TempDir()}
+	for _, p := range []struct {
+		kp   **testserver.KeyPair
+		name string
+	}{{&f.alice, "alice"}, {&f.bob, "bob"}, {&f.carol, "carol"}} {
+		if *p.kp, err = ca.IssueClient(p.name); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return f
+}
+
+// kubeconfig writes a kubeconfig for client with certificate files beside it.
+func (f *fixture) kubeconfig(t testing.TB, name string, client *testserver.KeyPair) testserver.Paths {
+	t.Helper()
+	paths, err := f.srv.WriteKubeconfig(filepath.Join(f.dir, name+".kubeconfig"), client, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return paths
+}
+
+func newPool(t testing.TB, opts ...Option) *Pool {
+	t.Helper()
+	p := New(opts...)
+	t.Cleanup(func() { p.Close() })
+	return p
+}
+
+func listNodes(ctx context.Context, cfg *rest.Config) error {
+	cs, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		return err
+	}
+	_, err = cs.CoreV1().Nodes().List(ctx, metav1.ListOptions{})
+	return err
+}
+
+func nilProxy(*http.Request) (*url.URL, error) { return nil, nil }
+
+// seedLoad is the seed's load: workers x requests, each request through a
+// fresh rest.Config (from the kubeconfig file) and a fresh clientset.
+func seedLoad(t testing.TB, workers, requests int, newConfig func() (*rest.Config, error)) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	var wg sync.WaitGroup
+	errs := make(chan error, workers)
+	for range workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for range requests {
+				cfg, err := newConfig()
+				if err == nil {
+					err = listNodes(ctx, cfg)
+				}
+				if err != nil {
+					errs <- err
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Fatal(err)
+	}
+}
+
+func TestSeedLoad(t *testing.T) {
+	const workers, requests = 100, 20
+	f := newFixture(t, testserver.Options{})
+	kubeconfig := f.kubeconfig(t, "alice", f.alice).Kubeconfig
+
+	for _, tc := range []struct {
+		name      string
+		withProxy bool
+	}{{"proxy set, as Karmada's member configs", true}, {"no proxy", false}} {
+		t.Run(tc.name, func(t *testing.T) {
+			f.srv.CloseClientConnections()
+			f.srv.ResetStats()
+			p := newPool(t)
+			seedLoad(t, workers, requests, func() (*rest.Config, error) {
+				cfg, err := clientcmd.BuildConfigFromFlags("", kubeconfig)
+				if err != nil {
+					return nil, err
+				}
+				if tc.withProxy {
+					cfg.Proxy = nilProxy
+				}
+				return cfg, p.Wrap(cfg)
+			})
+			st := f.srv.Stats()
+			t.Logf("with the pool: %d requests, server accepted %d connections, %d full handshakes; pool %+v",
+				workers*requests, st.Accepted, st.FullHandshakes, p.Stats())
+			if st.Accepted > 2 {
+				t.Errorf("server accepted %d connections, want at most 2", st.Accepted)
+			}
+			if got := p.Stats(); got.Misses != 1 || got.Identities != 1 {
+				t.Errorf("pool built %d transports for %d identities, want 1 and 1", got.Misses, got.Identities)
+			}
+		})
+	}
+
+	t.Run("without the pool, proxy set", func(t *testing.T) {
+		f.srv.CloseClientConnections()
+		f.srv.ResetStats()
+		seedLoad(t, workers, requests, func() (*rest.Config, error) {
+			cfg, err := clientcmd.BuildConfigFromFlags("", kubeconfig)
+			if err != nil {
+				return nil, err
+			}
+			cfg.Proxy = nilProxy
+			return cfg, nil
+		})
+		st := f.srv.Stats()
+		t.Logf("client-go alone: %d requests, server accepted %d connections", workers*requests, st.Accepted)
+		if st.Accepted < 50 {
+			t.Errorf("client-go alone accepted only %d connections: the load does not show the problem", st.Accepted)
+		}
+		f.srv.CloseClientConnections()
+	})
+}
+
+// TestIdentities: different client certificates never share a connection;
+// configs differing only in per-request credentials always do.
+func TestIdentities(t *testing.T) {
+	var mu sync.Mutex
+	seen := map[string]int{} // "cn/token" -> requests
+	f := newFixture(t, testserver.Options{
+		Tokens: map[string]string{"token-1": "t1", "token-2": "t2"},
+		OnRequest: func(ri testserver.RequestInfo) {
+			mu.Lock()
+			seen[ri.CertCN+"/"+ri.Token]++
+			mu.Unlock()
+		},
+	})
+	p := newPool(t)
+	ctx := context.Background()
+	for _, kp := range []*testserver.KeyPair{f.alice, f.bob, f.carol} {
+		for range 3 {
+			cfg := f.srv.RestConfig(kp)
+			if err := p.Wrap(cfg); err != nil {
+				t.Fatal(err)
+			}
+			if err := listNodes(ctx, cfg); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	if st := f.srv.Stats(); st.Accepted != 3 {
+		t.Errorf("alice, bob, carol: server accepted %d connections, want 3", st.Accepted)
+	}
+	for _, cn := range []string{"alice", "bob", "carol"} {
+		if seen[cn+"/"] != 3 {
+			t.Errorf("server saw %d requests from %s, want 3 (all: %v)", seen[cn+"/"], cn, seen)
+		}
+	}
+
+	// Only the token differs: one identity, one connection, each request
+	// carrying its own token.
+	f.srv.CloseClientConnections()
+	f.srv.ResetStats()
+	p2 := newPool(t)
+	for _, token := range []string{"token-1", "token-2", "token-1"} {
+		cfg := f.srv.RestConfig(f.alice)
+		cfg.BearerToken = token
+		cfg.UserAgent = "agent-" + token
+		cfg.Impersonate = rest.ImpersonationConfig{}
+		if err := p2.Wrap(cfg); err != nil {
+			t.Fatal(err)
+		}
+		if err := listNodes(ctx, cfg); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if st := f.srv.Stats(); st.Accepted != 1 {
+		t.Errorf("configs differing only in token: %d connections, want 1", st.Accepted)
+	}
+	if seen["alice/token-1"] != 2 || seen["alice/token-2"] != 1 {
+		t.Errorf("server saw tokens %v, want token-1 twice and token-2 once", seen)
+	}
+	if got := p2.Stats(); got.Identities != 1 || got.Hits != 2 || got.Misses != 1 {
+		t.Errorf("stats %+v, want 1 identity, 1 miss, 2 hits", got)
+	}
+}
+
+// TestCopySafety: a copy of a wrapped config whose credentials changed after
+// Wrap authenticates with its own credentials.
+func TestCopySafety(t *testing.T) {
+	var mu sync.Mutex
+	var last string
+	f := newFixture(t, testserver.Options{OnRequest: func(ri testserver.RequestInfo) {
+		mu.Lock()
+		last = ri.CertCN
+		mu.Unlock()
+	}})
+	otherCA, err := testserver.NewCA("other-ca")
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := newPool(t)
+	orig := f.srv.RestConfig(f.alice)
+	if err := p.Wrap(orig); err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+
+	for _, tc := range []struct {
+		name    string
+		mutate  func(*rest.Config)
+		wantCN  string
+		wantErr bool
+	}{
+		{"unchanged copy shares", func(*rest.Config) {}, "alice", false},
+		{"client certificate data", func(c *rest.Config) { c.CertData, c.KeyData = f.bob.CertPEM, f.bob.KeyPEM }, "bob", false},
+		{"client certificate files", func(c *rest.Config) {
+			paths := f.kubeconfig(t, "carol", f.carol)
+			c.CertData, c.KeyData, c.CertFile, c.KeyFile = nil, nil, paths.Cert, paths.Key
+		}, "carol", false},
+		// A copy that trusts another CA must not be vouched for by alice's
+		// verified connection: the handshake with its own CA fails.
+		{"CA", func(c *rest.Config) { c.CAData = otherCA.CertPEM() }, "", true},
+		{"server name", func(c *rest.Config) { c.ServerName = "not-the-server.example" }, "", true},
+		{"insecure", func(c *rest.Config) { c.CAData = nil; c.Insecure = true }, "alice", false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			before := p.Stats().PassThrough
+			cp := rest.CopyConfig(orig)
+			tc.mutate(cp)
+			mu.Lock()
+			last = ""
+			mu.Unlock()
+			err := listNodes(ctx, cp)
+			if (err != nil) != tc.wantErr {
+				t.Fatalf("err = %v, want error: %v", err, tc.wantErr)
+			}
+			mu.Lock()
+			got := last
+			mu.Unlock()
+			if !tc.wantErr && got != tc.wantCN {
+				t.Errorf("server saw %q, want %q", got, tc.wantCN)
+			}
+			passed := p.Stats().PassThrough - before
+			if tc.name == "unchanged copy shares" && passed != 0 {
+				t.Errorf("an unchanged copy passed through")
+			}
+			if tc.name != "unchanged copy shares" && passed != 1 {
+				t.Errorf("a changed copy was not passed through (%d)", passed)
+			}
+		})
+	}
+}
+
+type countingRT struct {
+	mu    sync.Mutex
+	n     int
+	next  http.RoundTripper
+	total *countingRT // also counted here, when set
+}
+
+func (c *countingRT) RoundTrip(r *http.Request) (*http.Response, error) {
+	c.inc()
+	if c.total != nil {
+		c.total.inc()
+	}
+	return c.next.RoundTrip(r)
+}
+
+func (c *countingRT) inc() {
+	c.mu.Lock()
+	c.n++
+	c.mu.Unlock()
+}
+
+func (c *countingRT) count() int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.n
+}
+
+func TestHookComposition(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	p := newPool(t)
+	cfg := f.srv.RestConfig(f.alice)
+	beforeSeen, afterSeen := &countingRT{}, &countingRT{}
+	var before, after *countingRT
+	var innerOfAfter http.RoundTripper
+	cfg.WrapTransport = func(rt http.RoundTripper) http.RoundTripper {
+		before = &countingRT{next: rt, total: beforeSeen}
+		return before
+	}
+	if err := p.Wrap(cfg); err != nil {
+		t.Fatal(err)
+	}
+	cfg.Wrap(func(rt http.RoundTripper) http.RoundTripper {
+		innerOfAfter = rt
+		after = &countingRT{next: rt, total: afterSeen}
+		return after
+	})
+	for range 3 {
+		if err := listNodes(context.Background(), cfg); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if beforeSeen.count() != 3 || afterSeen.count() != 3 {
+		t.Errorf("wrappers saw %d and %d requests, want 3 and 3", beforeSeen.count(), afterSeen.count())
+	}
+	if _, ok := before.next.(*lease); !ok {
+		t.Errorf("the wrapper set before Wrap wraps %T, want the pool's round tripper innermost", before.next)
+	}
+	if innerOfAfter != before {
+		t.Errorf("the wrapper added after Wrap does not wrap the earlier one")
+	}
+
+	t.Run("SPDY and other round trippers pass through", func(t *testing.T) {
+		hook := f.srv.RestConfig(f.alice)
+		if err := p.Wrap(hook); err != nil {
+			t.Fatal(err)
+		}
+		tlsConfig, err := rest.TLSConfigFor(hook)
+		if err != nil {
+			t.Fatal(err)
+		}
+		spdyRT, err := spdystream.NewRoundTripper(tlsConfig)
+		if err != nil {
+			t.Fatal(err)
+		}
+		other := &countingRT{next: http.DefaultTransport}
+		for _, rt := range []http.RoundTripper{spdyRT, other, http.DefaultTransport} {
+			if got := hook.WrapTransport(rt); got != rt {
+				t.Errorf("hook replaced %T with %T", rt, got)
+			}
+		}
+		// The real path: spdy.RoundTripperFor runs the config's wrappers.
+		wrapped, upgrader, err := spdy.RoundTripperFor(hook)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if httpTransport(wrapped) != nil || upgrader == nil {
+			t.Errorf("the SPDY round tripper was replaced: %T", wrapped)
+		}
+	})
+
+	t.Run("user Transport and plain configs pass through", func(t *testing.T) {
+		before := p.Stats().PassThrough
+		own := f.srv.RestConfig(nil)
+		own.TLSClientConfig = rest.TLSClientConfig{}
+		own.Transport = &countingRT{next: http.DefaultTransport}
+		plain := &rest.Config{Host: "https://127.0.0.1:1", BearerToken: "x"}
+		for _, c := range []*rest.Config{own, plain} {
+			if err := p.Wrap(c); err != nil {
+				t.Fatal(err)
+			}
+			if c.WrapTransport != nil {
+				t.Errorf("a config the pool cannot share got a hook")
+			}
+		}
+		if got := p.Stats().PassThrough - before; got != 2 {
+			t.Errorf("PassThrough grew by %d, want 2", got)
+		}
+	})
+}
+
+func TestKeepAliveOff(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	p := newPool(t, WithKeepAlive(false))
+	ctx := context.Background()
+	const n = 10
+	for range n {
+		cfg := f.srv.RestConfig(f.alice)
+		if err := p.Wrap(cfg); err != nil {
+			t.Fatal(err)
+		}
+		if err := listNodes(ctx, cfg); err != nil {
+			t.Fatal(err)
+		}
+	}
+	st := f.srv.Stats()
+	if st.Accepted != n {
+		t.Errorf("keep-alive off: %d requests, %d connections, want one each", n, st.Accepted)
+	}
+	if st.Open > 1 {
+		t.Errorf("keep-alive off left %d connections open", st.Open)
+	}
+
+	// client-go's own transport for an unrelated config keeps its connection.
+	f.srv.ResetStats()
+	plain := f.srv.RestConfig(f.bob)
+	cs, err := kubernetes.NewForConfig(plain)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for range n {
+		if _, err := cs.CoreV1().Nodes().List(ctx, metav1.ListOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if st := f.srv.Stats(); st.Accepted != 1 {
+		t.Errorf("client-go's own transport opened %d connections for %d requests, want 1: the pool touched it", st.Accepted, n)
+	}
+	f.srv.CloseClientConnections()
+}
+
+// TestClients: every kind of client-go client works through the pool.
+func TestClients(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	p := newPool(t)
+	kubeconfig := f.kubeconfig(t, "alice", f.alice).Kubeconfig
+	cfg, err := p.BuildConfigFromFlags("", kubeconfig)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+
+	cs, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := cs.CoreV1().Namespaces().List(ctx, metav1.ListOptions{}); err != nil {
+		t.Errorf("typed clientset: %v", err)
+	}
+	dyn, err := dynamic.NewForConfig(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := dyn.Resource(schema.GroupVersionResource{Version: "v1", Resource: "nodes"}).List(ctx, metav1.ListOptions{}); err != nil {
+		t.Errorf("dynamic client: %v", err)
+	}
+	disco, err := discovery.NewDiscoveryClientForConfig(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := disco.ServerVersion(); err != nil {
+		t.Errorf("discovery: %v", err)
+	}
+	httpClient, err := rest.HTTPClientFor(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cs2, err := kubernetes.NewForConfigAndClient(cfg, httpClient)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := cs2.CoreV1().Nodes().List(ctx, metav1.ListOptions{}); err != nil {
+		t.Errorf("NewForConfigAndClient: %v", err)
+	}
+
+	factory := informers.NewSharedInformerFactory(cs, 0)
+	nodes := factory.Core().V1().Nodes().Informer()
+	namespaces := factory.Core().V1().Namespaces().Informer()
+	stop := make(chan struct{})
+	factory.Start(stop)
+	synced := cache.WaitForCacheSync(ctx.Done(), nodes.HasSynced, namespaces.HasSynced)
+	if !synced {
+		t.Error("informers did not sync")
+	}
+	if len(nodes.GetStore().List()) == 0 {
+		t.Error("node informer is empty")
+	}
+	if n, ok := nodes.GetStore().List()[0].(*corev1.Node); !ok || n.Name == "" {
+		t.Errorf("node informer holds %T", nodes.GetStore().List()[0])
+	}
+	close(stop)
+	factory.Shutdown()
+
+	if st := f.srv.Stats(); st.Accepted != 1 {
+		t.Errorf("every client together opened %d connections, want 1", st.Accepted)
+	}
+	if st := p.Stats(); st.Identities != 1 || st.PassThrough != 0 {
+		t.Errorf("pool stats %+v, want one identity and nothing passed through", st)
+	}
+}
+
+// TestLifetime: identities nobody refers to are released; Close closes
+// everything and later use fails clearly.
+func TestLifetime(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	p := newPool(t, WithIdleTimeout(0))
+	ctx := context.Background()
+	const n = 1000
+	func() {
+		for i := range n {
+			cfg := f.srv.RestConfig(nil)
+			// 1,000 identities: distinct server names over one CA-verified
+			// server would fail verification, so vary the inline CA bundle
+			// instead, by appending the same CA i times is not distinct
+			// either; use distinct client certificates for a few and token
+			// variants cannot make identities. Distinct proxies make them.
+			cfg.Proxy = http.ProxyURL(&url.URL{Scheme: "http", Host: fmt.Sprintf("127.0.0.1:%d", 10000+i)})
+			if err := p.Wrap(cfg); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}()
+	if got := p.Stats().Identities; got != n {
+		t.Fatalf("%d identities after wrapping %d distinct configs", got, n)
+	}
+	waitFor(t, "identities released after GC", func() bool {
+		runtime.GC()
+		return p.Stats().Identities == 0
+	})
+
+	// A live config keeps its identity; Close ends it.
+	cfg := f.srv.RestConfig(f.alice)
+	if err := p.Wrap(cfg); err != nil {
+		t.Fatal(err)
+	}
+	if err := listNodes(ctx, cfg); err != nil {
+		t.Fatal(err)
+	}
+	runtime.GC()
+	if got := p.Stats().Identities; got != 1 {
+		t.Errorf("a referenced identity was released: %d identities", got)
+	}
+	built, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := p.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.Close(); err != nil {
+		t.Fatalf("second Close: %v", err)
+	}
+	if _, err := built.CoreV1().Nodes().List(ctx, metav1.ListOptions{}); !errors.Is(err, ErrClosed) {
+		t.Errorf("request through a client built before Close: %v, want ErrClosed", err)
+	}
+	if err := listNodes(ctx, cfg); !errors.Is(err, ErrClosed) {
+		t.Errorf("request through a client built after Close: %v, want ErrClosed", err)
+	}
+	if err := p.Wrap(f.srv.RestConfig(f.bob)); !errors.Is(err, ErrClosed) {
+		t.Errorf("Wrap on a closed pool: %v, want ErrClosed", err)
+	}
+	waitFor(t, "server sees every connection closed", func() bool { return f.srv.Stats().Open == 0 })
+	if st := p.Stats(); st.OpenConns != 0 {
+		t.Errorf("pool counts %d open connections after Close", st.OpenConns)
+	}
+}
+
+func waitFor(t testing.TB, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting: %s", what)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+func TestBadInput(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	p := newPool(t)
+	paths := f.kubeconfig(t, "alice", f.alice)
+	bobPaths := f.kubeconfig(t, "bob", f.bob)
+
+	for _, tc := range []struct {
+		name  string
+		cfg   func() *rest.Config
+		inErr []string
+	}{
+		{"missing certificate file", func() *rest.Config {
+			c := &rest.Config{Host: f.srv.URL()}
+			c.CAFile, c.CertFile, c.KeyFile = paths.CA, filepath.Join(f.dir, "missing.crt"), paths.Key
+			return c
+		}, []string{"missing.crt"}},
+		{"unreadable key file", func() *rest.Config {
+			dir := filepath.Join(f.dir, "unreadable")
+			if err := os.Mkdir(dir, 0o700); err != nil {
+				t.Fatal(err)
+			}
+			c := &rest.Config{Host: f.srv.URL()}
+			// A directory where a file is expected cannot be read as one,
+			// even by root.
+			c.CAFile, c.CertFile, c.KeyFile = paths.CA, paths.Cert, dir
+			return c
+		}, []string{"unreadable"}},
+		{"key of another certificate", func() *rest.Config {
+			c := &rest.Config{Host: f.srv.URL()}
+			c.CAFile, c.CertFile, c.KeyFile = paths.CA, paths.Cert, bobPaths.Key
+			return c
+		}, []string{paths.Cert, bobPaths.Key, "do not form a valid pair"}},
+		{"missing CA file", func() *rest.Config {
+			c := &rest.Config{Host: f.srv.URL()}
+			c.CAFile, c.CertFile, c.KeyFile = filepath.Join(f.dir, "nope-ca.crt"), paths.Cert, paths.Key
+			return c
+		}, []string{"nope-ca.crt"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			err := p.Wrap(tc.cfg())
+			if err == nil {
+				t.Fatal("Wrap succeeded")
+			}
+			for _, s := range tc.inErr {
+				if !strings.Contains(err.Error(), s) {
+					t.Errorf("error %q does not mention %q", err, s)
+				}
+			}
+			if strings.Contains(err.Error(), "PRIVATE KEY") {
+				t.Errorf("error leaks key material: %q", err)
+			}
+		})
+	}
+	if err := p.Wrap(nil); err == nil {
+		t.Error("Wrap(nil) succeeded")
+	}
+}

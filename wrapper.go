@@ -1,0 +1,181 @@
+package sharedtransport
+
+import (
+	"bytes"
+	"crypto/tls"
+	"fmt"
+	"net/http"
+	"net/url"
+
+	utilnet "k8s.io/apimachinery/pkg/util/net"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
+	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
+)
+
+// wrap is the hook Wrap installs as the innermost rest.Config.WrapTransport.
+// client-go calls it with the transport it built for a config: the wrapped
+// config, or a copy of it (rest.CopyConfig copies WrapTransport). The shared
+// transport replaces rt only when rt is a client-go TLS transport for this
+// very identity; anything else (SPDY and websocket round trippers, a
+// user-supplied Transport, a copy whose credentials changed) passes through.
+func (l *lease) wrap(rt http.RoundTripper) http.RoundTripper {
+	if l.e.closed.Load() {
+		return l // fails every request with ErrClosed, rather than silently leaving the pool
+	}
+	if !l.matches(rt) {
+		l.e.pool.stats.passThrough.Add(1)
+		return rt
+	}
+	if l.e.id.host != "" {
+		return &hostRoundTripper{lease: l, other: rt}
+	}
+	return l
+}
+
+// matches reports whether rt, built by client-go, authenticates and routes
+// exactly as the lease's identity does. This is what keeps a copy of a
+// wrapped config that was given other credentials off the original's
+// connections.
+func (l *lease) matches(rt http.RoundTripper) bool {
+	got := httpTransport(rt)
+	if got == nil {
+		return false
+	}
+	want := l.e.current.Load().transport
+	if !sameTLS(got.TLSClientConfig, want.TLSClientConfig) {
+		return false
+	}
+	return sameProxy(got.Proxy, want.Proxy, l.probe)
+}
+
+// httpTransport unwraps rt to the *http.Transport client-go built, or nil.
+// client-go hands WrapTransport its TLS transport wrapped (the cache's
+// garbage-collection and CA-reload holders), so a bare type assertion is not
+// enough.
+func httpTransport(rt http.RoundTripper) *http.Transport {
+	for range 8 {
+		switch t := rt.(type) {
+		case *http.Transport:
+			return t
+		case utilnet.RoundTripperWrapper:
+			rt = t.WrappedRoundTripper()
+		default:
+			return nil
+		}
+	}
+	return nil
+}
+
+func sameTLS(got, want *tls.Config) bool {
+	if got == nil || want == nil {
+		return got == want
+	}
+	if got.ServerName != want.ServerName || got.InsecureSkipVerify != want.InsecureSkipVerify {
+		return false
+	}
+	if (got.RootCAs == nil) != (want.RootCAs == nil) || (got.RootCAs != nil && !got.RootCAs.Equal(want.RootCAs)) {
+		return false
+	}
+	gotLeaf, err1 := clientLeaf(got)
+	wantLeaf, err2 := clientLeaf(want)
+	return err1 == nil && err2 == nil && bytes.Equal(gotLeaf, wantLeaf)
+}
+
+// clientLeaf returns the DER of the client certificate c presents, or nil.
+func clientLeaf(c *tls.Config) ([]byte, error) {
+	var cert *tls.Certificate
+	switch {
+	case c.GetClientCertificate != nil:
+		var err error
+		if cert, err = c.GetClientCertificate(&tls.CertificateRequestInfo{}); err != nil {
+			return nil, err
+		}
+	case len(c.Certificates) > 0:
+		cert = &c.Certificates[0]
+	}
+	if cert == nil || len(cert.Certificate) == 0 {
+		return nil, nil
+	}
+	return cert.Certificate[0], nil
+}
+
+func sameProxy(got, want func(*http.Request) (*url.URL, error), probe *http.Request) bool {
+	if got == nil || want == nil {
+		return (got == nil) == (want == nil)
+	}
+	g, err1 := got(probe)
+	w, err2 := want(probe)
+	return err1 == nil && err2 == nil && urlString(g) == urlString(w)
+}
+
+// RoundTrip sends req through the identity's current transport.
+func (l *lease) RoundTrip(req *http.Request) (*http.Response, error) {
+	if l.e.closed.Load() {
+		return nil, fmt.Errorf("%w: build the client from a config wrapped by an open pool", ErrClosed)
+	}
+	return l.e.current.Load().roundTrip(req)
+}
+
+// WrappedRoundTripper lets client-go helpers (utilnet.CloseIdleConnectionsFor,
+// utilnet.TLSClientConfig) see the shared transport.
+func (l *lease) WrappedRoundTripper() http.RoundTripper { return l.e.current.Load().transport }
+
+var _ utilnet.RoundTripperWrapper = &lease{}
+
+// hostRoundTripper serves identities whose Proxy was sampled for one host:
+// only requests to that host may use the shared transport. Requests to other
+// hosts (a copy of the config pointed elsewhere) go where client-go would
+// send them.
+type hostRoundTripper struct {
+	*lease
+	other http.RoundTripper
+}
+
+func (h *hostRoundTripper) RoundTrip(req *http.Request) (*http.Response, error) {
+	if req.URL.Host != h.e.id.host {
+		return h.other.RoundTrip(req)
+	}
+	return h.lease.RoundTrip(req)
+}
+
+var _ utilnet.RoundTripperWrapper = &hostRoundTripper{}
+
+// WrapConfigFn wraps cfg and returns it, in the shape of cli-runtime's
+// genericclioptions.ConfigFlags.WrapConfigFn. On error it logs, counts
+// [Stats].WrapErrors and returns cfg unchanged, so a CLI keeps working with
+// client-go's own transport.
+func (p *Pool) WrapConfigFn(cfg *rest.Config) *rest.Config {
+	if err := p.Wrap(cfg); err != nil {
+		p.stats.wrapErrors.Add(1)
+		p.opts.logger.Error(err, "Config left unwrapped; it uses client-go's own transport")
+	}
+	return cfg
+}
+
+// WrapClientConfig returns a clientcmd.ClientConfig whose ClientConfig method
+// returns configs wrapped by p: the drop-in for code built on
+// clientcmd.NewNonInteractiveDeferredLoadingClientConfig and friends.
+func (p *Pool) WrapClientConfig(cc clientcmd.ClientConfig) clientcmd.ClientConfig {
+	return &clientConfig{inner: cc, pool: p}
+}
+
+type clientConfig struct {
+	inner clientcmd.ClientConfig
+	pool  *Pool
+}
+
+func (c *clientConfig) ClientConfig() (*rest.Config, error) {
+	cfg, err := c.inner.ClientConfig()
+	if err != nil {
+		return nil, err
+	}
+	if err := c.pool.Wrap(cfg); err != nil {
+		return nil, err
+	}
+	return cfg, nil
+}
+
+func (c *clientConfig) RawConfig() (clientcmdapi.Config, error) { return c.inner.RawConfig() }
+func (c *clientConfig) Namespace() (string, bool, error)        { return c.inner.Namespace() }
+func (c *clientConfig) ConfigAccess() clientcmd.ConfigAccess    { return c.inner.ConfigAccess() }
