@@ -28,7 +28,7 @@ const (
 // timeout.
 type generation struct {
 	transport *http.Transport
-	rt        http.RoundTripper // transport; a benchmark may swap in a no-op
+	rt        http.RoundTripper               // transport; a benchmark may swap in a no-op
 	tracker   *connrotation.ConnectionTracker // every connection this generation dialed
 	material  *material
 	stats     *counters
