@@ -3,6 +3,7 @@ package sharedtransport
 import (
 	"context"
 	"crypto/tls"
+	"crypto/x509"
 	"net"
 	"net/http"
 	"sync"
@@ -32,6 +33,13 @@ type generation struct {
 	tracker   *connrotation.ConnectionTracker // every connection this generation dialed
 	material  *material
 	stats     *counters
+
+	// What the generation authenticates with, for comparing with the
+	// transports client-go hands the hook: the roots it trusts, and the
+	// client certificate it presents (nil when none, or when it comes from
+	// an exec plugin and is asked for at handshake time).
+	roots *x509.CertPool
+	leaf  []byte
 
 	open atomic.Int64 // connections open now
 
@@ -72,6 +80,14 @@ func (p *Pool) newGeneration(e *entry, m *material) (*generation, error) {
 		gated:    p.opts.keepAlive,
 	}
 	if tlsConfig != nil {
+		g.roots = tlsConfig.RootCAs
+		if len(m.certPEM) > 0 {
+			cert, err := tls.X509KeyPair(m.certPEM, m.keyPEM)
+			if err != nil {
+				return nil, err
+			}
+			g.leaf = cert.Certificate[0]
+		}
 		if p.opts.sessionResumption {
 			// One cache per generation: a resumed session carries the client
 			// certificate of the handshake it came from.

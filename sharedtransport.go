@@ -1,8 +1,10 @@
 package sharedtransport
 
 import (
+	"bytes"
 	"context"
 	"crypto/sha256"
+	"crypto/x509"
 	"encoding/binary"
 	"encoding/hex"
 	"errors"
@@ -16,6 +18,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+	"weak"
 
 	"golang.org/x/sync/singleflight"
 	utilnet "k8s.io/apimachinery/pkg/util/net"
@@ -417,8 +420,105 @@ type entry struct {
 	idleTimer *time.Timer
 	watch     *identityWatch // nil unless id.watchesFiles()
 
-	mu       sync.Mutex // guards draining
+	mu       sync.Mutex // guards draining and the past credentials
 	draining map[*generation]*time.Timer
+	// Credentials earlier generations used, for identities with files.
+	// client-go keeps its own copy of file material and refreshes it on its
+	// own schedule (client certificates every 5 minutes, CAs lazily or never
+	// before v0.36), so the transport it hands the hook for an unchanged
+	// config may show material the pool has already rotated away from.
+	pastRoots  []*x509.CertPool
+	pastLeaves [][]byte
+	// client-go transports already found to be this identity's. client-go
+	// hands the same transport again for every config its cache can key,
+	// and asking a transport for its client certificate is not free: for
+	// certificate files it re-reads them and, if they changed, races
+	// client-go's own refresher (client-go's dynamicClientCert returns its
+	// certificate outside its lock). Weak, so the pool keeps none alive.
+	recent     [8]weak.Pointer[http.Transport]
+	recentNext int
+}
+
+// verified reports whether t is a client-go transport already matched to e.
+func (e *entry) verified(t *http.Transport) bool {
+	w := weak.Make(t)
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	for _, r := range e.recent {
+		if r == w {
+			return true
+		}
+	}
+	return false
+}
+
+func (e *entry) remember(t *http.Transport) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	e.recent[e.recentNext] = weak.Make(t)
+	e.recentNext = (e.recentNext + 1) % len(e.recent)
+}
+
+// trustedRoots reports whether roots are what an earlier generation of a
+// file-based CA trusted.
+func (e *entry) trustedRoots(roots *x509.CertPool) bool {
+	if e.id.caFile == "" {
+		return false
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	for _, r := range e.pastRoots {
+		if samePool(roots, r) {
+			return true
+		}
+	}
+	return false
+}
+
+// maxPastCredentials bounds how many rotations back a client-go transport's
+// material is still recognised as this identity's.
+const maxPastCredentials = 8
+
+// trusts reports whether roots and leaf are what g authenticates with or, for
+// material that comes from files, what an earlier generation did.
+func (e *entry) trusts(g *generation, roots *x509.CertPool, leaf []byte) bool {
+	rootsOK := samePool(roots, g.roots)
+	leafOK := bytes.Equal(leaf, g.leaf)
+	if leaf != nil && g.leaf == nil && e.id.getCert != nil {
+		// The exec plugin's certificate: ask the holder, as a handshake would.
+		if cert, err := e.id.getCert.GetCert(); err == nil && cert != nil && len(cert.Certificate) > 0 {
+			leafOK = bytes.Equal(leaf, cert.Certificate[0])
+		}
+	}
+	if rootsOK && leafOK {
+		return true
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if !rootsOK && e.id.caFile != "" {
+		for _, r := range e.pastRoots {
+			if samePool(roots, r) {
+				rootsOK = true
+				break
+			}
+		}
+	}
+	if !leafOK && e.id.certFile != "" {
+		for _, l := range e.pastLeaves {
+			if bytes.Equal(leaf, l) {
+				leafOK = true
+				break
+			}
+		}
+	}
+	return rootsOK && leafOK
+}
+
+func samePool(a, b *x509.CertPool) bool {
+	if a == nil || b == nil {
+		return a == b
+	}
+	return a.Equal(b)
 }
 
 // acquire returns a lease on id's entry, building the entry on first use.
@@ -540,6 +640,12 @@ func (e *entry) rotate(g *generation, drain time.Duration) bool {
 		return false
 	}
 	old := e.current.Swap(g)
+	if e.id.caFile != "" {
+		e.pastRoots = appendBounded(e.pastRoots, old.roots)
+	}
+	if e.id.certFile != "" {
+		e.pastLeaves = appendBounded(e.pastLeaves, old.leaf)
+	}
 	if e.draining == nil {
 		e.draining = map[*generation]*time.Timer{}
 	}
@@ -552,6 +658,13 @@ func (e *entry) rotate(g *generation, drain time.Duration) bool {
 	e.mu.Unlock()
 	old.transport.CloseIdleConnections()
 	return true
+}
+
+func appendBounded[T any](s []T, v T) []T {
+	if len(s) == maxPastCredentials {
+		s = append(s[:0], s[1:]...)
+	}
+	return append(s, v)
 }
 
 // close stops e's watches and closes every connection it holds, draining

@@ -1,7 +1,6 @@
 package sharedtransport
 
 import (
-	"bytes"
 	"crypto/tls"
 	"fmt"
 	"net/http"
@@ -42,11 +41,32 @@ func (l *lease) matches(rt http.RoundTripper) bool {
 	if got == nil {
 		return false
 	}
-	want := l.e.current.Load().transport
-	if !sameTLS(got.TLSClientConfig, want.TLSClientConfig) {
+	if l.e.verified(got) {
+		return true
+	}
+	g := l.e.current.Load()
+	gotTLS, wantTLS := got.TLSClientConfig, g.transport.TLSClientConfig
+	if gotTLS == nil || wantTLS == nil {
+		if gotTLS != wantTLS {
+			return false
+		}
+	} else {
+		if gotTLS.ServerName != wantTLS.ServerName || gotTLS.InsecureSkipVerify != wantTLS.InsecureSkipVerify {
+			return false
+		}
+		if !samePool(gotTLS.RootCAs, g.roots) && !l.e.trustedRoots(gotTLS.RootCAs) {
+			return false
+		}
+		leaf, err := clientLeaf(gotTLS)
+		if err != nil || !l.e.trusts(g, gotTLS.RootCAs, leaf) {
+			return false
+		}
+	}
+	if !sameProxy(got.Proxy, g.transport.Proxy, l.probe) {
 		return false
 	}
-	return sameProxy(got.Proxy, want.Proxy, l.probe)
+	l.e.remember(got)
+	return true
 }
 
 // httpTransport unwraps rt to the *http.Transport client-go built, or nil.
@@ -65,21 +85,6 @@ func httpTransport(rt http.RoundTripper) *http.Transport {
 		}
 	}
 	return nil
-}
-
-func sameTLS(got, want *tls.Config) bool {
-	if got == nil || want == nil {
-		return got == want
-	}
-	if got.ServerName != want.ServerName || got.InsecureSkipVerify != want.InsecureSkipVerify {
-		return false
-	}
-	if (got.RootCAs == nil) != (want.RootCAs == nil) || (got.RootCAs != nil && !got.RootCAs.Equal(want.RootCAs)) {
-		return false
-	}
-	gotLeaf, err1 := clientLeaf(got)
-	wantLeaf, err2 := clientLeaf(want)
-	return err1 == nil && err2 == nil && bytes.Equal(gotLeaf, wantLeaf)
 }
 
 // clientLeaf returns the DER of the client certificate c presents, or nil.

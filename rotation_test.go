@@ -1,0 +1,606 @@
+package sharedtransport
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"runtime"
+	"sort"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/watch"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+
+	"github.com/sharedtransport/sharedtransport/internal/testserver"
+)
+
+// certDir holds a client certificate, key and CA as files, written the way
+// one of the real writers writes them.
+type certDir struct {
+	dir           string
+	cert, key, ca string // the paths a kubeconfig names
+	layout        string
+	generation    int
+}
+
+const (
+	inPlace      = "in-place rewrite"
+	renameOver   = "temp file renamed over"
+	secretVolume = "secret volume ..data swap"
+	deleteCreate = "delete, then create later"
+	certThenKey  = "cert written before key"
+)
+
+func newCertDir(t testing.TB, layout string, kp *testserver.KeyPair, ca []byte) *certDir {
+	t.Helper()
+	d := &certDir{dir: t.TempDir(), layout: layout}
+	if layout == secretVolume {
+		d.cert = filepath.Join(d.dir, "tls.crt")
+		d.key = filepath.Join(d.dir, "tls.key")
+		d.ca = filepath.Join(d.dir, "ca.crt")
+		for _, name := range []string{"tls.crt", "tls.key", "ca.crt"} {
+			if err := os.Symlink(filepath.Join("..data", name), filepath.Join(d.dir, name)); err != nil {
+				t.Fatal(err)
+			}
+		}
+	} else {
+		d.cert = filepath.Join(d.dir, "client.crt")
+		d.key = filepath.Join(d.dir, "client.key")
+		d.ca = filepath.Join(d.dir, "ca.crt")
+	}
+	d.write(t, kp, ca)
+	return d
+}
+
+func (d *certDir) config(host string) *rest.Config {
+	c := &rest.Config{Host: host}
+	c.CertFile, c.KeyFile, c.CAFile = d.cert, d.key, d.ca
+	return c
+}
+
+// write replaces the files' content with kp and ca, as d's layout does it.
+func (d *certDir) write(t testing.TB, kp *testserver.KeyPair, ca []byte) {
+	t.Helper()
+	d.generation++
+	must := func(err error) {
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	switch d.layout {
+	case secretVolume:
+		// kubelet's AtomicWriter: a timestamped directory, a new ..data
+		// symlink renamed over the old one, the old directory removed.
+		ts := fmt.Sprintf("..2026_12_02_18_00_%02d.%d", d.generation, time.Now().UnixNano())
+		must(os.Mkdir(filepath.Join(d.dir, ts), 0o755))
+		must(os.WriteFile(filepath.Join(d.dir, ts, "tls.crt"), kp.CertPEM, 0o644))
+		must(os.WriteFile(filepath.Join(d.dir, ts, "tls.key"), kp.KeyPEM, 0o600))
+		must(os.WriteFile(filepath.Join(d.dir, ts, "ca.crt"), ca, 0o644))
+		old, _ := os.Readlink(filepath.Join(d.dir, "..data"))
+		must(os.Symlink(ts, filepath.Join(d.dir, "..data_tmp")))
+		must(os.Rename(filepath.Join(d.dir, "..data_tmp"), filepath.Join(d.dir, "..data")))
+		if old != "" {
+			must(os.RemoveAll(filepath.Join(d.dir, old)))
+		}
+	case renameOver:
+		for path, data := range map[string][]byte{d.cert: kp.CertPEM, d.key: kp.KeyPEM, d.ca: ca} {
+			tmp := path + ".tmp"
+			must(os.WriteFile(tmp, data, 0o600))
+			must(os.Rename(tmp, path))
+		}
+	case deleteCreate:
+		if d.generation > 1 {
+			for _, path := range []string{d.cert, d.key} {
+				must(os.Remove(path))
+			}
+			time.Sleep(time.Second) // the files are missing meanwhile
+		}
+		must(os.WriteFile(d.ca, ca, 0o644))
+		must(os.WriteFile(d.cert, kp.CertPEM, 0o644))
+		must(os.WriteFile(d.key, kp.KeyPEM, 0o600))
+	case certThenKey:
+		must(os.WriteFile(d.ca, ca, 0o644))
+		must(os.WriteFile(d.cert, kp.CertPEM, 0o644))
+		if d.generation > 1 {
+			time.Sleep(500 * time.Millisecond) // torn pair, longer than the debounce
+		}
+		must(os.WriteFile(d.key, kp.KeyPEM, 0o600))
+	default: // inPlace: truncate, then write in several pieces
+		for path, data := range map[string][]byte{d.ca: ca, d.cert: kp.CertPEM, d.key: kp.KeyPEM} {
+			f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o600)
+			must(err)
+			half := len(data) / 2
+			_, err = f.Write(data[:half])
+			must(err)
+			must(f.Sync())
+			time.Sleep(5 * time.Millisecond)
+			_, err = f.Write(data[half:])
+			must(err)
+			must(f.Close())
+		}
+	}
+}
+
+// cnRecorder keeps the certificate CN of every request the server saw.
+type cnRecorder struct {
+	mu   sync.Mutex
+	seen []cnAt
+}
+
+type cnAt struct {
+	cn string
+	at time.Time
+}
+
+func (r *cnRecorder) record(ri testserver.RequestInfo) {
+	r.mu.Lock()
+	r.seen = append(r.seen, cnAt{ri.CertCN, time.Now()})
+	r.mu.Unlock()
+}
+
+// firstSince returns when the server first saw cn at or after t.
+func (r *cnRecorder) firstSince(cn string, t time.Time) (time.Time, bool) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for _, s := range r.seen {
+		if s.cn == cn && !s.at.Before(t) {
+			return s.at, true
+		}
+	}
+	return time.Time{}, false
+}
+
+func (r *cnRecorder) cns() map[string]int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	m := map[string]int{}
+	for _, s := range r.seen {
+		m[s.cn]++
+	}
+	return m
+}
+
+// requestLoop lists nodes through one clientset at about rate per second
+// until stop is closed; it returns the number of requests and failures.
+func requestLoop(cs kubernetes.Interface, rate int, stop <-chan struct{}) (reqs, fails *atomic.Int64, done <-chan struct{}) {
+	reqs, fails = &atomic.Int64{}, &atomic.Int64{}
+	finished := make(chan struct{})
+	go func() {
+		defer close(finished)
+		tick := time.NewTicker(time.Second / time.Duration(rate))
+		defer tick.Stop()
+		for {
+			select {
+			case <-stop:
+				return
+			case <-tick.C:
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			_, err := cs.CoreV1().Nodes().List(ctx, metav1.ListOptions{})
+			cancel()
+			reqs.Add(1)
+			if err != nil {
+				fails.Add(1)
+			}
+		}
+	}()
+	return reqs, fails, finished
+}
+
+func TestRotationKinds(t *testing.T) {
+	rec := &cnRecorder{}
+	f := newFixture(t, testserver.Options{OnRequest: rec.record})
+	dave, err := f.ca.IssueClient("dave")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, layout := range []string{inPlace, renameOver, secretVolume, deleteCreate, certThenKey} {
+		t.Run(layout, func(t *testing.T) {
+			p := newPool(t, WithPollInterval(0), WithDrainTimeout(time.Second))
+			d := newCertDir(t, layout, f.alice, f.ca.CertPEM())
+			cfg := d.config(f.srv.URL())
+			if err := p.Wrap(cfg); err != nil {
+				t.Fatal(err)
+			}
+			cs, err := kubernetes.NewForConfig(cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			stop := make(chan struct{})
+			reqs, fails, done := requestLoop(cs, 50, stop)
+
+			time.Sleep(200 * time.Millisecond)
+			d.write(t, dave, f.ca.CertPEM())
+			written := time.Now()
+			waitFor(t, "the server sees the new certificate", func() bool {
+				_, ok := rec.firstSince("dave", written)
+				return ok
+			})
+			time.Sleep(100 * time.Millisecond)
+			close(stop)
+			<-done
+			at, _ := rec.firstSince("dave", written)
+			t.Logf("%s: new certificate on the server %v after the write; %d requests, %d failed; %+v",
+				layout, at.Sub(written).Round(time.Millisecond), reqs.Load(), fails.Load(), p.Stats())
+			if fails.Load() != 0 {
+				t.Errorf("%d of %d requests failed during the rotation", fails.Load(), reqs.Load())
+			}
+			if st := p.Stats(); st.Rotations != 1 {
+				t.Errorf("Rotations = %d, want 1", st.Rotations)
+			}
+			// The same cfg, with no new rest.Config, now presents dave.
+			if err := listNodes(context.Background(), cfg); err != nil {
+				t.Fatal(err)
+			}
+		})
+	}
+	// The server saw only whole, valid certificates: a torn pair would have
+	// failed the handshake, so every request above came from alice or dave.
+	for cn := range rec.cns() {
+		if cn != "alice" && cn != "dave" {
+			t.Errorf("server saw certificate %q", cn)
+		}
+	}
+}
+
+func TestRotationRejectsBadMaterial(t *testing.T) {
+	rec := &cnRecorder{}
+	f := newFixture(t, testserver.Options{OnRequest: rec.record})
+	dave, err := f.ca.IssueClient("dave")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ca := f.ca.CertPEM()
+	for _, tc := range []struct {
+		name  string
+		write func(d *certDir) error
+	}{
+		{"truncated CA bundle", func(d *certDir) error {
+			bundle := append(append([]byte{}, ca...), ca[:len(ca)/2]...)
+			return os.WriteFile(d.ca, bundle, 0o644)
+		}},
+		{"empty CA file", func(d *certDir) error { return os.WriteFile(d.ca, nil, 0o644) }},
+		{"empty certificate", func(d *certDir) error { return os.WriteFile(d.cert, nil, 0o644) }},
+		{"key of another certificate", func(d *certDir) error { return os.WriteFile(d.key, dave.KeyPEM, 0o600) }},
+		{"half a certificate", func(d *certDir) error { return os.WriteFile(d.cert, dave.CertPEM[:len(dave.CertPEM)/2], 0o644) }},
+		{"key where the CA belongs", func(d *certDir) error { return os.WriteFile(d.ca, f.alice.KeyPEM, 0o644) }},
+		{"certificate deleted", func(d *certDir) error { return os.Remove(d.cert) }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			p := newPool(t, WithPollInterval(0))
+			d := newCertDir(t, inPlace, f.alice, ca)
+			cfg := d.config(f.srv.URL())
+			if err := p.Wrap(cfg); err != nil {
+				t.Fatal(err)
+			}
+			// A client built before the bad write. (A client built after it
+			// fails in client-go itself, which reads the files too.)
+			cs, err := kubernetes.NewForConfig(cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if _, err := cs.CoreV1().Nodes().List(context.Background(), metav1.ListOptions{}); err != nil {
+				t.Fatal(err)
+			}
+			if err := tc.write(d); err != nil {
+				t.Fatal(err)
+			}
+			waitFor(t, "the bad write is rejected", func() bool { return p.Stats().RotationErrors > 0 })
+			// The last good material is kept: new connections still work.
+			f.srv.CloseClientConnections()
+			written := time.Now()
+			if _, err := cs.CoreV1().Nodes().List(context.Background(), metav1.ListOptions{}); err != nil {
+				t.Fatalf("a rejected reload failed a request: %v", err)
+			}
+			if _, ok := rec.firstSince("alice", written); !ok {
+				t.Error("the server did not see the last good certificate")
+			}
+			if st := p.Stats(); st.Rotations != 0 {
+				t.Errorf("bad material was taken into use: %+v", st)
+			}
+		})
+	}
+}
+
+// TestRotationConverges: 100 writes within a second end in the final content.
+func TestRotationConverges(t *testing.T) {
+	rec := &cnRecorder{}
+	f := newFixture(t, testserver.Options{OnRequest: rec.record})
+	var pairs []*testserver.KeyPair
+	for i := range 5 {
+		kp, err := f.ca.IssueClient(fmt.Sprintf("user-%d", i))
+		if err != nil {
+			t.Fatal(err)
+		}
+		pairs = append(pairs, kp)
+	}
+	p := newPool(t, WithPollInterval(0))
+	d := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
+	cfg := d.config(f.srv.URL())
+	if err := p.Wrap(cfg); err != nil {
+		t.Fatal(err)
+	}
+	for i := range 100 {
+		d.write(t, pairs[i%len(pairs)], f.ca.CertPEM())
+		time.Sleep(8 * time.Millisecond)
+	}
+	final := pairs[99%len(pairs)]
+	written := time.Now()
+	waitFor(t, "the final certificate is used", func() bool {
+		f.srv.CloseClientConnections()
+		if err := listNodes(context.Background(), cfg); err != nil {
+			t.Fatal(err)
+		}
+		_, ok := rec.firstSince(final.Cert.Subject.CommonName, written)
+		return ok
+	})
+	t.Logf("100 writes in ~1s: %+v", p.Stats())
+}
+
+// TestRotationByPollOnly: with fsnotify off, the poll alone finds a change.
+func TestRotationByPollOnly(t *testing.T) {
+	rec := &cnRecorder{}
+	f := newFixture(t, testserver.Options{OnRequest: rec.record})
+	dave, err := f.ca.IssueClient("dave")
+	if err != nil {
+		t.Fatal(err)
+	}
+	const poll = 300 * time.Millisecond
+	p := newPool(t, WithPollInterval(poll), func(o *options) { o.disableNotify = true })
+	d := newCertDir(t, secretVolume, f.alice, f.ca.CertPEM())
+	cfg := d.config(f.srv.URL())
+	if err := p.Wrap(cfg); err != nil {
+		t.Fatal(err)
+	}
+	d.write(t, dave, f.ca.CertPEM())
+	waitFor(t, "the poll finds the change", func() bool { return p.Stats().Rotations == 1 })
+	written := time.Now()
+	if err := listNodes(context.Background(), cfg); err != nil {
+		t.Fatal(err)
+	}
+	if _, ok := rec.firstSince("dave", written); !ok {
+		t.Error("the server did not see the new certificate")
+	}
+}
+
+// TestRotationSharedWatch: identities with files in one directory share one
+// watch, and the directory is unwatched when the last of them goes.
+func TestRotationSharedWatch(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	p := newPool(t, WithIdleTimeout(0))
+	dir := t.TempDir()
+	write := func(name string, data []byte) string {
+		path := filepath.Join(dir, name)
+		if err := os.WriteFile(path, data, 0o600); err != nil {
+			t.Fatal(err)
+		}
+		return path
+	}
+	ca := write("ca.crt", f.ca.CertPEM())
+	alice := &rest.Config{Host: f.srv.URL()}
+	alice.CAFile, alice.CertFile, alice.KeyFile = ca, write("alice.crt", f.alice.CertPEM), write("alice.key", f.alice.KeyPEM)
+	bob := &rest.Config{Host: f.srv.URL()}
+	bob.CAFile, bob.CertFile, bob.KeyFile = ca, write("bob.crt", f.bob.CertPEM), write("bob.key", f.bob.KeyPEM)
+	for _, c := range []*rest.Config{alice, bob} {
+		if err := p.Wrap(c); err != nil {
+			t.Fatal(err)
+		}
+	}
+	w := p.watcher
+	if got := w.notify.WatchList(); len(got) != 1 || got[0] != dir {
+		t.Errorf("fsnotify watches %v, want only %s", got, dir)
+	}
+	w.mu.Lock()
+	refs := w.dirs[dir]
+	w.mu.Unlock()
+	if refs != 2 {
+		t.Errorf("directory used by %d identities, want 2", refs)
+	}
+	alice, bob = nil, nil
+	waitFor(t, "both identities released", func() bool {
+		runtime_GC()
+		return p.Stats().Identities == 0
+	})
+	if got := w.notify.WatchList(); len(got) != 0 {
+		t.Errorf("fsnotify still watches %v after every identity was released", got)
+	}
+}
+
+// TestRotationDrain: a watch running when the certificate changes keeps
+// running on the old connection until the drain timeout, then ends; idle
+// connections of the old material close at once.
+func TestRotationDrain(t *testing.T) {
+	rec := &cnRecorder{}
+	f := newFixture(t, testserver.Options{OnRequest: rec.record})
+	dave, err := f.ca.IssueClient("dave")
+	if err != nil {
+		t.Fatal(err)
+	}
+	const drain = 2 * time.Second
+	p := newPool(t, WithPollInterval(0), WithDrainTimeout(drain))
+	d := newCertDir(t, secretVolume, f.alice, f.ca.CertPEM())
+	cfg := d.config(f.srv.URL())
+	if err := p.Wrap(cfg); err != nil {
+		t.Fatal(err)
+	}
+	cs, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w, err := cs.CoreV1().Nodes().Watch(context.Background(), metav1.ListOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer w.Stop()
+	ended := make(chan time.Time, 1)
+	go func() {
+		for range w.ResultChan() {
+		}
+		ended <- time.Now()
+	}()
+
+	d.write(t, dave, f.ca.CertPEM())
+	rotated := time.Now()
+	waitFor(t, "rotation", func() bool { return p.Stats().Rotations == 1 })
+	if err := listNodes(context.Background(), cfg); err != nil {
+		t.Fatal(err)
+	}
+	if _, ok := rec.firstSince("dave", rotated); !ok {
+		t.Error("a new request did not use the new certificate")
+	}
+	select {
+	case at := <-ended:
+		t.Fatalf("the watch ended %v after the rotation, before the drain timeout", at.Sub(rotated))
+	case <-time.After(drain / 2):
+	}
+	select {
+	case at := <-ended:
+		t.Logf("the watch ended %v after the rotation (drain timeout %v)", at.Sub(rotated).Round(time.Millisecond), drain)
+	case <-time.After(drain + 10*time.Second):
+		t.Fatal("the watch outlived the drain timeout")
+	}
+	_ = watch.Added
+}
+
+// TestRotationCA: a CA appended to the bundle (overlap), then the server
+// moves to a certificate from the new CA; and a CA replaced outright after
+// the server moved.
+func TestRotationCA(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	newCA, err := testserver.NewCA("new-ca")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, overlap := range []bool{true, false} {
+		t.Run(fmt.Sprintf("overlap=%v", overlap), func(t *testing.T) {
+			srv, err := testserver.Start(testserver.Options{CA: f.ca})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer func() { srv.Close() }()
+			p := newPool(t, WithPollInterval(0))
+			d := newCertDir(t, secretVolume, f.alice, f.ca.CertPEM())
+			cfg := d.config(srv.URL())
+			if err := p.Wrap(cfg); err != nil {
+				t.Fatal(err)
+			}
+			if err := listNodes(context.Background(), cfg); err != nil {
+				t.Fatal(err)
+			}
+			if overlap {
+				d.write(t, f.alice, append(f.ca.CertPEM(), newCA.CertPEM()...))
+				waitFor(t, "bundle reloaded", func() bool { return p.Stats().Rotations == 1 })
+			}
+			// The server moves to a serving certificate from the new CA,
+			// on the same address, still trusting the old CA for clients.
+			addr := srv.Addr()
+			serving, err := newCA.IssueServer()
+			if err != nil {
+				t.Fatal(err)
+			}
+			srv.Close()
+			srv, err = testserver.Start(testserver.Options{Addr: addr, CA: newCA, ServerCert: serving, ClientCAs: f.ca.Pool()})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if overlap {
+				if err := listNodes(context.Background(), cfg); err != nil {
+					t.Fatalf("with both CAs in the bundle: %v", err)
+				}
+				return
+			}
+			if err := listNodes(context.Background(), cfg); err == nil {
+				t.Fatal("the old CA verified the new server")
+			}
+			d.write(t, f.alice, newCA.CertPEM())
+			waitFor(t, "requests recover once the CA file is updated", func() bool {
+				return listNodes(context.Background(), cfg) == nil
+			})
+		})
+	}
+}
+
+// TestRotationUnderLoad: at 50+ requests per second through one client, 10
+// rotations lose no request, and each new certificate reaches the server.
+func TestRotationUnderLoad(t *testing.T) {
+	rec := &cnRecorder{}
+	f := newFixture(t, testserver.Options{OnRequest: rec.record})
+	p := newPool(t, WithPollInterval(0), WithDrainTimeout(time.Second))
+	d := newCertDir(t, secretVolume, f.alice, f.ca.CertPEM())
+	cfg := d.config(f.srv.URL())
+	if err := p.Wrap(cfg); err != nil {
+		t.Fatal(err)
+	}
+	cs, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	stop := make(chan struct{})
+	reqs, fails, done := requestLoop(cs, 60, stop)
+	var latencies []time.Duration
+	for i := range 10 {
+		cn := fmt.Sprintf("rotated-%d", i)
+		kp, err := f.ca.IssueClient(cn)
+		if err != nil {
+			t.Fatal(err)
+		}
+		d.write(t, kp, f.ca.CertPEM())
+		written := time.Now()
+		waitFor(t, "the server sees "+cn, func() bool {
+			_, ok := rec.firstSince(cn, written)
+			return ok
+		})
+		at, _ := rec.firstSince(cn, written)
+		latencies = append(latencies, at.Sub(written))
+	}
+	close(stop)
+	<-done
+	sort.Slice(latencies, func(i, j int) bool { return latencies[i] < latencies[j] })
+	t.Logf("%d requests, %d failed, 10 rotations; write-to-server latency median %v, worst %v",
+		reqs.Load(), fails.Load(), latencies[5].Round(time.Millisecond), latencies[9].Round(time.Millisecond))
+	if fails.Load() != 0 {
+		t.Errorf("%d of %d requests failed", fails.Load(), reqs.Load())
+	}
+	if st := p.Stats(); st.Rotations != 10 {
+		t.Errorf("Rotations = %d, want 10", st.Rotations)
+	}
+}
+
+// TestRotationCloseReleasesEverything: after Close no goroutine (goleak in
+// TestMain) and no file descriptor of the pool remains.
+func TestRotationCloseReleasesEverything(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	before := openFDs(t)
+	p := New(WithPollInterval(time.Second))
+	for i := range 5 {
+		d := newCertDir(t, secretVolume, f.alice, f.ca.CertPEM())
+		cfg := d.config(f.srv.URL())
+		cfg.UserAgent = fmt.Sprint(i)
+		if err := p.Wrap(cfg); err != nil {
+			t.Fatal(err)
+		}
+		if err := listNodes(context.Background(), cfg); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := p.Close(); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "file descriptors back to the baseline", func() bool { return openFDs(t) <= before })
+}
+
+func openFDs(t testing.TB) int {
+	entries, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return len(entries)
+}
+
+var runtime_GC = runtime.GC
