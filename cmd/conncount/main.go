@@ -1,0 +1,209 @@
+// Command conncount shows, side by side, how many TCP connections and TLS
+// handshakes a Kubernetes client makes under the load of Karmada issue 5574:
+// many workers, every request through a fresh rest.Config and clientset.
+//
+// With no flags it starts an embedded API server (internal/testserver, in a
+// child process so that the CPU time reported is the client's alone) and
+// counts connections on the server side. With --kubeconfig it runs the same
+// read-only load against a real cluster and counts connections from the
+// kernel's socket tables.
+//
+//	go run ./cmd/conncount
+//	go run ./cmd/conncount --workers 20 --requests 5 --json
+//	go run ./cmd/conncount --svg conns.svg
+//	go run ./cmd/conncount --kubeconfig ~/.kube/config --resource namespaces
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"runtime/pprof"
+	"strings"
+	"syscall"
+	"time"
+)
+
+type options struct {
+	kubeconfig      string
+	workers         int
+	requests        int
+	modes           []string
+	duration        time.Duration
+	resource        string
+	json            bool
+	svg             string
+	inProcess       bool
+	maxConnsPerHost int
+	settle          time.Duration
+	timeout         time.Duration
+	sample          time.Duration
+	progress        bool
+	cpuProfile      string
+}
+
+// errUsage marks errors in the command line (exit status 2).
+var errUsage = errors.New("usage")
+
+func parseFlags(args []string, stderr io.Writer) (*options, error) {
+	o := &options{}
+	fs := flag.NewFlagSet("conncount", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	var modes string
+	fs.StringVar(&o.kubeconfig, "kubeconfig", "", "run against the cluster of this kubeconfig (read-only: list --resource) instead of the embedded server")
+	fs.IntVar(&o.workers, "workers", 100, "concurrent workers")
+	fs.IntVar(&o.requests, "requests", 50, "requests per worker, each through a fresh rest.Config and clientset")
+	fs.StringVar(&modes, "modes", strings.Join(defaultModes, ","), "comma-separated modes to run, in order; known: "+strings.Join(modeNames(), ", "))
+	fs.DurationVar(&o.duration, "duration", 0, "stop a mode after this long even if requests are left (0: no limit)")
+	fs.StringVar(&o.resource, "resource", "nodes", "what each request lists: nodes or namespaces")
+	fs.BoolVar(&o.json, "json", false, "print the results as JSON instead of a table")
+	fs.StringVar(&o.svg, "svg", "", "write a chart of open connections over time per mode to this SVG file")
+	fs.BoolVar(&o.inProcess, "embedded-in-process", false, "run the embedded server inside this process (CPU seconds then include the server's)")
+	fs.IntVar(&o.maxConnsPerHost, "max-conns-per-host", 0, "sharedtransport modes: WithMaxConnsPerHost (0: the library's default)")
+	fs.DurationVar(&o.settle, "settle", 10*time.Second, "how long to wait between modes for the previous mode's connections to close")
+	fs.DurationVar(&o.timeout, "timeout", 30*time.Second, "timeout of one request")
+	fs.DurationVar(&o.sample, "sample", 20*time.Millisecond, "how often open connections are sampled for --svg and the peak (real clusters: at least 50ms)")
+	fs.BoolVar(&o.progress, "progress", true, "show progress on stderr while a mode runs")
+	fs.StringVar(&o.cpuProfile, "cpuprofile", "", "write a CPU profile of the whole run (client side) to this file")
+	fs.Usage = func() {
+		fmt.Fprintf(fs.Output(), "Usage: conncount [flags]\n\nRuns the seed's load (workers x requests, a fresh rest.Config and clientset per request)\nin several modes and counts connections and TLS handshakes. Modes:\n")
+		for _, m := range allModes {
+			fmt.Fprintf(fs.Output(), "  %-30s %s\n", m.name, m.desc)
+		}
+		fmt.Fprintf(fs.Output(), "\nFlags:\n")
+		fs.PrintDefaults()
+	}
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return nil, err
+		}
+		return nil, fmt.Errorf("%w: %v", errUsage, err)
+	}
+	if fs.NArg() > 0 {
+		return nil, fmt.Errorf("%w: unexpected argument %q", errUsage, fs.Arg(0))
+	}
+	if o.workers < 1 || o.requests < 1 {
+		return nil, fmt.Errorf("%w: --workers and --requests must be at least 1", errUsage)
+	}
+	switch o.resource {
+	case "nodes", "namespaces":
+	default:
+		return nil, fmt.Errorf("%w: --resource must be nodes or namespaces, not %q", errUsage, o.resource)
+	}
+	for _, name := range strings.Split(modes, ",") {
+		name = strings.TrimSpace(name)
+		if name == "" {
+			continue
+		}
+		if findMode(name) == nil {
+			return nil, fmt.Errorf("%w: unknown mode %q (known: %s)", errUsage, name, strings.Join(modeNames(), ", "))
+		}
+		o.modes = append(o.modes, name)
+	}
+	if len(o.modes) == 0 {
+		return nil, fmt.Errorf("%w: --modes is empty", errUsage)
+	}
+	if o.sample <= 0 {
+		o.sample = 20 * time.Millisecond
+	}
+	if o.kubeconfig != "" && o.sample < 50*time.Millisecond {
+		o.sample = 50 * time.Millisecond
+	}
+	return o, nil
+}
+
+func main() {
+	if dir := os.Getenv(envEmbedded); dir != "" {
+		os.Exit(serveEmbedded(dir, os.Stdin, os.Stdout))
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	err := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
+	switch {
+	case err == nil:
+	case errors.Is(err, flag.ErrHelp):
+		os.Exit(0)
+	case errors.Is(err, errUsage):
+		fmt.Fprintf(os.Stderr, "conncount: %v\n", strings.TrimPrefix(err.Error(), "usage: "))
+		os.Exit(2)
+	default:
+		fmt.Fprintf(os.Stderr, "conncount: %v\n", err)
+		os.Exit(1)
+	}
+}
+
+// run is the whole command; main and the tests call it.
+func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	o, err := parseFlags(args, stderr)
+	if err != nil {
+		return err
+	}
+	var t target
+	if o.kubeconfig != "" {
+		t, err = newClusterTarget(o.kubeconfig)
+	} else if o.inProcess {
+		t, err = newInProcessTarget()
+	} else {
+		t, err = newChildTarget(ctx)
+	}
+	if err != nil {
+		return err
+	}
+	defer t.Close()
+	if err := preflight(ctx, t.Config(), o.resource); err != nil {
+		return err
+	}
+	if o.cpuProfile != "" {
+		f, err := os.Create(o.cpuProfile)
+		if err != nil {
+			return err
+		}
+		defer f.Close()
+		if err := pprof.StartCPUProfile(f); err != nil {
+			return err
+		}
+		defer pprof.StopCPUProfile()
+	}
+	rep := &report{
+		Target:   t.Describe(),
+		Sources:  t.Sources(),
+		Workers:  o.workers,
+		Requests: o.requests,
+		Resource: o.resource,
+		Started:  time.Now().UTC().Format(time.RFC3339),
+	}
+	var progress io.Writer
+	if o.progress {
+		progress = stderr
+	}
+	for i, name := range o.modes {
+		if i > 0 {
+			if err := t.Settle(ctx, o.settle); err != nil {
+				fmt.Fprintf(stderr, "conncount: %v\n", err)
+			}
+		}
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+		res, err := runMode(ctx, o, t, findMode(name), progress)
+		if err != nil {
+			return fmt.Errorf("mode %s: %w", name, err)
+		}
+		rep.Modes = append(rep.Modes, res)
+	}
+	rep.computeRatios()
+	if o.svg != "" {
+		if err := os.WriteFile(o.svg, []byte(rep.svg()), 0o644); err != nil {
+			return fmt.Errorf("write --svg: %w", err)
+		}
+	}
+	if o.json {
+		return rep.writeJSON(stdout)
+	}
+	rep.writeTable(stdout)
+	return nil
+}

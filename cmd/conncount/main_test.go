@@ -1,0 +1,268 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"encoding/xml"
+	"errors"
+	"io"
+	"net"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/sharedtransport/sharedtransport/internal/testserver"
+)
+
+func TestMain(m *testing.M) {
+	// newChildTarget runs this executable again as the embedded server.
+	if dir := os.Getenv(envEmbedded); dir != "" {
+		os.Exit(serveEmbedded(dir, os.Stdin, os.Stdout))
+	}
+	os.Exit(m.Run())
+}
+
+func runJSON(t *testing.T, args ...string) *report {
+	t.Helper()
+	var out, errb bytes.Buffer
+	args = append([]string{"--json", "--progress=false"}, args...)
+	if err := run(context.Background(), args, &out, &errb); err != nil {
+		t.Fatalf("run %v: %v\nstderr:\n%s", args, err, errb.String())
+	}
+	var rep report
+	if err := json.Unmarshal(out.Bytes(), &rep); err != nil {
+		t.Fatalf("bad JSON: %v\n%s", err, out.String())
+	}
+	return &rep
+}
+
+func byMode(t *testing.T, rep *report) map[string]*modeResult {
+	t.Helper()
+	m := map[string]*modeResult{}
+	for _, r := range rep.Modes {
+		m[r.Mode] = r
+	}
+	return m
+}
+
+// The seed's comparison at small scale on the embedded server (child
+// process), counted by the server.
+func TestEmbeddedModes(t *testing.T) {
+	svg := filepath.Join(t.TempDir(), "conns.svg")
+	rep := runJSON(t, "--workers", "20", "--requests", "5", "--svg", svg)
+	const requests = 20 * 5
+	modes := byMode(t, rep)
+	if len(modes) != len(defaultModes) {
+		t.Fatalf("got modes %v, want %v", rep.Modes, defaultModes)
+	}
+	for _, r := range rep.Modes {
+		if r.Requests != requests || r.Errors != 0 {
+			t.Errorf("%s: %d requests, %d errors (first: %s)", r.Mode, r.Requests, r.Errors, r.FirstError)
+		}
+		if r.HandshakeSource != "server" {
+			t.Errorf("%s: handshakes from %q, want the server", r.Mode, r.HandshakeSource)
+		}
+		t.Logf("%-30s accepted %4d peak %4d full %4d resumed %4d  %6.0f req/s", r.Mode, r.Accepted, r.PeakOpen, r.FullHandshakes, r.Resumed, r.RequestsPerSecond)
+	}
+	// Keep-alive on, one identity: at most 2 connections (HTTP/2 carries 100
+	// streams; 20 workers need one).
+	if st := modes["sharedtransport"]; st.Accepted > 2 || st.PeakOpen > 2 || st.Pool == nil || st.Pool.Identities != 1 {
+		t.Errorf("sharedtransport: accepted %d, peak %d, pool %+v; want at most 2 connections, 1 identity", st.Accepted, st.PeakOpen, st.Pool)
+	}
+	// Proxy set: client-go builds a transport, so a connection, per request.
+	if cp := modes["client-go-proxy"]; cp.Accepted < requests || cp.FullHandshakes < requests {
+		t.Errorf("client-go-proxy: accepted %d, full handshakes %d; want at least %d", cp.Accepted, cp.FullHandshakes, requests)
+	}
+	// Karmada's fix: a connection and a full handshake per request.
+	if ka := modes["client-go-keepalive-off"]; ka.Accepted < requests || ka.FullHandshakes < requests || ka.Resumed != 0 {
+		t.Errorf("client-go-keepalive-off: accepted %d, full %d, resumed %d", ka.Accepted, ka.FullHandshakes, ka.Resumed)
+	}
+	// The library with keep-alive off: a connection per request, but after
+	// the first wave of workers the handshakes resume.
+	if so := modes["sharedtransport-keepalive-off"]; so.Accepted < requests || so.FullHandshakes > 20 || so.Resumed < requests-20 {
+		t.Errorf("sharedtransport-keepalive-off: accepted %d, full %d, resumed %d; want at most 20 full handshakes", so.Accepted, so.FullHandshakes, so.Resumed)
+	}
+	if cg := modes["client-go"]; cg.VsClientGo == nil || cg.VsClientGo.Connections != 1 {
+		t.Errorf("client-go ratio: %+v", cg.VsClientGo)
+	}
+	b, err := os.ReadFile(svg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dec := xml.NewDecoder(bytes.NewReader(b))
+	for {
+		if _, err := dec.Token(); err == io.EOF {
+			break
+		} else if err != nil {
+			t.Fatalf("svg is not well-formed XML: %v", err)
+		}
+	}
+	if n := strings.Count(string(b), "<polyline"); n != len(defaultModes) {
+		t.Errorf("svg has %d lines, want %d", n, len(defaultModes))
+	}
+}
+
+func TestTableOutput(t *testing.T) {
+	var out, errb bytes.Buffer
+	err := run(context.Background(), []string{"--workers", "3", "--requests", "2", "--modes", "client-go,sharedtransport", "--embedded-in-process"}, &out, &errb)
+	if err != nil {
+		t.Fatalf("%v\n%s", err, errb.String())
+	}
+	for _, want := range []string{"conns accepted", "peak open", "full TLS hs", "resumed", "req/s", "p99 ms", "CPU s", "client-go ", "sharedtransport ", "ConnState"} {
+		if !strings.Contains(out.String(), want) {
+			t.Errorf("table lacks %q:\n%s", want, out.String())
+		}
+	}
+	if !strings.Contains(errb.String(), "sharedtransport") {
+		t.Errorf("no progress on stderr: %q", errb.String())
+	}
+}
+
+// --kubeconfig: counts come from the kernel's socket tables. The server runs
+// in this process here, so its own counts can be compared.
+func TestClusterTarget(t *testing.T) {
+	srv, err := testserver.Start(testserver.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer srv.Close()
+	kp, err := srv.CA().IssueClient("viewer")
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err := srv.WriteKubeconfig(filepath.Join(t.TempDir(), "kubeconfig"), kp, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rep := runJSON(t, "--kubeconfig", p.Kubeconfig, "--workers", "5", "--requests", "4",
+		"--resource", "namespaces", "--modes", "client-go-proxy,sharedtransport,sharedtransport-keepalive-off")
+	modes := byMode(t, rep)
+	if cp := modes["client-go-proxy"]; cp.Errors != 0 || cp.Accepted < 20 || cp.PeakOpen < 20 || cp.OpenAtEnd < 20 {
+		t.Errorf("client-go-proxy: %+v", cp)
+	} else if !strings.HasPrefix(cp.HandshakeSource, "inferred") {
+		t.Errorf("client-go-proxy handshakes from %q", cp.HandshakeSource)
+	}
+	if st := modes["sharedtransport"]; st.Errors != 0 || st.PeakOpen > 2 || st.HandshakeSource != "library Stats" {
+		t.Errorf("sharedtransport: %+v", st)
+	}
+	if so := modes["sharedtransport-keepalive-off"]; so.Errors != 0 || so.Resumed == 0 {
+		t.Errorf("sharedtransport-keepalive-off: %+v", so)
+	}
+	if !strings.Contains(rep.Sources["accepted"], "ActiveOpens") {
+		t.Errorf("sources: %v", rep.Sources)
+	}
+}
+
+func TestBadInput(t *testing.T) {
+	dir := t.TempDir()
+	run1 := func(args ...string) error {
+		var out, errb bytes.Buffer
+		start := time.Now()
+		err := run(context.Background(), append([]string{"--progress=false", "--workers", "2", "--requests", "1"}, args...), &out, &errb)
+		if d := time.Since(start); d > 15*time.Second {
+			t.Errorf("%v took %v", args, d)
+		}
+		if err == nil {
+			t.Errorf("%v: no error", args)
+			return errors.New("")
+		}
+		return err
+	}
+
+	t.Run("unreadable kubeconfig", func(t *testing.T) {
+		path := filepath.Join(dir, "missing", "kubeconfig")
+		err := run1("--kubeconfig", path)
+		if !strings.Contains(err.Error(), path) || !strings.Contains(err.Error(), "cannot read kubeconfig") {
+			t.Errorf("error does not name the file: %v", err)
+		}
+		garbage := filepath.Join(dir, "garbage")
+		os.WriteFile(garbage, []byte("{{{ not yaml"), 0o600)
+		if err := run1("--kubeconfig", garbage); !strings.Contains(err.Error(), garbage) {
+			t.Errorf("error does not name the file: %v", err)
+		}
+	})
+
+	t.Run("unreachable server", func(t *testing.T) {
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		addr := ln.Addr().String()
+		ln.Close()
+		ca, _ := testserver.NewCA("ca")
+		kp, _ := ca.IssueClient("someone")
+		p, err := testserver.WriteKubeconfig(filepath.Join(dir, "unreachable"), testserver.Kubeconfig{
+			Server: "https://" + addr, CAPEM: ca.CertPEM(), CertPEM: kp.CertPEM, KeyPEM: kp.KeyPEM, Inline: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		err = run1("--kubeconfig", p.Kubeconfig)
+		if !strings.Contains(err.Error(), "cannot reach API server https://"+addr) {
+			t.Errorf("error: %v", err)
+		}
+	})
+
+	t.Run("forbidden list", func(t *testing.T) {
+		srv, err := testserver.Start(testserver.Options{Authorize: func(a testserver.Attributes) bool {
+			return !(a.Verb == "list" && a.Resource == "nodes")
+		}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer srv.Close()
+		kp, _ := srv.CA().IssueClient("limited")
+		p, err := srv.WriteKubeconfig(filepath.Join(dir, "forbidden"), kp, true)
+		if err != nil {
+			t.Fatal(err)
+		}
+		err = run1("--kubeconfig", p.Kubeconfig)
+		if !strings.Contains(err.Error(), `forbids verb "list" on resource "nodes"`) {
+			t.Errorf("error: %v", err)
+		}
+		// The same user may list namespaces.
+		var out, errb bytes.Buffer
+		if err := run(context.Background(), []string{"--kubeconfig", p.Kubeconfig, "--resource", "namespaces", "--modes", "sharedtransport",
+			"--workers", "2", "--requests", "1", "--progress=false"}, &out, &errb); err != nil {
+			t.Errorf("namespaces: %v", err)
+		}
+	})
+
+	t.Run("flags", func(t *testing.T) {
+		for _, args := range [][]string{{"--modes", "nope"}, {"--resource", "pods"}, {"--workers", "0"}, {"extra"}} {
+			if err := run1(args...); !errors.Is(err, errUsage) {
+				t.Errorf("%v: %v, want a usage error", args, err)
+			}
+		}
+	})
+}
+
+func TestParseProcNetTCP(t *testing.T) {
+	const tcp = `  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 0100007F:9C40 0100007F:1A0B 01 00000000:00000000 00:00000000 00000000     0        0 12345 1 0000000000000000 20 4 30 10 -1
+   1: 00000000:0016 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 999 1 0000000000000000 100 0 0 10 0
+`
+	es, err := parseProcNetTCP([]byte(tcp))
+	if err != nil || len(es) != 2 {
+		t.Fatalf("%v %v", es, err)
+	}
+	if e := es[0]; e.remoteIP.String() != "127.0.0.1" || e.remotePort != 6667 || e.state != tcpEstablished || e.inode != 12345 {
+		t.Errorf("entry: %+v", e)
+	}
+	const tcp6 = `  sl  local_address                         remote_address                        st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 00000000000000000000000001000000:A1B2 00000000000000000000000001000000:1A0B 01 00000000:00000000 00:00000000 00000000     0        0 777 1 0000000000000000 20 4 30 10 -1
+   1: 0000000000000000FFFF00000100007F:A1B2 0000000000000000FFFF00000100007F:01BB 01 00000000:00000000 00:00000000 00000000     0        0 778 1 0000000000000000 20 4 30 10 -1
+`
+	es, err = parseProcNetTCP([]byte(tcp6))
+	if err != nil || len(es) != 2 {
+		t.Fatalf("%v %v", es, err)
+	}
+	if e := es[0]; e.remoteIP.String() != "::1" || e.remotePort != 6667 {
+		t.Errorf("entry: %+v", e)
+	}
+	if e := es[1]; e.remoteIP.To4().String() != "127.0.0.1" || e.remotePort != 443 {
+		t.Errorf("v4-mapped entry: %+v %v", e, e.remoteIP)
+	}
+}
