@@ -1,0 +1,126 @@
+package e2e
+
+import (
+	"context"
+	"net/http"
+	"testing"
+	"time"
+
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/informers"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/cache"
+	"k8s.io/client-go/tools/clientcmd"
+
+	"github.com/sharedtransport/sharedtransport"
+)
+
+const startupLists = 150
+
+// startInformers starts informers for 10 resource types on cs and waits for
+// them to sync. The caller closes stop.
+func startInformers(t *testing.T, cs kubernetes.Interface, stop <-chan struct{}) informers.SharedInformerFactory {
+	t.Helper()
+	f := informers.NewSharedInformerFactory(cs, 0)
+	for _, inf := range []cache.SharedIndexInformer{
+		f.Core().V1().Namespaces().Informer(),
+		f.Core().V1().ConfigMaps().Informer(),
+		f.Core().V1().Secrets().Informer(),
+		f.Core().V1().ServiceAccounts().Informer(),
+		f.Core().V1().Services().Informer(),
+		f.Core().V1().Pods().Informer(),
+		f.Apps().V1().Deployments().Informer(),
+		f.Apps().V1().StatefulSets().Informer(),
+		f.Apps().V1().DaemonSets().Informer(),
+		f.Rbac().V1().ClusterRoles().Informer(),
+	} {
+		_ = inf
+	}
+	f.Start(stop)
+	return f
+}
+
+func waitSynced(t *testing.T, f informers.SharedInformerFactory, timeout time.Duration) {
+	t.Helper()
+	stop := make(chan struct{})
+	timer := time.AfterFunc(timeout, func() { close(stop) })
+	defer timer.Stop()
+	for typ, ok := range f.WaitForCacheSync(stop) {
+		if !ok {
+			t.Fatalf("informer for %v did not sync within %v", typ, timeout)
+		}
+	}
+}
+
+type informerResult struct {
+	listErrors     int64
+	firstErr       error
+	distinct, peak int
+	open           int
+	elapsed        time.Duration
+}
+
+// informerStartup starts 10 informers and startupLists concurrent lists at
+// once through one clientset and counts the connections.
+func informerStartup(t *testing.T, cfg *rest.Config) (informerResult, *kubernetes.Clientset) {
+	c := cl(t)
+	// Without this client-go's default rate limit (5 QPS, burst 10) would
+	// serialize the lists over half a minute instead of sending them at once.
+	cfg.QPS, cfg.Burst = 1000, 1000
+	cs := mustClientset(t, cfg)
+	w := watchConns(t, c.port, sampleInterval)
+	stop := make(chan struct{})
+	defer close(stop)
+	start := time.Now()
+	f := startInformers(t, cs, stop)
+	errs, first := runWorkers(startupLists, 1, func(_, _ int) error {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		_, err := cs.CoreV1().ConfigMaps(testNamespace).List(ctx, metav1.ListOptions{})
+		return err
+	})
+	waitSynced(t, f, 60*time.Second)
+	r := informerResult{listErrors: errs, firstErr: first, elapsed: time.Since(start)}
+	time.Sleep(200 * time.Millisecond) // let a surplus connection of the start-up race close
+	r.distinct, r.peak = w.Seen()
+	r.open = w.Open()
+	w.Stop()
+	return r, cs
+}
+
+func TestInformersStartup(t *testing.T) {
+	c := cl(t)
+	kubeconfig := c.kubeconfig("admin", false)
+
+	p := sharedtransport.New()
+	cfg, err := p.BuildConfigFromFlags("", kubeconfig)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pooled, _ := informerStartup(t, cfg)
+	stats := logStats(t, "pool", p)
+	closePool(t, p)
+	t.Logf("sharedtransport: 10 informers + %d lists synced in %v: %d distinct connections seen, peak %d, %d open after sync",
+		startupLists, pooled.elapsed.Round(time.Millisecond), pooled.distinct, pooled.peak, pooled.open)
+
+	plainCfg, err := clientcmd.BuildConfigFromFlags("", kubeconfig)
+	if err != nil {
+		t.Fatal(err)
+	}
+	plain, plainCS := informerStartup(t, plainCfg)
+	time.Sleep(100 * time.Millisecond) // the informers stopped; their watches end
+	closeIdle([]*http.Client{httpClientOf(plainCS)})
+	t.Logf("client-go alone: 10 informers + %d lists synced in %v: %d distinct connections seen, peak %d, %d open after sync",
+		startupLists, plain.elapsed.Round(time.Millisecond), plain.distinct, plain.peak, plain.open)
+
+	if pooled.listErrors > 0 {
+		t.Errorf("sharedtransport: %d of %d lists failed, first: %v", pooled.listErrors, startupLists, pooled.firstErr)
+	}
+	if pooled.distinct > 2 || pooled.open > 2 {
+		t.Errorf("sharedtransport: %d distinct connections seen, %d open; want at most 2", pooled.distinct, pooled.open)
+	}
+	if stats.Dials > 2 {
+		t.Errorf("sharedtransport: the pool dialed %d connections, want at most 2", stats.Dials)
+	}
+}
