@@ -8,5 +8,7 @@
 // which caches kube-apiserver under ${XDG_CACHE_HOME:-$HOME/.cache}/sharedtransport
 // and installs Debian's etcd-server when etcd is missing; e2e/run.sh does that
 // and runs the suite. The tests read KUBE_APISERVER and ETCD from the
-// environment when set, and otherwise look in the cache and on PATH.
+// environment when set, and otherwise look in the cache and on PATH; when
+// they are missing the suite fails and says how to build them. E2E_KEEP=1
+// keeps the temporary directory (certificates, kubeconfigs, server logs).
 package e2e
