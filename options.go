@@ -60,10 +60,11 @@ func WithSessionResumption(enabled bool) Option {
 }
 
 // WithMaxConnsPerHost caps the connections one identity keeps to one host.
-// Requests beyond the cap wait for a connection (bounded by their context)
-// instead of failing. Over HTTP/2 a cap also makes the server's stream limit
-// global, so requests queue on the open connections instead of dialing new
-// ones. Zero, the default, means no cap.
+// Requests beyond what the cap can carry wait (bounded by their context)
+// instead of dialing or failing: over HTTP/2, n connections carry n x 90
+// requests at once (kube-apiserver allows 100 streams per connection); over HTTP/1.1,
+// n. A watch holds its stream while it runs. Zero, the default, means no
+// cap; bursts still open no more connections than their concurrency needs.
 func WithMaxConnsPerHost(n int) Option {
 	return func(o *options) {
 		if n >= 0 {

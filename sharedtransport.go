@@ -14,7 +14,7 @@ import (
 	"net/url"
 	"path/filepath"
 	"runtime"
-	"strings"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -256,7 +256,12 @@ func (p *Pool) identityFor(cfg *rest.Config) (*identity, error) {
 	h := newKeyHasher()
 	h.bool("insecure", id.insecure)
 	h.str("serverName", id.serverName)
-	h.str("nextProtos", strings.Join(id.nextProtos, ","))
+	// One field per protocol: joined with a separator, ["h2,x"] and
+	// ["h2", "x"] would be one key for two different ALPN lists.
+	h.str("nextProtos", strconv.Itoa(len(id.nextProtos)))
+	for _, proto := range id.nextProtos {
+		h.str("nextProto", proto)
+	}
 	h.bool("disableCompression", id.disableCompression)
 	h.ptr("getCert", id.getCert)
 
@@ -656,7 +661,7 @@ func (e *entry) rotate(g *generation, drain time.Duration) bool {
 		old.close()
 	})
 	e.mu.Unlock()
-	old.transport.CloseIdleConnections()
+	old.closeIdle()
 	return true
 }
 
