@@ -2,11 +2,15 @@ package sharedtransport
 
 import (
 	"context"
+	"fmt"
 	"io"
+	"k8s.io/client-go/kubernetes"
 	"net/http"
+	"sort"
 	"strings"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	utilnet "k8s.io/apimachinery/pkg/util/net"
 	"k8s.io/client-go/rest"
@@ -199,6 +203,66 @@ func BenchmarkSeedLoad(b *testing.B) {
 				b.Errorf("%d requests failed", failed.Load())
 			}
 			f.srv.CloseClientConnections()
+		})
+	}
+}
+
+// BenchmarkRotationLatency measures, for each way files really change, the
+// time from the write completing to the first request the server sees with
+// the new certificate, over 20 rotations (b.N is ignored: run it with
+// -benchtime 1x). The "poll only" row turns file events off.
+func BenchmarkRotationLatency(b *testing.B) {
+	rec := &cnRecorder{}
+	f := newFixture(b, testserver.Options{OnRequest: rec.record})
+	const rotations = 20
+	var pairs []*testserver.KeyPair
+	for i := range rotations {
+		kp, err := f.ca.IssueClient(fmt.Sprintf("rotation-%d", i))
+		if err != nil {
+			b.Fatal(err)
+		}
+		pairs = append(pairs, kp)
+	}
+	for _, kind := range []string{inPlace, renameOver, secretVolume, deleteCreate, certThenKey, "poll only"} {
+		b.Run(strings.ReplaceAll(kind, " ", "_"), func(b *testing.B) {
+			opts := []Option{WithPollInterval(0), WithDrainTimeout(time.Second)}
+			layout := kind
+			if kind == "poll only" {
+				layout = secretVolume
+				opts = []Option{WithPollInterval(time.Second), func(o *options) { o.disableNotify = true }}
+			}
+			p := newPool(b, opts...)
+			d := newCertDir(b, layout, f.alice, f.ca.CertPEM())
+			cfg := d.config(f.srv.URL())
+			cfg.QPS = -1
+			if err := p.Wrap(cfg); err != nil {
+				b.Fatal(err)
+			}
+			cs, err := kubernetes.NewForConfig(cfg)
+			if err != nil {
+				b.Fatal(err)
+			}
+			stop := make(chan struct{})
+			_, fails, done := requestLoop(cs, 100, stop)
+			var lat []time.Duration
+			b.ResetTimer()
+			for _, kp := range pairs {
+				d.write(b, kp, f.ca.CertPEM())
+				written := time.Now()
+				waitFor(b, "new certificate", func() bool {
+					_, ok := rec.firstSince(kp.Cert.Subject.CommonName, written)
+					return ok
+				})
+				at, _ := rec.firstSince(kp.Cert.Subject.CommonName, written)
+				lat = append(lat, at.Sub(written))
+			}
+			b.StopTimer()
+			close(stop)
+			<-done
+			sort.Slice(lat, func(i, j int) bool { return lat[i] < lat[j] })
+			b.ReportMetric(float64(lat[len(lat)/2].Milliseconds()), "median-ms")
+			b.ReportMetric(float64(lat[len(lat)-1].Milliseconds()), "worst-ms")
+			b.ReportMetric(float64(fails.Load()), "failed-requests")
 		})
 	}
 }
