@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"sync"
 	"time"
 
@@ -188,7 +189,7 @@ func (w *fileWatcher) add(e *entry) (*identityWatch, error) {
 	for _, d := range iw.dirs {
 		if w.dirs[d] == 0 && w.notify != nil {
 			if err := w.notify.Add(d); err != nil {
-				w.removeDirsLocked(iw.dirs[:slicesIndex(iw.dirs, d)])
+				w.removeDirsLocked(iw.dirs[:slices.Index(iw.dirs, d)])
 				return nil, fmt.Errorf("sharedtransport: watch directory %q: %w", d, err)
 			}
 		}
@@ -196,15 +197,6 @@ func (w *fileWatcher) add(e *entry) (*identityWatch, error) {
 	}
 	w.watches[iw] = struct{}{}
 	return iw, nil
-}
-
-func slicesIndex(s []string, v string) int {
-	for i, x := range s {
-		if x == v {
-			return i
-		}
-	}
-	return len(s)
 }
 
 func (w *fileWatcher) removeDirsLocked(dirs []string) {
