@@ -111,9 +111,16 @@ func (p *Pool) Wrap(cfg *rest.Config) error {
 	if err != nil {
 		return err
 	}
-	cfg.WrapTransport = transport.Wrappers(l.wrap, cfg.WrapTransport)
+	// The config holds its lease; the hook it carries refers to it only
+	// weakly, because client-go may keep the hook for good (see hook).
+	runtime.AddCleanup(cfg, holdLease, l)
+	cfg.WrapTransport = transport.Wrappers(newHook(p, id, probe, l).wrap, cfg.WrapTransport)
 	return nil
 }
+
+// holdLease is the cleanup that attaches a lease to a wrapped config: its
+// argument stays reachable until the config is collected.
+func holdLease(*lease) {}
 
 // Close closes every connection of the pool, stops watching files and waits
 // for the pool's goroutines to exit. Requests sent afterwards through configs

@@ -2,9 +2,12 @@ package sharedtransport
 
 import (
 	"crypto/tls"
+	"errors"
 	"fmt"
 	"net/http"
 	"net/url"
+	"sync"
+	"weak"
 
 	utilnet "k8s.io/apimachinery/pkg/util/net"
 	"k8s.io/client-go/rest"
@@ -12,7 +15,68 @@ import (
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 )
 
-// wrap is the hook Wrap installs as the innermost rest.Config.WrapTransport.
+// hook is what Wrap installs as the innermost rest.Config.WrapTransport. It
+// refers to its lease weakly. client-go keeps the WrapTransport of the first
+// config of every TLS cache key for as long as it keeps the transport it
+// cached for that key: the GetClientCertificate closure of the cached
+// transport's tls.Config captures the whole transport.Config. Before v0.36
+// (and with the ClientsAllowTLSCacheGC gate off) that cache is never pruned,
+// so a hook holding its lease strongly kept every identity with a client
+// certificate alive for good, connections and memory, once a client had been
+// built from it: a deleted member cluster, a rotated-away Secret. Instead the
+// wrapped config holds the lease (Wrap attaches it), clients hold it through
+// the round tripper the hook returns, and a hook whose lease was collected
+// takes a new one.
+type hook struct {
+	pool  *Pool
+	id    *identity
+	probe *http.Request
+
+	mu    sync.Mutex // guards lease
+	lease weak.Pointer[lease]
+}
+
+func newHook(p *Pool, id *identity, probe *http.Request, l *lease) *hook {
+	return &hook{pool: p, id: id, probe: probe, lease: weak.Make(l)}
+}
+
+func (h *hook) wrap(rt http.RoundTripper) http.RoundTripper {
+	l, err := h.current()
+	switch {
+	case errors.Is(err, ErrClosed):
+		return closedRoundTripper{}
+	case err != nil:
+		// The identity's files went bad since Wrap: client-go's own
+		// transport still works.
+		h.pool.opts.logger.Error(err, "Config left to client-go's own transport")
+		h.pool.stats.passThrough.Add(1)
+		return rt
+	}
+	return l.wrap(rt)
+}
+
+// current returns the hook's lease, taking a new one when it was collected.
+func (h *hook) current() (*lease, error) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if l := h.lease.Value(); l != nil {
+		return l, nil
+	}
+	l, err := h.pool.acquire(h.id, h.probe)
+	if err != nil {
+		return nil, err
+	}
+	h.lease = weak.Make(l)
+	return l, nil
+}
+
+type closedRoundTripper struct{}
+
+func (closedRoundTripper) RoundTrip(*http.Request) (*http.Response, error) {
+	return nil, fmt.Errorf("%w: build the client from a config wrapped by an open pool", ErrClosed)
+}
+
+// wrap is the lease's part of the hook.
 // client-go calls it with the transport it built for a config: the wrapped
 // config, or a copy of it (rest.CopyConfig copies WrapTransport). The shared
 // transport replaces rt only when rt is a client-go TLS transport for this
