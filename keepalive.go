@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/tls"
 	"crypto/x509"
+	"fmt"
 	"io"
 	"net"
 	"net/http"
@@ -48,6 +49,7 @@ type generation struct {
 	http1     *http.Transport
 	choice    atomic.Pointer[choice]          // nil until the protocol is known
 	tracker   *connrotation.ConnectionTracker // every connection this generation dialed
+	closed    atomic.Bool
 	material  *material
 	stats     *counters
 
@@ -127,7 +129,18 @@ func (p *Pool) newGeneration(e *entry, m *material) (*generation, error) {
 	if dial == nil {
 		dial = (&net.Dialer{Timeout: dialTimeout, KeepAlive: tcpKeepAlive}).DialContext
 	}
-	dial = connrotation.NewDialerWithTracker(g.countingDial(dial), g.tracker).DialContext
+	tracked := connrotation.NewDialerWithTracker(g.countingDial(dial), g.tracker).DialContext
+	dial = func(ctx context.Context, network, address string) (net.Conn, error) {
+		conn, err := tracked(ctx, network, address)
+		// A request that passed the closed check just before close may
+		// dial after it. closed is set before the tracker closes its
+		// connections, so a connection tracked too late is caught here.
+		if err == nil && g.closed.Load() {
+			conn.Close()
+			return nil, fmt.Errorf("%w: dial %s", ErrClosed, address)
+		}
+		return conn, err
+	}
 	build := func(tlsConfig *tls.Config, maxConns int) *http.Transport {
 		t := &http.Transport{
 			Proxy:               id.proxy, // nil: SetTransportDefaults installs the environment's proxy, like client-go
@@ -289,6 +302,7 @@ func (g *generation) firstRoundTrip(req *http.Request) (*http.Response, error) {
 
 // close closes every connection of the generation, active ones included.
 func (g *generation) close() {
+	g.closed.Store(true)
 	g.closeIdle()
 	g.tracker.CloseAll()
 }

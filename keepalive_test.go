@@ -144,11 +144,13 @@ func TestColdStartBurst(t *testing.T) {
 			}
 			st := f.srv.Stats()
 			// The physical minimum is one connection per 100 concurrent
-			// streams, the server's limit. Go may dial one more per step
-			// while a new connection comes up (closed as surplus at once).
+			// streams, the server's limit. Beyond the first 100, Go may
+			// finish a dial whose request was served meanwhile; the server
+			// sees it closed as surplus at once, so what it holds open is
+			// the minimum.
 			limit := (burst + 99) / 100
 			t.Logf("burst of %d: server accepted %d connections (minimum %d), peak open %d", burst, st.Accepted, limit, st.PeakOpen)
-			if st.PeakOpen > limit || st.Accepted > uint64(2*limit) {
+			if st.PeakOpen > limit || (burst <= 100 && st.Accepted != 1) {
 				t.Errorf("burst of %d first requests: %d connections accepted, %d open at once; want at most %d open", burst, st.Accepted, st.PeakOpen, limit)
 			}
 		})
