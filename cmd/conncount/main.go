@@ -12,6 +12,13 @@
 //	go run ./cmd/conncount --workers 20 --requests 5 --json
 //	go run ./cmd/conncount --svg conns.svg
 //	go run ./cmd/conncount --kubeconfig ~/.kube/config --resource namespaces
+//
+// The proxy subcommand runs the seed's own scenario (proxy.go): the load goes
+// through a Karmada-style aggregated-apiserver front, which builds a config
+// per request from the member's Secret, to embedded member servers:
+//
+//	go run ./cmd/conncount proxy
+//	go run ./cmd/conncount proxy --members 3 --workers 100 --requests 50 --json
 package main
 
 import (
@@ -138,6 +145,9 @@ func main() {
 
 // run is the whole command; main and the tests call it.
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	if len(args) > 0 && args[0] == "proxy" {
+		return runProxy(ctx, args[1:], stdout, stderr)
+	}
 	o, err := parseFlags(args, stderr)
 	if err != nil {
 		return err
