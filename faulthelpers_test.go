@@ -1,0 +1,426 @@
+package sharedtransport
+
+// Test doubles for the fault and isolation tests: a TCP relay that can stop
+// forwarding without closing, an HTTP CONNECT proxy, a client-go exec
+// credential plugin, and certificates that share a key.
+
+import (
+	"bufio"
+	"context"
+	"crypto"
+	"crypto/rand"
+	"crypto/x509"
+	"crypto/x509/pkix"
+	"encoding/json"
+	"encoding/pem"
+	"errors"
+	"fmt"
+	"io"
+	"math/big"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	utilnet "k8s.io/apimachinery/pkg/util/net"
+	"k8s.io/client-go/rest"
+	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
+
+	"github.com/sharedtransport/sharedtransport/internal/testserver"
+)
+
+// forwarder accepts loopback TCP connections and pipes each to an upstream
+// connection. Connections it pipes can be black-holed: from then on bytes
+// are read and dropped in both directions, and nothing is closed, as a
+// stateful firewall or a dead peer behind a NAT would do.
+type forwarder struct {
+	ln net.Listener
+	// upstream dials the other side for a new client connection; for the
+	// CONNECT proxy it is decided per request, so it may be nil.
+	upstream func() (net.Conn, error)
+	connect  bool // act as an HTTP CONNECT proxy
+
+	accepted       atomic.Int64 // client connections accepted
+	closedByClient atomic.Int64 // client connections that ended from the client's side
+
+	mu     sync.Mutex // guards pipes and closed
+	pipes  map[*pipe]struct{}
+	closed bool
+	wg     sync.WaitGroup
+}
+
+type pipe struct {
+	client, upstream net.Conn
+	dead             atomic.Bool // black-holed
+}
+
+// newRelay forwards every connection to target.
+func newRelay(t testing.TB, target string) *forwarder {
+	t.Helper()
+	return startForwarder(t, &forwarder{upstream: func() (net.Conn, error) { return net.Dial("tcp", target) }})
+}
+
+// newConnectProxy is an HTTP proxy that only speaks CONNECT, which is all an
+// https:// request through a proxy needs.
+func newConnectProxy(t testing.TB) *forwarder {
+	t.Helper()
+	return startForwarder(t, &forwarder{connect: true})
+}
+
+func startForwarder(t testing.TB, f *forwarder) *forwarder {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.ln = ln
+	f.pipes = map[*pipe]struct{}{}
+	f.wg.Add(1)
+	go f.serve()
+	t.Cleanup(f.close)
+	return f
+}
+
+func (f *forwarder) addr() string { return f.ln.Addr().String() }
+
+func (f *forwarder) url() string { return "http://" + f.addr() }
+
+func (f *forwarder) serve() {
+	defer f.wg.Done()
+	for {
+		c, err := f.ln.Accept()
+		if err != nil {
+			return
+		}
+		f.accepted.Add(1)
+		f.wg.Add(1)
+		go func() {
+			defer f.wg.Done()
+			f.handle(c)
+		}()
+	}
+}
+
+func (f *forwarder) handle(c net.Conn) {
+	var up net.Conn
+	var err error
+	var buffered []byte
+	if f.connect {
+		br := bufio.NewReader(c)
+		req, rerr := http.ReadRequest(br)
+		if rerr != nil || req.Method != http.MethodConnect {
+			c.Close()
+			return
+		}
+		if up, err = net.Dial("tcp", req.Host); err != nil {
+			fmt.Fprintf(c, "HTTP/1.1 502 Bad Gateway\r\nContent-Length: 0\r\n\r\n")
+			c.Close()
+			return
+		}
+		if _, err := io.WriteString(c, "HTTP/1.1 200 Connection established\r\n\r\n"); err != nil {
+			c.Close()
+			up.Close()
+			return
+		}
+		if n := br.Buffered(); n > 0 {
+			buffered, _ = br.Peek(n)
+			buffered = append([]byte(nil), buffered...)
+		}
+	} else if up, err = f.upstream(); err != nil {
+		c.Close()
+		return
+	}
+	p := &pipe{client: c, upstream: up}
+	f.mu.Lock()
+	if f.closed {
+		f.mu.Unlock()
+		c.Close()
+		up.Close()
+		return
+	}
+	f.pipes[p] = struct{}{}
+	f.mu.Unlock()
+	if len(buffered) > 0 {
+		if _, err := up.Write(buffered); err != nil {
+			c.Close()
+			up.Close()
+		}
+	}
+
+	done := make(chan struct{}, 2)
+	go func() { p.copy(up, c, func() { f.closedByClient.Add(1) }); done <- struct{}{} }()
+	go func() { p.copy(c, up, nil); done <- struct{}{} }()
+	<-done
+	<-done
+	f.mu.Lock()
+	delete(f.pipes, p)
+	f.mu.Unlock()
+}
+
+// copy forwards src to dst until src ends, then closes both. Once the pipe is
+// black-holed, what is read is dropped and nothing is closed on a write.
+func (p *pipe) copy(dst, src net.Conn, onSrcEnd func()) {
+	buf := make([]byte, 32<<10)
+	for {
+		n, err := src.Read(buf)
+		if n > 0 && !p.dead.Load() {
+			if _, werr := dst.Write(buf[:n]); werr != nil {
+				err = werr
+			}
+		}
+		if err != nil {
+			if onSrcEnd != nil && !errors.Is(err, net.ErrClosed) {
+				onSrcEnd()
+			}
+			p.client.Close()
+			p.upstream.Close()
+			return
+		}
+	}
+}
+
+// blackhole stops forwarding on every connection open now. New connections
+// are forwarded as before.
+func (f *forwarder) blackhole() int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	for p := range f.pipes {
+		p.dead.Store(true)
+	}
+	return len(f.pipes)
+}
+
+func (f *forwarder) open() int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return len(f.pipes)
+}
+
+func (f *forwarder) close() {
+	f.mu.Lock()
+	f.closed = true
+	pipes := f.pipes
+	f.pipes = map[*pipe]struct{}{}
+	f.mu.Unlock()
+	f.ln.Close()
+	for p := range pipes {
+		p.client.Close()
+		p.upstream.Close()
+	}
+	f.wg.Wait()
+}
+
+// dial returns a rest.Config.Dial that connects to the forwarder whatever
+// address it is asked for.
+func (f *forwarder) dial() func(ctx context.Context, network, address string) (net.Conn, error) {
+	return func(ctx context.Context, network, _ string) (net.Conn, error) {
+		var d net.Dialer
+		return d.DialContext(ctx, network, f.addr())
+	}
+}
+
+// issueForKey issues a client certificate for cn over an existing key, so a
+// test can vary the certificate while the key stays the same.
+func issueForKey(t testing.TB, ca *testserver.CA, cn string, key *testserver.KeyPair) *testserver.KeyPair {
+	t.Helper()
+	serial, err := rand.Int(rand.Reader, new(big.Int).Lsh(big.NewInt(1), 127))
+	if err != nil {
+		t.Fatal(err)
+	}
+	tmpl := &x509.Certificate{
+		SerialNumber: serial,
+		Subject:      pkix.Name{CommonName: cn},
+		NotBefore:    time.Now().Add(-time.Hour),
+		NotAfter:     time.Now().Add(24 * time.Hour),
+		KeyUsage:     x509.KeyUsageDigitalSignature,
+		ExtKeyUsage:  []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth},
+	}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, ca.Cert, key.Cert.PublicKey, ca.Key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cert, err := x509.ParseCertificate(der)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return &testserver.KeyPair{
+		CertPEM: pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}),
+		KeyPEM:  key.KeyPEM,
+		Cert:    cert,
+	}
+}
+
+// privateKey parses a key pair's private key.
+func privateKey(t testing.TB, kp *testserver.KeyPair) crypto.PrivateKey {
+	t.Helper()
+	block, _ := pem.Decode(kp.KeyPEM)
+	if block == nil {
+		t.Fatal("no PEM key")
+	}
+	key, err := x509.ParseECPrivateKey(block.Bytes)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return key
+}
+
+// pkcs8 returns the same key pair with its key encoded as PKCS #8: the same
+// key, other bytes.
+func pkcs8(t testing.TB, kp *testserver.KeyPair) *testserver.KeyPair {
+	t.Helper()
+	der, err := x509.MarshalPKCS8PrivateKey(privateKey(t, kp))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return &testserver.KeyPair{CertPEM: kp.CertPEM, KeyPEM: pem.EncodeToMemory(&pem.Block{Type: "PRIVATE KEY", Bytes: der}), Cert: kp.Cert}
+}
+
+// writeExecPlugin writes a client-go credential plugin that prints kp as an
+// ExecCredential, and returns the config that runs it.
+func writeExecPlugin(t testing.TB, dir, name string, kp *testserver.KeyPair) *clientcmdapi.ExecConfig {
+	t.Helper()
+	cred, err := json.Marshal(map[string]any{
+		"apiVersion": "client.authentication.k8s.io/v1",
+		"kind":       "ExecCredential",
+		"status": map[string]any{
+			"clientCertificateData": string(kp.CertPEM),
+			"clientKeyData":         string(kp.KeyPEM),
+		},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	credFile := filepath.Join(dir, name+".json")
+	if err := os.WriteFile(credFile, cred, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	script := filepath.Join(dir, name+".sh")
+	if err := os.WriteFile(script, []byte("#!/bin/sh\nexec cat '"+credFile+"'\n"), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	return &clientcmdapi.ExecConfig{
+		Command:         script,
+		APIVersion:      "client.authentication.k8s.io/v1",
+		InteractiveMode: clientcmdapi.NeverExecInteractiveMode,
+	}
+}
+
+// writeAtomic writes data to path the way careful tools do: a temporary file
+// renamed over the old one, so a reader sees the old or the new bytes.
+func writeAtomic(t testing.TB, path string, data []byte) {
+	t.Helper()
+	tmp := path + ".tmp"
+	if err := os.WriteFile(tmp, data, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Rename(tmp, path); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// tagRoundTripper appends "st-tag=<tag> st-cn=<cn>" to the User-Agent, so
+// the server can check per request that the certificate on the connection is
+// the one the sending config holds.
+type tagRoundTripper struct {
+	next     http.RoundTripper
+	tag, cn  string
+	requests atomic.Int64
+}
+
+func (r *tagRoundTripper) RoundTrip(req *http.Request) (*http.Response, error) {
+	r.requests.Add(1)
+	req = utilnet.CloneRequest(req)
+	req.Header.Set("User-Agent", strings.TrimSpace(req.Header.Get("User-Agent")+" st-tag="+r.tag+" st-cn="+r.cn))
+	return r.next.RoundTrip(req)
+}
+
+func (r *tagRoundTripper) WrappedRoundTripper() http.RoundTripper { return r.next }
+
+// tag makes every request of cfg say which config sent it and which client
+// certificate CN it holds.
+func tag(cfg *rest.Config, tag, cn string) {
+	cfg.Wrap(func(rt http.RoundTripper) http.RoundTripper { return &tagRoundTripper{next: rt, tag: tag, cn: cn} })
+}
+
+// parseTag reads what tag put in a User-Agent.
+func parseTag(ua string) (tag, cn string, ok bool) {
+	for _, f := range strings.Fields(ua) {
+		switch {
+		case strings.HasPrefix(f, "st-tag="):
+			tag, ok = strings.TrimPrefix(f, "st-tag="), true
+		case strings.HasPrefix(f, "st-cn="):
+			cn = strings.TrimPrefix(f, "st-cn=")
+		}
+	}
+	return tag, cn, ok
+}
+
+// connLedger is the server's side of the isolation check: which configs
+// (tags) sent requests over which connection (remote address), and every
+// request whose certificate was not the one its config holds.
+type connLedger struct {
+	mu         sync.Mutex
+	byConn     map[string]map[string]int // remote address -> tag -> requests
+	byTag      map[string]map[string]int // tag -> remote address -> requests
+	mismatches []string
+	requests   int
+}
+
+func newConnLedger() *connLedger {
+	l := &connLedger{}
+	l.reset()
+	return l
+}
+
+func (l *connLedger) reset() {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.byConn = map[string]map[string]int{}
+	l.byTag = map[string]map[string]int{}
+	l.mismatches = nil
+	l.requests = 0
+}
+
+func (l *connLedger) onRequest(ri testserver.RequestInfo) {
+	tg, cn, ok := parseTag(ri.UserAgent)
+	if !ok {
+		return
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.requests++
+	if ri.CertCN != cn {
+		l.mismatches = append(l.mismatches, fmt.Sprintf("config %s holds %q but its request %s came on a connection authenticated as %q",
+			tg, cn, ri.Path, ri.CertCN))
+	}
+	if l.byConn[ri.RemoteAddr] == nil {
+		l.byConn[ri.RemoteAddr] = map[string]int{}
+	}
+	l.byConn[ri.RemoteAddr][tg]++
+	if l.byTag[tg] == nil {
+		l.byTag[tg] = map[string]int{}
+	}
+	l.byTag[tg][ri.RemoteAddr]++
+}
+
+// snapshot returns the connections each tag used, the connections shared
+// by more than one tag, and the certificate mismatches.
+func (l *connLedger) snapshot() (conns map[string]int, shared int, mismatches []string, requests int) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	conns = map[string]int{}
+	for tg, addrs := range l.byTag {
+		conns[tg] = len(addrs)
+	}
+	for _, tags := range l.byConn {
+		if len(tags) > 1 {
+			shared++
+		}
+	}
+	return conns, shared, append([]string(nil), l.mismatches...), l.requests
+}

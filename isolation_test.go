@@ -1,0 +1,244 @@
+package sharedtransport
+
+import (
+	"context"
+	"net/http"
+	"net/url"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
+
+	"github.com/sharedtransport/sharedtransport/internal/testserver"
+)
+
+// TestIsolation: configs that differ in any identity field never share a
+// transport or a connection; configs that differ only in per-request
+// credentials, user agent or host always share the transport. The server
+// checks, for every request, that the client certificate on the connection is
+// the one the sending config holds (the config names it in its User-Agent).
+func TestIsolation(t *testing.T) {
+	ledger := newConnLedger()
+	f := newFixture(t, testserver.Options{
+		Tokens:    map[string]string{"token-a": "a", "token-b": "b"},
+		OnRequest: ledger.onRequest,
+	})
+	otherCA, err := testserver.NewCA("other-ca")
+	if err != nil {
+		t.Fatal(err)
+	}
+	issue := func(cn string) *testserver.KeyPair {
+		kp, err := f.ca.IssueClient(cn)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return kp
+	}
+	aliceReissued := issueForKey(t, f.ca, "alice-reissued", f.alice) // other certificate, same key
+	alicePKCS8 := pkcs8(t, f.alice)                                  // same key, other bytes
+	execAlice := writeExecPlugin(t, f.dir, "exec-alice", issue("exec-alice"))
+	execBob := writeExecPlugin(t, f.dir, "exec-bob", issue("exec-bob"))
+	alicePaths := f.kubeconfig(t, "alice", f.alice)
+	proxy1, proxy2 := newConnectProxy(t), newConnectProxy(t)
+	relay1, relay2 := newRelay(t, f.srv.Addr()), newRelay(t, f.srv.Addr())
+
+	// WithDialIdentity names a dialer by the config it came with.
+	var dialNames sync.Map // *rest.Config -> string
+	dialIdentity := func(cfg *rest.Config) string {
+		name, _ := dialNames.Load(cfg)
+		s, _ := name.(string)
+		return s
+	}
+
+	type side struct {
+		cn  string // the client certificate the config holds
+		cfg func() *rest.Config
+	}
+	alice := func(mutate func(*rest.Config)) side {
+		return side{"alice", func() *rest.Config {
+			c := f.srv.RestConfig(f.alice)
+			mutate(c)
+			return c
+		}}
+	}
+	plain := alice(func(*rest.Config) {})
+	withCert := func(kp *testserver.KeyPair) side {
+		return side{kp.Cert.Subject.CommonName, func() *rest.Config { return f.srv.RestConfig(kp) }}
+	}
+	withExec := func(exec *clientcmdapi.ExecConfig, cn string) side {
+		return side{cn, func() *rest.Config {
+			c := f.srv.RestConfig(nil)
+			cp := *exec
+			c.ExecProvider = &cp
+			return c
+		}}
+	}
+	proxied := func(p *forwarder) func(*rest.Config) {
+		return func(c *rest.Config) {
+			u, _ := url.Parse(p.url())
+			c.Proxy = func(*http.Request) (*url.URL, error) { return u, nil } // a new closure per config
+		}
+	}
+	dialing := func(r *forwarder, name string) func(*rest.Config) {
+		return func(c *rest.Config) {
+			c.Dial = r.dial()
+			dialNames.Store(c, name)
+		}
+	}
+	host := func(h string) func(*rest.Config) {
+		return func(c *rest.Config) { c.Host = strings.Replace(c.Host, "127.0.0.1", h, 1) }
+	}
+
+	const (
+		differ = iota
+		share  // one transport, one connection
+		shareTransport
+	)
+	for _, tc := range []struct {
+		name string
+		want int
+		a, b side
+	}{
+		// Identity fields: never shared.
+		{"CA bundle", differ, plain, alice(func(c *rest.Config) { c.CAData = append(f.ca.CertPEM(), otherCA.CertPEM()...) })},
+		{"CA file vs the same CA inline", differ, plain, alice(func(c *rest.Config) { c.CAData, c.CAFile = nil, alicePaths.CA })},
+		{"client certificate", differ, withCert(f.alice), withCert(f.bob)},
+		{"certificate only (same key)", differ, withCert(f.alice), withCert(aliceReissued)},
+		{"key only (same key, other encoding)", differ, withCert(f.alice), withCert(alicePKCS8)},
+		{"certificate files vs the same bytes inline", differ, plain, alice(func(c *rest.Config) {
+			c.CertData, c.KeyData, c.CertFile, c.KeyFile = nil, nil, alicePaths.Cert, alicePaths.Key
+		})},
+		{"exec plugin certificate", differ, withExec(execAlice, "exec-alice"), withExec(execBob, "exec-bob")},
+		{"exec plugin vs inline certificate", differ, withExec(execAlice, "exec-alice"), plain},
+		{"insecure", differ, plain, alice(func(c *rest.Config) { c.CAData, c.Insecure = nil, true })},
+		{"server name", differ, plain, alice(func(c *rest.Config) { c.ServerName = "localhost" })},
+		{"next protos", differ, plain, alice(func(c *rest.Config) { c.NextProtos = []string{"h2", "http/1.1"} })},
+		{"disable compression", differ, plain, alice(func(c *rest.Config) { c.DisableCompression = true })},
+		{"proxy URL", differ, alice(proxied(proxy1)), alice(proxied(proxy2))},
+		{"proxy vs direct", differ, plain, alice(proxied(proxy1))},
+		{"dial identity", differ, alice(dialing(relay1, "relay-1")), alice(dialing(relay2, "relay-2"))},
+
+		// Per-request fields: always shared.
+		{"bearer token", share, alice(func(c *rest.Config) { c.BearerToken = "token-a" }), alice(func(c *rest.Config) { c.BearerToken = "token-b" })},
+		{"basic auth", share, alice(func(c *rest.Config) { c.Username, c.Password = "u1", "p1" }), alice(func(c *rest.Config) { c.Username, c.Password = "u2", "p2" })},
+		{"impersonation", share, plain, alice(func(c *rest.Config) {
+			c.Impersonate = rest.ImpersonationConfig{UserName: "someone", Groups: []string{"g"}}
+		})},
+		{"user agent", share, alice(func(c *rest.Config) { c.UserAgent = "agent-a" }), alice(func(c *rest.Config) { c.UserAgent = "agent-b" })},
+		// Two names of one server: one transport; net/http pools
+		// connections per host name, so one connection each.
+		{"host", shareTransport, plain, alice(host("localhost"))},
+		{"same proxy URL, other Proxy function", share, alice(proxied(proxy1)), alice(proxied(proxy1))},
+		{"same exec plugin", share, withExec(execAlice, "exec-alice"), withExec(execAlice, "exec-alice")},
+		// WithDialIdentity's promise: same name, interchangeable dialers;
+		// the first config's dialer serves both.
+		{"same dial identity, other dialer", share, alice(dialing(relay1, "relay")), alice(dialing(relay2, "relay"))},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			f.srv.CloseClientConnections()
+			waitFor(t, "server connections closed", func() bool { return f.srv.OpenConns() == 0 })
+			f.srv.ResetStats()
+			ledger.reset()
+			p := newPool(t, WithDialIdentity(dialIdentity))
+
+			var clients []*kubernetes.Clientset
+			for i, s := range []side{tc.a, tc.b} {
+				cfg := s.cfg()
+				cfg.QPS, cfg.Burst = 1e6, 1e6 // client-go's rate limiter is not under test
+				tag(cfg, string(rune('A'+i)), s.cn)
+				if err := p.Wrap(cfg); err != nil {
+					t.Fatal(err)
+				}
+				cs, err := kubernetes.NewForConfig(cfg)
+				if err != nil {
+					t.Fatal(err)
+				}
+				clients = append(clients, cs)
+			}
+			const sequential, concurrent = 4, 8
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			list := func(cs *kubernetes.Clientset) error {
+				_, err := cs.CoreV1().Nodes().List(ctx, metav1.ListOptions{})
+				return err
+			}
+			for range sequential {
+				for _, cs := range clients {
+					if err := list(cs); err != nil {
+						t.Fatal(err)
+					}
+				}
+			}
+			var wg sync.WaitGroup
+			errs := make(chan error, 2*concurrent)
+			for range concurrent {
+				for _, cs := range clients {
+					wg.Add(1)
+					go func() {
+						defer wg.Done()
+						if err := list(cs); err != nil {
+							errs <- err
+						}
+					}()
+				}
+			}
+			wg.Wait()
+			close(errs)
+			for err := range errs {
+				t.Fatal(err)
+			}
+
+			conns, shared, mismatches, requests := ledger.snapshot()
+			st := p.Stats()
+			t.Logf("server: %d requests, connections per config %v, %d shared; pool: %d identities, %d misses, %d hits",
+				requests, conns, shared, st.Identities, st.Misses, st.Hits)
+			for _, m := range mismatches {
+				t.Error(m)
+			}
+			if want := 2 * (sequential + concurrent); requests != want {
+				t.Errorf("server saw %d tagged requests, want %d", requests, want)
+			}
+			if st.PassThrough != 0 {
+				t.Errorf("%d configs passed through: the case does not test the pool", st.PassThrough)
+			}
+			switch tc.want {
+			case differ:
+				if st.Identities != 2 || st.Misses != 2 {
+					t.Errorf("pool built %d transports for %d identities, want 2 and 2", st.Misses, st.Identities)
+				}
+				if shared != 0 {
+					t.Errorf("%d connections carried requests of both configs", shared)
+				}
+			case share, shareTransport:
+				if st.Identities != 1 || st.Misses != 1 || st.Hits != 1 {
+					t.Errorf("pool: %d identities, %d misses, %d hits; want one shared transport", st.Identities, st.Misses, st.Hits)
+				}
+				if conns["A"] != 1 || conns["B"] != 1 {
+					t.Errorf("connections per config %v, want one each", conns)
+				}
+				if tc.want == share && shared != 1 {
+					t.Errorf("the two configs used %d shared connections, want 1", shared)
+				}
+			}
+		})
+	}
+
+	// The server's check is live: a config that claims another certificate
+	// than the one it holds is caught.
+	t.Run("the check catches a config that lies", func(t *testing.T) {
+		ledger.reset()
+		cfg := f.srv.RestConfig(f.alice)
+		tag(cfg, "liar", "bob")
+		if err := listNodes(context.Background(), cfg); err != nil {
+			t.Fatal(err)
+		}
+		if _, _, mismatches, _ := ledger.snapshot(); len(mismatches) != 1 {
+			t.Errorf("mismatches %q, want exactly one", mismatches)
+		}
+	})
+}
