@@ -1,0 +1,327 @@
+package sharedtransport
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"net/url"
+	"regexp"
+	"sort"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
+
+	"github.com/sharedtransport/sharedtransport/internal/testserver"
+)
+
+// TestServerRestart: the server dies under load and comes back on the same
+// port. Requests in flight fail with an error that names the request and
+// what happened to it; requests sent once the server is back succeed; no
+// connection is left stuck on either side.
+func TestServerRestart(t *testing.T) {
+	for _, keepAlive := range []bool{true, false} {
+		t.Run(fmt.Sprintf("keep-alive %v", keepAlive), func(t *testing.T) {
+			f := newFixture(t, testserver.Options{})
+			p := newPool(t, WithKeepAlive(keepAlive))
+			cfg := f.srv.RestConfig(f.alice)
+			if err := p.Wrap(cfg); err != nil {
+				t.Fatal(err)
+			}
+			// The HTTP client of the config, without the rest client's
+			// retries, shows what the transport itself does.
+			hc, err := rest.HTTPClientFor(cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			target := f.srv.URL() + "/api/v1/nodes"
+
+			const (
+				running = iota
+				down
+				back
+			)
+			var phase atomic.Int32
+			type result struct {
+				startPhase, endPhase int32
+				err                  error
+				took                 time.Duration
+			}
+			var mu sync.Mutex
+			var results []result
+			stop := make(chan struct{})
+			var wg sync.WaitGroup
+			const workers, timeout = 20, 5 * time.Second
+			for range workers {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					for {
+						select {
+						case <-stop:
+							return
+						default:
+						}
+						r := result{startPhase: phase.Load()}
+						start := time.Now()
+						ctx, cancel := context.WithTimeout(context.Background(), timeout)
+						req, _ := http.NewRequestWithContext(ctx, http.MethodGet, target, nil)
+						resp, err := hc.Do(req)
+						if err == nil {
+							_, err = io.Copy(io.Discard, resp.Body)
+							resp.Body.Close()
+							if err == nil && resp.StatusCode != http.StatusOK {
+								err = fmt.Errorf("status %s", resp.Status)
+							}
+						}
+						cancel()
+						r.err, r.took, r.endPhase = err, time.Since(start), phase.Load()
+						mu.Lock()
+						results = append(results, r)
+						mu.Unlock()
+						if err != nil {
+							time.Sleep(5 * time.Millisecond) // no busy loop while the server is down
+						}
+					}
+				}()
+			}
+
+			time.Sleep(300 * time.Millisecond)
+			f.srv.SetLatency(100 * time.Millisecond) // so that requests are in flight when it dies
+			time.Sleep(150 * time.Millisecond)
+			phase.Store(down)
+			if err := f.srv.Stop(); err != nil {
+				t.Fatal(err)
+			}
+			waitFor(t, "the pool sees every connection closed", func() bool { return p.Stats().OpenConns == 0 })
+			time.Sleep(200 * time.Millisecond) // down for a while: new requests are refused
+			f.srv.SetLatency(0)
+			if err := f.srv.Restart(); err != nil {
+				t.Fatal(err)
+			}
+			phase.Store(back)
+			time.Sleep(300 * time.Millisecond)
+			close(stop)
+			wg.Wait()
+
+			var ok [3]int
+			var failed [3][3]int // by start phase, end phase
+			reasons := map[string]int{}
+			addr := regexp.QuoteMeta(f.srv.Addr())
+			clear := regexp.MustCompile(`^Get "https://` + addr + `/api/v1/nodes": .+`)
+			for _, r := range results {
+				if r.err == nil {
+					ok[r.startPhase]++
+					continue
+				}
+				failed[r.startPhase][r.endPhase]++
+				reasons[reason(r.err)]++
+				if r.startPhase == back {
+					t.Errorf("a request sent after the server was back failed: %v", r.err)
+				}
+				if r.endPhase == running {
+					t.Errorf("a request failed before the server went down: %v", r.err)
+				}
+				if !clear.MatchString(r.err.Error()) {
+					t.Errorf("unclear error: %v", r.err)
+				}
+				if errors.Is(r.err, context.DeadlineExceeded) || r.took >= timeout {
+					t.Errorf("a request hung until its deadline: %v", r.err)
+				}
+			}
+			inflight := failed[running][down] + failed[running][back]
+			t.Logf("%d requests: %d ok before the stop, %d ok after the restart; failed: %d sent before the stop (in flight), %d sent during the stop or while down; reasons %v",
+				len(results), ok[running], ok[back], inflight, failed[down][down]+failed[down][back], sortedCounts(reasons))
+			if ok[running] == 0 || ok[back] == 0 {
+				t.Errorf("no successful requests before (%d) or after (%d) the restart", ok[running], ok[back])
+			}
+			if inflight == 0 {
+				t.Errorf("no request was in flight when the server died: the test did not test that")
+			}
+
+			// No stuck connections: the pool and the server agree, and
+			// the server keeps at most one per identity with keep-alive.
+			waitFor(t, "pool and server agree on open connections", func() bool {
+				return p.Stats().OpenConns == f.srv.OpenConns() && f.srv.OpenConns() <= 1
+			})
+			if err := listNodes(context.Background(), cfg); err != nil {
+				t.Errorf("a clientset after the restart: %v", err)
+			}
+			t.Logf("server after: %+v; pool: %+v", f.srv.Stats(), p.Stats())
+		})
+	}
+}
+
+// reason is the tail of an error message with addresses and ports removed,
+// for counting kinds of errors.
+func reason(err error) string {
+	var ue *url.Error
+	if errors.As(err, &ue) {
+		err = ue.Err
+	}
+	return regexp.MustCompile(`127\.0\.0\.1:\d+`).ReplaceAllString(err.Error(), "ADDR")
+}
+
+func sortedCounts(m map[string]int) string {
+	keys := make([]string, 0, len(m))
+	for k := range m {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	var b strings.Builder
+	for _, k := range keys {
+		fmt.Fprintf(&b, "[%dx %s] ", m[k], k)
+	}
+	return strings.TrimSpace(b.String())
+}
+
+// TestBlackHole: a connection that stops carrying bytes without closing (a
+// dead peer, a firewall that dropped its state) is found by client-go's
+// HTTP/2 health check, which the pool's transports keep, with its
+// environment overrides; the next requests use a new connection, and no
+// request outlives its context.
+func TestBlackHole(t *testing.T) {
+	// Read by utilnet.SetTransportDefaults when the pool builds the
+	// transport: a ping after 1 s without a frame, the connection closed
+	// after 1 s more without an answer. client-go's defaults are 30 s and
+	// 15 s.
+	t.Setenv("HTTP2_READ_IDLE_TIMEOUT_SECONDS", "1")
+	t.Setenv("HTTP2_PING_TIMEOUT_SECONDS", "1")
+	f := newFixture(t, testserver.Options{})
+	relay := newRelay(t, f.srv.Addr())
+	p := newPool(t)
+	cfg := f.srv.RestConfig(f.alice)
+	cfg.Host = "https://" + relay.addr()
+	cfg.QPS, cfg.Burst = 1e6, 1e6
+	if err := p.Wrap(cfg); err != nil {
+		t.Fatal(err)
+	}
+	cs, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	list := func(timeout time.Duration) (time.Duration, error) {
+		ctx, cancel := context.WithTimeout(context.Background(), timeout)
+		defer cancel()
+		start := time.Now()
+		_, err := cs.CoreV1().Nodes().List(ctx, metav1.ListOptions{})
+		return time.Since(start), err
+	}
+	for range 3 {
+		if _, err := list(5 * time.Second); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if n := relay.accepted.Load(); n != 1 {
+		t.Fatalf("warm-up used %d connections, want 1", n)
+	}
+
+	start := time.Now()
+	if n := relay.blackhole(); n != 1 {
+		t.Fatalf("black-holed %d connections, want 1", n)
+	}
+	// Requests sent into the black hole: short deadlines (before the health
+	// check can act) and long ones.
+	type result struct {
+		timeout, took time.Duration
+		err           error
+	}
+	var wg sync.WaitGroup
+	results := make(chan result, 10)
+	for i := range 10 {
+		timeout := 700 * time.Millisecond
+		if i%2 == 1 {
+			timeout = 20 * time.Second
+		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			took, err := list(timeout)
+			results <- result{timeout, took, err}
+		}()
+	}
+	waitFor(t, "the client closes the dead connection", func() bool { return relay.closedByClient.Load() >= 1 })
+	detected := time.Since(start)
+	wg.Wait()
+	close(results)
+	reasons := map[string]int{}
+	var longest time.Duration
+	for r := range results {
+		longest = max(longest, r.took)
+		if r.took > r.timeout+time.Second {
+			t.Errorf("a request with a %v deadline took %v", r.timeout, r.took)
+		}
+		if r.err != nil {
+			reasons[fmt.Sprintf("%v deadline: %s", r.timeout, reason(r.err))]++
+		} else {
+			reasons[fmt.Sprintf("%v deadline: ok", r.timeout)]++
+		}
+	}
+
+	took, err := list(5 * time.Second)
+	if err != nil {
+		t.Fatalf("request after the dead connection was found: %v", err)
+	}
+	if n := relay.accepted.Load(); n != 2 {
+		t.Errorf("the relay accepted %d connections, want 2: the dead one and its replacement", n)
+	}
+	waitFor(t, "the pool counts one open connection", func() bool { return p.Stats().OpenConns == 1 })
+	t.Logf("dead connection found after %v; requests into the hole: %s (longest %v); next request took %v on a new connection; pool %+v",
+		detected.Round(time.Millisecond), sortedCounts(reasons), longest.Round(time.Millisecond), took.Round(time.Millisecond), p.Stats())
+	if detected > 4*time.Second {
+		t.Errorf("the health check took %v to find the dead connection, want about 2 s", detected)
+	}
+}
+
+// TestGoaway: the server sends GOAWAY on 30% of responses (kube-apiserver's
+// --goaway-chance): every request succeeds and connections stay bounded.
+// After each GOAWAY, Go's HTTP/2 client dials a connection for every request
+// waiting at that moment, with or without the pool (client-go alone does the
+// same); WithMaxConnsPerHost(1) turns that into one dial.
+func TestGoaway(t *testing.T) {
+	const workers, requests = 20, 30
+	for _, tc := range []struct {
+		name     string
+		opts     []Option
+		peakOpen int // most connections open at once
+	}{
+		{"defaults", nil, 2 * workers},
+		{"WithMaxConnsPerHost(1)", []Option{WithMaxConnsPerHost(1)}, 10},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			f := newFixture(t, testserver.Options{GoawayChance: 0.3})
+			kubeconfig := f.kubeconfig(t, "alice", f.alice).Kubeconfig
+			p := newPool(t, tc.opts...)
+			start := time.Now()
+			seedLoad(t, workers, requests, func() (*rest.Config, error) {
+				cfg, err := clientcmd.BuildConfigFromFlags("", kubeconfig)
+				if err != nil {
+					return nil, err
+				}
+				return cfg, p.Wrap(cfg)
+			})
+			took := time.Since(start)
+			st := f.srv.Stats()
+			// A connection that got GOAWAY closes when its last stream ends.
+			waitFor(t, "at most one connection left, counted alike by pool and server", func() bool {
+				return p.Stats().OpenConns == f.srv.OpenConns() && f.srv.OpenConns() <= 1
+			})
+			t.Logf("%d requests in %v, all ok; server sent %d GOAWAYs, accepted %d connections, at most %d open at once, %d open at the end",
+				workers*requests, took.Round(time.Millisecond), st.Goaways, st.Accepted, st.PeakOpen, f.srv.OpenConns())
+			if st.Goaways < workers*requests/5 {
+				t.Errorf("only %d GOAWAYs: the test did not test that", st.Goaways)
+			}
+			if st.PeakOpen > tc.peakOpen {
+				t.Errorf("%d connections open at once, want at most %d", st.PeakOpen, tc.peakOpen)
+			}
+		})
+	}
+}

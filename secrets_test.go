@@ -1,0 +1,260 @@
+package sharedtransport
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"encoding/base64"
+	"encoding/hex"
+	"encoding/pem"
+	"flag"
+	"fmt"
+	"os"
+	"runtime"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"k8s.io/client-go/rest"
+	"k8s.io/klog/v2"
+
+	"github.com/sharedtransport/sharedtransport/internal/testserver"
+)
+
+// syncBuffer is a bytes.Buffer safe for klog's concurrent writes.
+type syncBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *syncBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *syncBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
+}
+
+// captureKlog sends klog's output, at verbosity v, to the returned buffer
+// until the test ends.
+func captureKlog(t *testing.T, v int) *syncBuffer {
+	t.Helper()
+	fs := flag.NewFlagSet("klog", flag.ContinueOnError)
+	klog.InitFlags(fs)
+	set := func(name, value string) {
+		if err := fs.Set(name, value); err != nil {
+			t.Fatal(err)
+		}
+	}
+	buf := &syncBuffer{}
+	set("v", fmt.Sprint(v))
+	set("logtostderr", "false")
+	set("alsologtostderr", "false")
+	set("stderrthreshold", "FATAL")
+	klog.SetOutput(buf)
+	t.Cleanup(func() {
+		klog.Flush()
+		set("v", "0")
+		set("logtostderr", "true")
+		set("stderrthreshold", "ERROR")
+		klog.SetOutput(os.Stderr)
+	})
+	return buf
+}
+
+// secretForms returns the ways a PEM private key could show up in text: the
+// PEM, each line of its base64 body, the whole body (base64 of the DER), the
+// base64 of the PEM (kubeconfig *-data fields), the DER in hex and raw.
+func secretForms(t testing.TB, keyPEM []byte) []string {
+	t.Helper()
+	block, _ := pem.Decode(keyPEM)
+	if block == nil {
+		t.Fatal("not PEM")
+	}
+	forms := []string{
+		string(keyPEM),
+		base64.StdEncoding.EncodeToString(block.Bytes),
+		base64.StdEncoding.EncodeToString(keyPEM),
+		hex.EncodeToString(block.Bytes),
+		hex.EncodeToString(keyPEM),
+		string(block.Bytes),
+		strings.Trim(fmt.Sprint(block.Bytes), "[]"), // %v of a []byte
+		strings.Trim(fmt.Sprint(keyPEM), "[]"),
+	}
+	for _, line := range strings.Split(string(keyPEM), "\n") {
+		if len(line) >= 20 && !strings.HasPrefix(line, "-----") {
+			forms = append(forms, line)
+		}
+	}
+	return forms
+}
+
+func randomSecret(t testing.TB, prefix string) string {
+	t.Helper()
+	b := make([]byte, 16)
+	if _, err := rand.Read(b); err != nil {
+		t.Fatal(err)
+	}
+	return prefix + hex.EncodeToString(b)
+}
+
+// TestSecretsStaySecret: with klog at -v=10, nothing the library or
+// client-go logs, no error, no identity String() and no Stats output
+// contains private key bytes or credentials, through Wrap, requests, a
+// rotation through bad files to good ones, Stats and errors.
+func TestSecretsStaySecret(t *testing.T) {
+	logs := captureKlog(t, 10)
+	token, password := randomSecret(t, "token-"), randomSecret(t, "password-")
+	f := newFixture(t, testserver.Options{Tokens: map[string]string{token: "token-user"}})
+	execKP, err := f.ca.IssueClient("exec-user")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var secrets []string
+	for _, kp := range []*testserver.KeyPair{f.alice, f.bob, f.carol, execKP} {
+		secrets = append(secrets, secretForms(t, kp.KeyPEM)...)
+	}
+	secrets = append(secrets, token, password)
+
+	var texts []string // everything the test saw besides the logs
+	note := func(what string, v any) {
+		if v != nil {
+			texts = append(texts, fmt.Sprintf("%s: %v", what, v))
+		}
+	}
+	p := newPool(t, WithIdleTimeout(0), withDebounce(10*time.Millisecond))
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+
+	// Wrap and requests: certificate files, a token, basic auth, an exec
+	// plugin's certificate.
+	paths := f.kubeconfig(t, "alice", f.alice)
+	fileCfg := &rest.Config{Host: f.srv.URL(), BearerToken: token}
+	fileCfg.CAFile, fileCfg.CertFile, fileCfg.KeyFile = paths.CA, paths.Cert, paths.Key
+	basicCfg := f.srv.RestConfig(f.bob)
+	basicCfg.Username, basicCfg.Password = "someone", password
+	execCfg := f.srv.RestConfig(nil)
+	execCfg.ExecProvider = writeExecPlugin(t, f.dir, "exec", execKP)
+	for _, cfg := range []*rest.Config{fileCfg, basicCfg, execCfg} {
+		if err := p.Wrap(cfg); err != nil {
+			t.Fatal(err)
+		}
+		if err := listNodes(ctx, cfg); err != nil {
+			t.Fatal(err)
+		}
+	}
+
+	// Rotation: bad files are rejected (and logged), then good ones taken.
+	rotateTo := func(what string, cert, key []byte, done func(Stats) bool) {
+		t.Helper()
+		if cert != nil {
+			if err := os.WriteFile(paths.Cert, cert, 0o600); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if key != nil {
+			if err := os.WriteFile(paths.Key, key, 0o600); err != nil {
+				t.Fatal(err)
+			}
+		}
+		waitFor(t, what, func() bool { return done(p.Stats()) })
+		note(what+": request", listNodes(ctx, fileCfg))
+	}
+	errorsAfter := func(n uint64) func(Stats) bool { return func(s Stats) bool { return s.RotationErrors > n } }
+	rotateTo("torn key", nil, f.alice.KeyPEM[:len(f.alice.KeyPEM)/2], errorsAfter(p.Stats().RotationErrors))
+	rotateTo("key of another certificate", nil, f.bob.KeyPEM, errorsAfter(p.Stats().RotationErrors))
+	rotateTo("key where the certificate belongs", f.alice.KeyPEM, f.alice.KeyPEM, errorsAfter(p.Stats().RotationErrors))
+	rotateTo("empty key", f.alice.CertPEM, []byte{}, errorsAfter(p.Stats().RotationErrors))
+	rotateTo("good files", f.carol.CertPEM, f.carol.KeyPEM, func(s Stats) bool { return s.Rotations > 0 })
+
+	// Errors: Wrap of bad inline material and bad files, requests that
+	// fail, the adapter's logged error, an identity released by GC.
+	for _, c := range []*rest.Config{
+		{Host: f.srv.URL(), TLSClientConfig: rest.TLSClientConfig{CertData: f.alice.CertPEM, KeyData: f.bob.KeyPEM}},
+		{Host: f.srv.URL(), TLSClientConfig: rest.TLSClientConfig{CertData: f.alice.KeyPEM, KeyData: f.alice.KeyPEM}},
+		{Host: f.srv.URL(), TLSClientConfig: rest.TLSClientConfig{CAData: f.alice.KeyPEM}},
+		{Host: f.srv.URL(), TLSClientConfig: rest.TLSClientConfig{CertData: f.alice.CertPEM, KeyData: f.alice.KeyPEM[:40]}},
+	} {
+		err := p.Wrap(c)
+		if err == nil {
+			t.Errorf("Wrap of bad material succeeded")
+		}
+		note("Wrap", err)
+		p.WrapConfigFn(c)
+	}
+	wrong := rest.CopyConfig(basicCfg)
+	wrong.CAData = f.alice.CertPEM // verifies nothing: the handshake fails
+	note("request with a wrong CA", listNodes(ctx, wrong))
+	func() {
+		throwaway := f.srv.RestConfig(f.carol)
+		throwaway.BearerToken = token
+		if err := p.Wrap(throwaway); err != nil {
+			t.Fatal(err)
+		}
+	}()
+	waitFor(t, "an identity released", func() bool { runtime.GC(); return p.Stats().Identities <= 3 })
+
+	// String() and Stats.
+	p.mu.Lock()
+	for k, e := range p.entries {
+		note("key String", k.String())
+		note("key %v", fmt.Sprintf("%v %+v %s", k, k, k))
+		note("entry key", e.id.key)
+	}
+	p.mu.Unlock()
+	note("Stats", fmt.Sprintf("%+v %#v", p.Stats(), p.Stats()))
+	if err := p.Close(); err != nil {
+		t.Fatal(err)
+	}
+	note("after Close", listNodes(ctx, fileCfg))
+	klog.Flush()
+
+	logText := logs.String()
+	for _, want := range []string{"Keeping the last good TLS material", "Rotated TLS material", "Released an identity", "Authorization: Bearer <masked>", "Response Body"} {
+		if !strings.Contains(logText, want) {
+			t.Errorf("the logs lack %q: the capture does not see what it should", want)
+		}
+	}
+	// The scan is live: printing an identity's key data is caught.
+	if leaky := fmt.Sprintf("%+v", identity{keyData: f.alice.KeyPEM}); !containsAny(leaky, secrets) {
+		t.Errorf("the scan misses a printed key")
+	}
+	lines := strings.Split(logText, "\n")
+	t.Logf("scanned %d log lines (%d bytes) and %d errors and strings for %d secret forms", len(lines), len(logText), len(texts), len(secrets))
+	for _, s := range secrets {
+		for _, line := range lines {
+			if strings.Contains(line, s) {
+				t.Errorf("a log line holds a secret: %.300s", line)
+			}
+		}
+		for _, text := range texts {
+			if strings.Contains(text, s) {
+				t.Errorf("%.300s holds a secret", text)
+			}
+		}
+	}
+	for _, line := range append(lines, texts...) {
+		if strings.Contains(line, "-----BEGIN") { // naming a block type is fine; quoting a block is not
+			t.Errorf("%.300s quotes PEM data", line)
+		}
+	}
+}
+
+func containsAny(text string, secrets []string) bool {
+	for _, s := range secrets {
+		if strings.Contains(text, s) {
+			return true
+		}
+	}
+	return false
+}
+
+// withDebounce shortens how long file events settle before a reload.
+func withDebounce(d time.Duration) Option {
+	return func(o *options) { o.debounce = d }
+}
