@@ -208,6 +208,7 @@ func TestSecretsStaySecret(t *testing.T) {
 	}
 	p.mu.Unlock()
 	note("Stats", fmt.Sprintf("%+v %#v", p.Stats(), p.Stats()))
+	runtime.KeepAlive([]*rest.Config{fileCfg, basicCfg, execCfg}) // their identities were printed above
 	if err := p.Close(); err != nil {
 		t.Fatal(err)
 	}
