@@ -284,23 +284,9 @@ func pkcs8(t testing.TB, kp *testserver.KeyPair) *testserver.KeyPair {
 // ExecCredential, and returns the config that runs it.
 func writeExecPlugin(t testing.TB, dir, name string, kp *testserver.KeyPair) *clientcmdapi.ExecConfig {
 	t.Helper()
-	cred, err := json.Marshal(map[string]any{
-		"apiVersion": "client.authentication.k8s.io/v1",
-		"kind":       "ExecCredential",
-		"status": map[string]any{
-			"clientCertificateData": string(kp.CertPEM),
-			"clientKeyData":         string(kp.KeyPEM),
-		},
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	credFile := filepath.Join(dir, name+".json")
-	if err := os.WriteFile(credFile, cred, 0o600); err != nil {
-		t.Fatal(err)
-	}
+	writeExecCredential(t, dir, name, kp, time.Time{})
 	script := filepath.Join(dir, name+".sh")
-	if err := os.WriteFile(script, []byte("#!/bin/sh\nexec cat '"+credFile+"'\n"), 0o700); err != nil {
+	if err := os.WriteFile(script, []byte("#!/bin/sh\nexec cat '"+filepath.Join(dir, name+".json")+"'\n"), 0o700); err != nil {
 		t.Fatal(err)
 	}
 	return &clientcmdapi.ExecConfig{
@@ -308,6 +294,28 @@ func writeExecPlugin(t testing.TB, dir, name string, kp *testserver.KeyPair) *cl
 		APIVersion:      "client.authentication.k8s.io/v1",
 		InteractiveMode: clientcmdapi.NeverExecInteractiveMode,
 	}
+}
+
+// writeExecCredential sets what the plugin name prints next: kp, valid
+// until expiry (zero: no expiry).
+func writeExecCredential(t testing.TB, dir, name string, kp *testserver.KeyPair, expiry time.Time) {
+	t.Helper()
+	status := map[string]any{
+		"clientCertificateData": string(kp.CertPEM),
+		"clientKeyData":         string(kp.KeyPEM),
+	}
+	if !expiry.IsZero() {
+		status["expirationTimestamp"] = expiry.UTC().Format(time.RFC3339)
+	}
+	cred, err := json.Marshal(map[string]any{
+		"apiVersion": "client.authentication.k8s.io/v1",
+		"kind":       "ExecCredential",
+		"status":     status,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	writeAtomic(t, filepath.Join(dir, name+".json"), cred)
 }
 
 // writeAtomic writes data to path the way careful tools do: a temporary file

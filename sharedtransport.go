@@ -314,7 +314,11 @@ func (p *Pool) identityFor(cfg *rest.Config) (*identity, error) {
 		if name == "" {
 			return nil, nil // dialers cannot be compared: not shared unless named
 		}
-		id.dial = cfg.Dial
+		// tc's dialer, not cfg.Dial: for an exec plugin config client-go
+		// wraps cfg.Dial in the tracker its authenticator closes when the
+		// plugin's certificate changes, and the pool's connections must
+		// close with it. Otherwise the two are the same function.
+		id.dial = tc.DialHolder.Dial
 		h.str("dialIdentity", name)
 	case tc.DialHolder != nil:
 		// The exec credential plugin's dialer: one per authenticator, and
