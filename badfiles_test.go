@@ -264,10 +264,10 @@ type roundTripperFunc func(*http.Request) (*http.Response, error)
 
 func (f roundTripperFunc) RoundTrip(req *http.Request) (*http.Response, error) { return f(req) }
 
-// TestCANotACA: a CA file that holds a certificate that is neither a CA nor
-// self-signed (a client certificate put there by mistake) can verify no
-// server. A pinned self-signed server certificate that is not a CA is a
-// legitimate CA file (client-go accepts it) and must keep working.
+// TestCANotACA: a CA file that holds only a certificate that is neither a CA
+// nor for server authentication (a client certificate put there by mistake)
+// can verify no server. A pinned self-signed server certificate that is not
+// a CA is a legitimate CA file (client-go accepts it) and must keep working.
 func TestCANotACA(t *testing.T) {
 	f := newFixture(t, testserver.Options{})
 	p := newPool(t, withDebounce(10*time.Millisecond))
@@ -294,7 +294,7 @@ func TestCANotACA(t *testing.T) {
 	// Whether the loader rejects such a bundle decides what must happen.
 	leaf := f.bob.CertPEM
 	rejects := checkCABundle(leaf) != nil
-	t.Logf("the CA loader rejects a bundle with no CA and no self-signed certificate: %v", rejects)
+	t.Logf("the CA loader rejects a bundle that can verify no server: %v", rejects)
 
 	c := writeCredFiles(t, filepath.Join(f.dir, "not-a-ca"), leaf, f.alice)
 	err := p.Wrap(c.config(f.srv.URL()))
@@ -316,13 +316,22 @@ func TestCANotACA(t *testing.T) {
 		}
 	}
 
-	// After good material: a CA file replaced by a non-CA certificate.
+	// After good material: a CA file replaced by a non-CA certificate. As
+	// in TestBadFilesAfterGood, the client is built before the change.
 	good := writeCredFiles(t, filepath.Join(f.dir, "ca-rotates"), f.ca.CertPEM(), f.alice)
 	cfg := good.config(f.srv.URL())
 	if err := p.Wrap(cfg); err != nil {
 		t.Fatal(err)
 	}
-	if err := listNodes(ctx, cfg); err != nil {
+	cs, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	list := func() error {
+		_, err := cs.CoreV1().Nodes().List(ctx, metav1.ListOptions{})
+		return err
+	}
+	if err := list(); err != nil {
 		t.Fatal(err)
 	}
 	before := p.Stats()
@@ -333,7 +342,7 @@ func TestCANotACA(t *testing.T) {
 	})
 	f.srv.CloseClientConnections()
 	waitFor(t, "the pool sees its connection closed", func() bool { return p.Stats().OpenConns == 0 })
-	err = listNodes(ctx, cfg)
+	err = list()
 	if rejects {
 		if err != nil {
 			t.Errorf("request after a rejected CA file: %v", err)
