@@ -113,9 +113,12 @@ func (p *Pool) newGeneration(e *entry, m *material) (*generation, error) {
 			}
 			g.leaf = cert.Certificate[0]
 		}
-		if p.opts.sessionResumption {
+		if p.opts.sessionResumption && id.getCert == nil {
 			// One cache per generation: a resumed session carries the client
-			// certificate of the handshake it came from.
+			// certificate of the handshake it came from. An exec plugin's
+			// certificate can change without a new generation, and a resumed
+			// session would go on authenticating as the old one, so such
+			// identities do not resume.
 			tlsConfig.ClientSessionCache = tls.NewLRUClientSessionCache(p.opts.sessionCacheSz)
 		}
 		tlsConfig.VerifyConnection = g.countHandshake

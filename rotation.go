@@ -38,10 +38,7 @@ func loadMaterial(id *identity) (*material, error) {
 		}
 	}
 	if id.certFile != "" {
-		if m.certPEM, err = readFile(id.certFile, "client certificate"); err != nil {
-			return nil, err
-		}
-		if m.keyPEM, err = readFile(id.keyFile, "client key"); err != nil {
+		if m.certPEM, m.keyPEM, err = readPair(id.certFile, id.keyFile); err != nil {
 			return nil, err
 		}
 	}
@@ -58,6 +55,23 @@ func loadMaterial(id *identity) (*material, error) {
 		}
 	}
 	return m, nil
+}
+
+// readPair reads a certificate and key file. The two reads are not atomic:
+// a writer swapping both (kubelet's ..data symlink) between them gives a
+// torn pair, so a mismatch is read once more before it counts.
+func readPair(certFile, keyFile string) (certPEM, keyPEM []byte, err error) {
+	for attempt := 0; ; attempt++ {
+		if certPEM, err = readFile(certFile, "client certificate"); err != nil {
+			return nil, nil, err
+		}
+		if keyPEM, err = readFile(keyFile, "client key"); err != nil {
+			return nil, nil, err
+		}
+		if _, err := tls.X509KeyPair(certPEM, keyPEM); err == nil || attempt == 1 {
+			return certPEM, keyPEM, nil // loadMaterial reports a pair that still fails
+		}
+	}
 }
 
 func describe(file, inline string) string {
@@ -81,7 +95,7 @@ func readFile(path, what string) ([]byte, error) {
 // checkCABundle accepts PEM certificates only, and rejects a bundle that ends
 // in a torn block: a CA file caught mid-write must not replace a good one.
 func checkCABundle(b []byte) error {
-	n := 0
+	n, verifiers := 0, 0
 	rest := b
 	for {
 		block, r := pem.Decode(rest)
@@ -91,8 +105,12 @@ func checkCABundle(b []byte) error {
 		if block.Type != "CERTIFICATE" {
 			return fmt.Errorf("holds a %q PEM block where CA certificates are expected", block.Type)
 		}
-		if _, err := x509.ParseCertificate(block.Bytes); err != nil {
+		cert, err := x509.ParseCertificate(block.Bytes)
+		if err != nil {
 			return fmt.Errorf("certificate %d does not parse: %w", n+1, err)
+		}
+		if canVerifyServers(cert) {
+			verifiers++
 		}
 		n++
 		rest = r
@@ -100,10 +118,28 @@ func checkCABundle(b []byte) error {
 	if n == 0 {
 		return errors.New("holds no PEM certificate")
 	}
+	if verifiers == 0 {
+		return errors.New("holds no CA certificate: none of its certificates is a CA or usable for server authentication, so it can verify no server (a client certificate in the CA file?)")
+	}
 	if len(bytes.TrimSpace(rest)) > 0 {
 		return errors.New("ends in an incomplete PEM block (a write in progress?)")
 	}
 	return nil
+}
+
+// canVerifyServers reports whether cert can anchor a server's chain: a CA,
+// or a certificate pinned directly (self-signed server certificates, which
+// client-go accepts as roots too).
+func canVerifyServers(cert *x509.Certificate) bool {
+	if cert.BasicConstraintsValid && cert.IsCA || len(cert.ExtKeyUsage) == 0 {
+		return true
+	}
+	for _, u := range cert.ExtKeyUsage {
+		if u == x509.ExtKeyUsageServerAuth || u == x509.ExtKeyUsageAny {
+			return true
+		}
+	}
+	return false
 }
 
 // fileWatcher watches the directories of every file the pool's identities
