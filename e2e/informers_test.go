@@ -120,7 +120,11 @@ func TestInformersStartup(t *testing.T) {
 	if pooled.distinct > 2 || pooled.open > 2 {
 		t.Errorf("sharedtransport: %d distinct connections seen, %d open; want at most 2", pooled.distinct, pooled.open)
 	}
-	if stats.Dials > 2 {
-		t.Errorf("sharedtransport: the pool dialed %d connections, want at most 2", stats.Dials)
+	// 160 requests at once need 2 HTTP/2 connections (100 streams each).
+	// Go's transport may finish one more dial whose request was served by a
+	// connection that came up meanwhile; that connection is closed at once
+	// (never among the open ones above), so one surplus dial is allowed.
+	if stats.Dials > 3 {
+		t.Errorf("sharedtransport: the pool dialed %d connections, want at most 2 (and 1 surplus)", stats.Dials)
 	}
 }
