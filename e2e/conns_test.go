@@ -1,14 +1,11 @@
 package e2e
 
 import (
-	"bufio"
-	"fmt"
-	"os"
-	"strconv"
-	"strings"
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/sharedtransport/sharedtransport/internal/procnet"
 )
 
 // Connections are counted by the kernel, not by the code under test: a
@@ -17,98 +14,21 @@ import (
 // descriptors (kube-apiserver's own loopback clients connect to the same port
 // from another process; etcd listens elsewhere).
 
-// TCP states from include/net/tcp_states.h.
-const (
-	tcpEstablished = 0x01
-	tcpCloseWait   = 0x08
-)
-
-// ownedSockets returns the inodes of the sockets this process holds open.
-func ownedSockets() (map[uint64]bool, error) {
-	d, err := os.Open("/proc/self/fd")
-	if err != nil {
-		return nil, err
-	}
-	defer d.Close()
-	names, err := d.Readdirnames(-1)
-	if err != nil {
-		return nil, err
-	}
-	out := make(map[uint64]bool, len(names))
-	for _, n := range names {
-		link, err := os.Readlink("/proc/self/fd/" + n)
-		if err != nil || !strings.HasPrefix(link, "socket:[") {
-			continue
-		}
-		ino, err := strconv.ParseUint(strings.TrimSuffix(strings.TrimPrefix(link, "socket:["), "]"), 10, 64)
-		if err == nil {
-			out[ino] = true
-		}
-	}
-	return out, nil
-}
-
 // openConns returns the inodes of this process's connections to the given
 // remote port that are open (ESTABLISHED, or CLOSE_WAIT: the peer closed but
 // this side still holds it), mapped to their local ports.
 func openConns(port int) (map[uint64]int, error) {
-	owned, err := ownedSockets()
+	conns, err := procnet.Mine()
 	if err != nil {
 		return nil, err
 	}
 	out := map[uint64]int{}
-	for _, f := range []string{"/proc/net/tcp", "/proc/net/tcp6"} {
-		if err := scanTCP(f, func(local, remote, state int, inode uint64) {
-			if remote == port && (state == tcpEstablished || state == tcpCloseWait) && owned[inode] {
-				out[inode] = local
-			}
-		}); err != nil {
-			return nil, err
+	for _, c := range conns {
+		if c.RemotePort == port && (c.State == procnet.Established || c.State == procnet.CloseWait) {
+			out[c.Inode] = c.LocalPort
 		}
 	}
 	return out, nil
-}
-
-func scanTCP(path string, fn func(localPort, remotePort, state int, inode uint64)) error {
-	f, err := os.Open(path)
-	if err != nil {
-		if os.IsNotExist(err) && strings.HasSuffix(path, "6") {
-			return nil
-		}
-		return err
-	}
-	defer f.Close()
-	sc := bufio.NewScanner(f)
-	sc.Buffer(make([]byte, 64*1024), 1024*1024)
-	first := true
-	for sc.Scan() {
-		if first { // header
-			first = false
-			continue
-		}
-		fields := strings.Fields(sc.Text())
-		if len(fields) < 10 {
-			continue
-		}
-		lp, err1 := hexPort(fields[1])
-		rp, err2 := hexPort(fields[2])
-		st, err3 := strconv.ParseUint(fields[3], 16, 8)
-		ino, err4 := strconv.ParseUint(fields[9], 10, 64)
-		if err1 != nil || err2 != nil || err3 != nil || err4 != nil {
-			return fmt.Errorf("%s: cannot parse %q", path, sc.Text())
-		}
-		fn(lp, rp, int(st), ino)
-	}
-	return sc.Err()
-}
-
-func hexPort(addr string) (int, error) {
-	i := strings.LastIndexByte(addr, ':')
-	if i < 0 {
-		return 0, fmt.Errorf("no port in %q", addr)
-	}
-	p, err := strconv.ParseUint(addr[i+1:], 16, 16)
-	return int(p), err
 }
 
 // connWatch samples this process's connections to kube-apiserver while a test

@@ -1,0 +1,31 @@
+package procnet
+
+import "testing"
+
+func TestParse(t *testing.T) {
+	const tcp = `  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 0100007F:9C40 0100007F:1A0B 01 00000000:00000000 00:00000000 00000000     0        0 12345 1 0000000000000000 20 4 30 10 -1
+   1: 00000000:0016 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 999 1 0000000000000000 100 0 0 10 0
+`
+	es, err := Parse([]byte(tcp))
+	if err != nil || len(es) != 2 {
+		t.Fatalf("%v %v", es, err)
+	}
+	if e := es[0]; e.RemoteIP.String() != "127.0.0.1" || e.RemotePort != 6667 || e.LocalPort != 0x9C40 || e.State != Established || e.Inode != 12345 {
+		t.Errorf("entry: %+v", e)
+	}
+	const tcp6 = `  sl  local_address                         remote_address                        st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 00000000000000000000000001000000:A1B2 00000000000000000000000001000000:1A0B 01 00000000:00000000 00:00000000 00000000     0        0 777 1 0000000000000000 20 4 30 10 -1
+   1: 0000000000000000FFFF00000100007F:A1B2 0000000000000000FFFF00000100007F:01BB 01 00000000:00000000 00:00000000 00000000     0        0 778 1 0000000000000000 20 4 30 10 -1
+`
+	es, err = Parse([]byte(tcp6))
+	if err != nil || len(es) != 2 {
+		t.Fatalf("%v %v", es, err)
+	}
+	if e := es[0]; e.RemoteIP.String() != "::1" || e.RemotePort != 6667 {
+		t.Errorf("entry: %+v", e)
+	}
+	if e := es[1]; e.RemoteIP.To4().String() != "127.0.0.1" || e.RemotePort != 443 {
+		t.Errorf("v4-mapped entry: %+v %v", e, e.RemoteIP)
+	}
+}
