@@ -10,6 +10,7 @@ import (
 
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
 
 	"github.com/sharedtransport/sharedtransport/internal/testserver"
 )
@@ -110,50 +111,23 @@ func TestSessionResumption(t *testing.T) {
 // TestColdStartBurst: a burst of first requests through one new client waits
 // for the first connection instead of dialing one each.
 func TestColdStartBurst(t *testing.T) {
-	for _, burst := range []int{100, 300} {
-		t.Run(fmt.Sprint(burst), func(t *testing.T) {
+	for _, n := range []int{100, 300} {
+		t.Run(fmt.Sprint(n), func(t *testing.T) {
 			f := newFixture(t, testserver.Options{})
 			p := newPool(t)
-			cfg := f.srv.RestConfig(f.alice)
-			cfg.QPS = -1 // no client-side rate limit: the burst is the point
-			if err := p.Wrap(cfg); err != nil {
-				t.Fatal(err)
-			}
-			cs, err := kubernetes.NewForConfig(cfg)
-			if err != nil {
-				t.Fatal(err)
-			}
-			start := make(chan struct{})
-			var wg sync.WaitGroup
-			errs := make(chan error, burst)
-			for range burst {
-				wg.Add(1)
-				go func() {
-					defer wg.Done()
-					<-start
-					if _, err := cs.CoreV1().Nodes().List(context.Background(), metav1.ListOptions{}); err != nil {
-						errs <- err
-					}
-				}()
-			}
-			close(start)
-			wg.Wait()
-			close(errs)
-			for err := range errs {
-				t.Fatal(err)
-			}
+			burst(t, wrappedClient(t, p, f.srv.RestConfig(f.alice)), n)
 			st := f.srv.Stats()
 			// The physical minimum is one connection per 100 concurrent
 			// streams, the server's limit. Beyond the first 100, Go may
 			// finish a dial whose request was served meanwhile; the server
 			// sees it closed as surplus at once, so what it holds open is
 			// the minimum.
-			limit := (burst + 99) / 100
-			t.Logf("burst of %d: server accepted %d connections (minimum %d), peak open %d", burst, st.Accepted, limit, st.PeakOpen)
+			limit := (n + 99) / 100
+			t.Logf("burst of %d: server accepted %d connections (minimum %d), peak open %d", n, st.Accepted, limit, st.PeakOpen)
 			// Under the race detector a dial can outlast the request that
 			// started it by a connection's worth of time: one over.
-			if st.PeakOpen > limit+1 || (burst <= 100 && st.Accepted != 1) {
-				t.Errorf("burst of %d first requests: %d connections accepted, %d open at once; want at most %d open", burst, st.Accepted, st.PeakOpen, limit+1)
+			if st.PeakOpen > limit+1 || (n <= 100 && st.Accepted != 1) {
+				t.Errorf("burst of %d first requests: %d connections accepted, %d open at once; want at most %d open", n, st.Accepted, st.PeakOpen, limit+1)
 			}
 		})
 	}
@@ -165,7 +139,19 @@ func TestColdStartBurst(t *testing.T) {
 func TestConnectionCap(t *testing.T) {
 	f := newFixture(t, testserver.Options{Latency: 20 * time.Millisecond})
 	p := newPool(t, WithMaxConnsPerHost(1))
-	cfg := f.srv.RestConfig(f.alice)
+	const n = 500
+	burst(t, wrappedClient(t, p, f.srv.RestConfig(f.alice)), n)
+	st := f.srv.Stats()
+	t.Logf("cap 1, %d concurrent requests: server accepted %d connections, peak open %d", n, st.Accepted, st.PeakOpen)
+	if st.Accepted != 1 {
+		t.Errorf("cap 1: the server accepted %d connections", st.Accepted)
+	}
+}
+
+// wrappedClient wraps cfg with p and returns a clientset without client-side
+// rate limiting: the load is the point.
+func wrappedClient(t testing.TB, p *Pool, cfg *rest.Config) kubernetes.Interface {
+	t.Helper()
 	cfg.QPS = -1
 	if err := p.Wrap(cfg); err != nil {
 		t.Fatal(err)
@@ -174,7 +160,12 @@ func TestConnectionCap(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	const n = 500
+	return cs
+}
+
+// burst sends n node lists through cs all at once and fails t if any fails.
+func burst(t testing.TB, cs kubernetes.Interface, n int) {
+	t.Helper()
 	start := make(chan struct{})
 	var wg sync.WaitGroup
 	errs := make(chan error, n)
@@ -195,10 +186,5 @@ func TestConnectionCap(t *testing.T) {
 	close(errs)
 	for err := range errs {
 		t.Fatal(err)
-	}
-	st := f.srv.Stats()
-	t.Logf("cap 1, %d concurrent requests: server accepted %d connections, peak open %d", n, st.Accepted, st.PeakOpen)
-	if st.Accepted != 1 {
-		t.Errorf("cap 1: the server accepted %d connections", st.Accepted)
 	}
 }

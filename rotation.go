@@ -81,6 +81,15 @@ func describe(file, inline string) string {
 	return fmt.Sprintf("file %q", file)
 }
 
+// dataOrFile returns inline data, or the content of file when there is none:
+// client-go's rule for material it does not reload.
+func dataOrFile(data []byte, file, what string) ([]byte, error) {
+	if len(data) > 0 || file == "" {
+		return data, nil
+	}
+	return readFile(file, what)
+}
+
 func readFile(path, what string) ([]byte, error) {
 	b, err := os.ReadFile(path)
 	if err != nil {

@@ -64,6 +64,21 @@ func (d *certDir) config(host string) *rest.Config {
 	return c
 }
 
+// wrapped returns a config naming d's files for host, wrapped by p, and a
+// clientset built from it.
+func (d *certDir) wrapped(t testing.TB, p *Pool, host string) (*rest.Config, kubernetes.Interface) {
+	t.Helper()
+	cfg := d.config(host)
+	if err := p.Wrap(cfg); err != nil {
+		t.Fatal(err)
+	}
+	cs, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return cfg, cs
+}
+
 // write replaces the files' content with kp and ca, as d's layout does it.
 func (d *certDir) write(t testing.TB, kp *testserver.KeyPair, ca []byte) {
 	t.Helper()
@@ -204,14 +219,7 @@ func TestRotationKinds(t *testing.T) {
 		t.Run(layout, func(t *testing.T) {
 			p := newPool(t, WithPollInterval(0), WithDrainTimeout(time.Second))
 			d := newCertDir(t, layout, f.alice, f.ca.CertPEM())
-			cfg := d.config(f.srv.URL())
-			if err := p.Wrap(cfg); err != nil {
-				t.Fatal(err)
-			}
-			cs, err := kubernetes.NewForConfig(cfg)
-			if err != nil {
-				t.Fatal(err)
-			}
+			cfg, cs := d.wrapped(t, p, f.srv.URL())
 			stop := make(chan struct{})
 			reqs, fails, done := requestLoop(cs, 50, stop)
 
@@ -425,14 +433,7 @@ func TestRotationDrain(t *testing.T) {
 	const drain = 2 * time.Second
 	p := newPool(t, WithPollInterval(0), WithDrainTimeout(drain))
 	d := newCertDir(t, secretVolume, f.alice, f.ca.CertPEM())
-	cfg := d.config(f.srv.URL())
-	if err := p.Wrap(cfg); err != nil {
-		t.Fatal(err)
-	}
-	cs, err := kubernetes.NewForConfig(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
+	cfg, cs := d.wrapped(t, p, f.srv.URL())
 	w, err := cs.CoreV1().Nodes().Watch(context.Background(), metav1.ListOptions{})
 	if err != nil {
 		t.Fatal(err)
@@ -533,14 +534,7 @@ func TestRotationUnderLoad(t *testing.T) {
 	f := newFixture(t, testserver.Options{OnRequest: rec.record})
 	p := newPool(t, WithPollInterval(0), WithDrainTimeout(time.Second))
 	d := newCertDir(t, secretVolume, f.alice, f.ca.CertPEM())
-	cfg := d.config(f.srv.URL())
-	if err := p.Wrap(cfg); err != nil {
-		t.Fatal(err)
-	}
-	cs, err := kubernetes.NewForConfig(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
+	_, cs := d.wrapped(t, p, f.srv.URL())
 	stop := make(chan struct{})
 	reqs, fails, done := requestLoop(cs, 60, stop)
 	var latencies []time.Duration

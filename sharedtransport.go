@@ -14,6 +14,7 @@ import (
 	"net/url"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -105,7 +106,7 @@ func (p *Pool) Wrap(cfg *rest.Config) error {
 	}
 	probe, err := probeRequest(cfg)
 	if err != nil {
-		return fmt.Errorf("sharedtransport: host %q: %w", cfg.Host, err)
+		return fmt.Errorf("sharedtransport: host %q: %w", redactHost(cfg.Host), err)
 	}
 	l, err := p.acquire(id, probe)
 	if err != nil {
@@ -330,7 +331,7 @@ func (p *Pool) identityFor(cfg *rest.Config) (*identity, error) {
 	if cfg.Proxy != nil {
 		shared, err := proxyRoute(cfg)
 		if err != nil {
-			p.opts.logger.V(2).Info("Config passes through: its Proxy function failed", "host", cfg.Host, "err", err)
+			p.opts.logger.V(2).Info("Config passes through: its Proxy function failed", "host", redactHost(cfg.Host), "err", err)
 			return nil, nil
 		}
 		if !shared.env {
@@ -383,6 +384,14 @@ func probeRequest(cfg *rest.Config) (*http.Request, error) {
 		return nil, err
 	}
 	return &http.Request{Method: http.MethodGet, URL: u, Header: http.Header{}, Host: u.Host}, nil
+}
+
+// redactHost hides a password a config's Host may carry in its user info.
+func redactHost(host string) string {
+	if u, err := url.Parse(host); err == nil && u.User != nil {
+		return u.Redacted()
+	}
+	return host
 }
 
 func urlString(u *url.URL) string {
@@ -475,59 +484,41 @@ func (e *entry) remember(t *http.Transport) {
 	e.recentNext = (e.recentNext + 1) % len(e.recent)
 }
 
-// trustedRoots reports whether roots are what an earlier generation of a
-// file-based CA trusted.
-func (e *entry) trustedRoots(roots *x509.CertPool) bool {
+// maxPastCredentials bounds how many rotations back a client-go transport's
+// material is still recognised as this identity's.
+const maxPastCredentials = 8
+
+// trustsRoots reports whether roots are what g trusts or, for a CA file, what
+// an earlier generation trusted.
+func (e *entry) trustsRoots(g *generation, roots *x509.CertPool) bool {
+	if samePool(roots, g.roots) {
+		return true
+	}
 	if e.id.caFile == "" {
 		return false
 	}
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	for _, r := range e.pastRoots {
-		if samePool(roots, r) {
-			return true
-		}
-	}
-	return false
+	return slices.ContainsFunc(e.pastRoots, func(r *x509.CertPool) bool { return samePool(roots, r) })
 }
 
-// maxPastCredentials bounds how many rotations back a client-go transport's
-// material is still recognised as this identity's.
-const maxPastCredentials = 8
-
-// trusts reports whether roots and leaf are what g authenticates with or, for
-// material that comes from files, what an earlier generation did.
-func (e *entry) trusts(g *generation, roots *x509.CertPool, leaf []byte) bool {
-	rootsOK := samePool(roots, g.roots)
-	leafOK := bytes.Equal(leaf, g.leaf)
+// trustsLeaf reports whether leaf is the client certificate g presents or,
+// for certificate files, one an earlier generation presented.
+func (e *entry) trustsLeaf(g *generation, leaf []byte) bool {
+	if bytes.Equal(leaf, g.leaf) {
+		return true
+	}
 	if leaf != nil && g.leaf == nil && e.id.getCert != nil {
 		// The exec plugin's certificate: ask the holder, as a handshake would.
-		if cert, err := e.id.getCert.GetCert(); err == nil && cert != nil && len(cert.Certificate) > 0 {
-			leafOK = bytes.Equal(leaf, cert.Certificate[0])
-		}
+		cert, err := e.id.getCert.GetCert()
+		return err == nil && cert != nil && len(cert.Certificate) > 0 && bytes.Equal(leaf, cert.Certificate[0])
 	}
-	if rootsOK && leafOK {
-		return true
+	if e.id.certFile == "" {
+		return false
 	}
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	if !rootsOK && e.id.caFile != "" {
-		for _, r := range e.pastRoots {
-			if samePool(roots, r) {
-				rootsOK = true
-				break
-			}
-		}
-	}
-	if !leafOK && e.id.certFile != "" {
-		for _, l := range e.pastLeaves {
-			if bytes.Equal(leaf, l) {
-				leafOK = true
-				break
-			}
-		}
-	}
-	return rootsOK && leafOK
+	return slices.ContainsFunc(e.pastLeaves, func(l []byte) bool { return bytes.Equal(leaf, l) })
 }
 
 func samePool(a, b *x509.CertPool) bool {
@@ -719,15 +710,4 @@ func newLease(e *entry, probe *http.Request) *lease {
 	l := &lease{e: e, probe: probe}
 	runtime.AddCleanup(l, e.pool.release, e)
 	return l
-}
-
-func dataOrFile(data []byte, file, what string) ([]byte, error) {
-	if len(data) > 0 || file == "" {
-		return data, nil
-	}
-	b, err := readFile(file, what)
-	if err != nil {
-		return nil, err
-	}
-	return b, nil
 }

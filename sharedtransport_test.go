@@ -535,23 +535,21 @@ func TestLifetime(t *testing.T) {
 	p := newPool(t, WithIdleTimeout(0))
 	ctx := context.Background()
 	const n = 1000
-	func() {
-		for i := range n {
-			cfg := f.srv.RestConfig(nil)
-			// 1,000 identities: distinct server names over one CA-verified
-			// server would fail verification, so vary the inline CA bundle
-			// instead, by appending the same CA i times is not distinct
-			// either; use distinct client certificates for a few and token
-			// variants cannot make identities. Distinct proxies make them.
-			cfg.Proxy = http.ProxyURL(&url.URL{Scheme: "http", Host: fmt.Sprintf("127.0.0.1:%d", 10000+i)})
-			if err := p.Wrap(cfg); err != nil {
-				t.Fatal(err)
-			}
+	live := make([]*rest.Config, 0, n)
+	for i := range n {
+		// Distinct proxies make distinct identities over one server.
+		cfg := f.srv.RestConfig(nil)
+		cfg.Proxy = http.ProxyURL(&url.URL{Scheme: "http", Host: fmt.Sprintf("127.0.0.1:%d", 10000+i)})
+		if err := p.Wrap(cfg); err != nil {
+			t.Fatal(err)
 		}
-	}()
-	if got := p.Stats().Identities; got != n {
-		t.Fatalf("%d identities after wrapping %d distinct configs", got, n)
+		live = append(live, cfg)
 	}
+	runtime.GC()
+	if got := p.Stats().Identities; got != n {
+		t.Fatalf("%d identities while %d distinct wrapped configs are live", got, n)
+	}
+	live = nil
 	waitFor(t, "identities released after GC", func() bool {
 		runtime.GC()
 		return p.Stats().Identities == 0

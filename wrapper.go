@@ -118,11 +118,12 @@ func (l *lease) matches(rt http.RoundTripper) bool {
 		if gotTLS.ServerName != wantTLS.ServerName || gotTLS.InsecureSkipVerify != wantTLS.InsecureSkipVerify {
 			return false
 		}
-		if !samePool(gotTLS.RootCAs, g.roots) && !l.e.trustedRoots(gotTLS.RootCAs) {
+		// Roots first: asking client-go for its certificate is not free.
+		if !l.e.trustsRoots(g, gotTLS.RootCAs) {
 			return false
 		}
 		leaf, err := clientLeaf(gotTLS)
-		if err != nil || !l.e.trusts(g, gotTLS.RootCAs, leaf) {
+		if err != nil || !l.e.trustsLeaf(g, leaf) {
 			return false
 		}
 	}
@@ -183,7 +184,13 @@ func (l *lease) RoundTrip(req *http.Request) (*http.Response, error) {
 	if l.e.closed.Load() {
 		return nil, fmt.Errorf("%w: build the client from a config wrapped by an open pool", ErrClosed)
 	}
-	return l.e.current.Load().roundTrip(req)
+	resp, err := l.e.current.Load().roundTrip(req)
+	if err != nil && l.e.closed.Load() {
+		// Closed while the request ran: say so, rather than whatever the
+		// connection that Close cut reported.
+		return nil, fmt.Errorf("%w while the request ran: %v", ErrClosed, err)
+	}
+	return resp, err
 }
 
 // WrappedRoundTripper lets client-go helpers (utilnet.CloseIdleConnectionsFor,

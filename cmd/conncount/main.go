@@ -76,22 +76,12 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.DurationVar(&o.sample, "sample", 20*time.Millisecond, "how often open connections are sampled for --svg and the peak (real clusters: at least 50ms)")
 	fs.BoolVar(&o.progress, "progress", true, "show progress on stderr while a mode runs")
 	fs.StringVar(&o.cpuProfile, "cpuprofile", "", "write a CPU profile of the whole run (client side) to this file")
-	fs.Usage = func() {
-		fmt.Fprintf(fs.Output(), "Usage: conncount [flags]\n\nRuns the seed's load (workers x requests, a fresh rest.Config and clientset per request)\nin several modes and counts connections and TLS handshakes. Modes:\n")
-		for _, m := range allModes {
-			fmt.Fprintf(fs.Output(), "  %-30s %s\n", m.name, m.desc)
-		}
-		fmt.Fprintf(fs.Output(), "\nFlags:\n")
-		fs.PrintDefaults()
+	var modeHelp [][2]string
+	for _, m := range allModes {
+		modeHelp = append(modeHelp, [2]string{m.name, m.desc})
 	}
-	if err := fs.Parse(args); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			return nil, err
-		}
-		return nil, fmt.Errorf("%w: %v", errUsage, err)
-	}
-	if fs.NArg() > 0 {
-		return nil, fmt.Errorf("%w: unexpected argument %q", errUsage, fs.Arg(0))
+	if err := parseFlagSet(fs, args, "Usage: conncount [flags]\n\nRuns the seed's load (workers x requests, a fresh rest.Config and clientset per request)\nin several modes and counts connections and TLS handshakes. Modes:\n", modeHelp); err != nil {
+		return nil, err
 	}
 	if o.workers < 1 || o.requests < 1 {
 		return nil, fmt.Errorf("%w: --workers and --requests must be at least 1", errUsage)
@@ -215,5 +205,28 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		return rep.writeJSON(stdout)
 	}
 	rep.writeTable(stdout)
+	return nil
+}
+
+// parseFlagSet parses args into fs, whose usage lists modes (name, description)
+// after head. Bad flags and stray arguments are usage errors.
+func parseFlagSet(fs *flag.FlagSet, args []string, head string, modes [][2]string) error {
+	fs.Usage = func() {
+		fmt.Fprint(fs.Output(), head)
+		for _, m := range modes {
+			fmt.Fprintf(fs.Output(), "  %-30s %s\n", m[0], m[1])
+		}
+		fmt.Fprintf(fs.Output(), "\nFlags:\n")
+		fs.PrintDefaults()
+	}
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return err
+		}
+		return fmt.Errorf("%w: %v", errUsage, err)
+	}
+	if fs.NArg() > 0 {
+		return fmt.Errorf("%w: unexpected argument %q", errUsage, fs.Arg(0))
+	}
 	return nil
 }

@@ -9,7 +9,6 @@ package main
 import (
 	"context"
 	"encoding/json"
-	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -60,22 +59,12 @@ func parseProxyFlags(args []string, stderr io.Writer) (*proxyOptions, error) {
 	fs.StringVar(&modes, "modes", strings.Join(defaultProxyModes, ","), "comma-separated modes to run, in order")
 	fs.BoolVar(&o.json, "json", false, "print the results as JSON instead of a table")
 	fs.DurationVar(&o.timeout, "timeout", 30*time.Second, "timeout of one request")
-	fs.Usage = func() {
-		fmt.Fprintf(fs.Output(), "Usage: conncount proxy [flags]\n\nRuns the seed's load through a Karmada-style front (a rest.Config per request, built from the\nmember's Secret) to embedded member servers, which count the connections they accept. Modes:\n")
-		for _, m := range proxyModes {
-			fmt.Fprintf(fs.Output(), "  %-30s %s\n", m.name, m.desc)
-		}
-		fmt.Fprintf(fs.Output(), "\nFlags:\n")
-		fs.PrintDefaults()
+	var modeHelp [][2]string
+	for _, m := range proxyModes {
+		modeHelp = append(modeHelp, [2]string{m.name, m.desc})
 	}
-	if err := fs.Parse(args); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			return nil, err
-		}
-		return nil, fmt.Errorf("%w: %v", errUsage, err)
-	}
-	if fs.NArg() > 0 {
-		return nil, fmt.Errorf("%w: unexpected argument %q", errUsage, fs.Arg(0))
+	if err := parseFlagSet(fs, args, "Usage: conncount proxy [flags]\n\nRuns the seed's load through a Karmada-style front (a rest.Config per request, built from the\nmember's Secret) to embedded member servers, which count the connections they accept. Modes:\n", modeHelp); err != nil {
+		return nil, err
 	}
 	if o.members < 1 || o.workers < 1 || o.requests < 1 {
 		return nil, fmt.Errorf("%w: --members, --workers and --requests must be at least 1", errUsage)
