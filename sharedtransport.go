@@ -445,6 +445,8 @@ type entry struct {
 	idleTimer *time.Timer
 	watch     *identityWatch // nil unless id.watchesFiles()
 
+	verifyMu sync.Mutex // serializes first looks at client-go transports (lease.matches)
+
 	mu       sync.Mutex // guards draining and the past credentials
 	draining map[*generation]*time.Timer
 	// Credentials earlier generations used, for identities with files.

@@ -108,6 +108,15 @@ func (l *lease) matches(rt http.RoundTripper) bool {
 	if l.e.verified(got) {
 		return true
 	}
+	// One first look at a time per identity: client-go's certificate-file
+	// refresher returns its certificate outside its lock, so concurrent
+	// askers (the first clients of a new config, built at once) race inside
+	// client-go.
+	l.e.verifyMu.Lock()
+	defer l.e.verifyMu.Unlock()
+	if l.e.verified(got) {
+		return true
+	}
 	g := l.e.current.Load()
 	gotTLS, wantTLS := got.TLSClientConfig, g.transport.TLSClientConfig
 	if gotTLS == nil || wantTLS == nil {
