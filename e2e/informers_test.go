@@ -121,8 +121,10 @@ func TestInformersStartup(t *testing.T) {
 	// Go's transport may finish one more dial whose request was served by a
 	// connection that came up meanwhile, and closes it at once: it can show
 	// among the distinct connections, never among those open together.
-	if pooled.peak > 2 || pooled.open > 2 || pooled.distinct > 3 {
-		t.Errorf("sharedtransport: %d distinct connections seen, %d open at once, %d open after sync; want at most 2 open (and 1 surplus)", pooled.distinct, pooled.peak, pooled.open)
+	// How many such surplus dials happen varies (distinct connections seen:
+	// 2 to 4 across runs); what the server holds at once does not.
+	if pooled.peak > 2 || pooled.open > 2 {
+		t.Errorf("sharedtransport: %d open at once, %d open after sync (%d distinct seen); want at most 2 open", pooled.peak, pooled.open, pooled.distinct)
 	}
 	// The pool's own dial count includes those surplus dials (2 to 4 seen),
 	// so it is logged above, not asserted; the capped run below is exact.
