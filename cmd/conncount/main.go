@@ -2,20 +2,24 @@
 // handshakes a Kubernetes client makes under the load of Karmada issue 5574:
 // many workers, every request through a fresh rest.Config and clientset.
 //
-// With no flags it starts an embedded API server (internal/testserver, in a
-// child process so that the CPU time reported is the client's alone) and
-// counts connections on the server side. With --kubeconfig it runs the same
-// read-only load against a real cluster and counts connections from the
-// kernel's socket tables.
+// Every run of a mode happens in a fresh client process of its own (child.go),
+// so that no mode is measured with another's leftovers; the table is put
+// together from what the children report. With no flags each run also gets a
+// fresh embedded API server (internal/testserver) in a process of its own,
+// which counts connections and handshakes and reports its own CPU time. With
+// --kubeconfig the same read-only load runs against a real cluster and
+// connections are counted from the kernel's socket tables. --repeat runs
+// the modes in rounds; each figure is then a median with its range.
 //
 //	go run ./cmd/conncount
-//	go run ./cmd/conncount --workers 20 --requests 5 --json
+//	go run ./cmd/conncount --workers 20 --requests 5 --repeat 1 --json
 //	go run ./cmd/conncount --svg conns.svg
 //	go run ./cmd/conncount --kubeconfig ~/.kube/config --resource namespaces
 //
 // The proxy subcommand runs the seed's own scenario (proxy.go): the load goes
 // through a Karmada-style aggregated-apiserver front, which builds a config
-// per request from the member's Secret, to embedded member servers:
+// per request from the member's Secret, to embedded member servers; the
+// load, the front and the members each run in fresh processes per run:
 //
 //	go run ./cmd/conncount proxy
 //	go run ./cmd/conncount proxy --members 3 --workers 100 --requests 50 --json
@@ -29,7 +33,7 @@ import (
 	"io"
 	"os"
 	"os/signal"
-	"runtime/pprof"
+	"slices"
 	"strings"
 	"syscall"
 	"time"
@@ -39,19 +43,27 @@ type options struct {
 	kubeconfig      string
 	workers         int
 	requests        int
+	repeat          int
 	modes           []string
 	duration        time.Duration
 	resource        string
 	json            bool
 	svg             string
-	inProcess       bool
 	maxConnsPerHost int
-	settle          time.Duration
 	timeout         time.Duration
 	sample          time.Duration
 	progress        bool
 	cpuProfile      string
 }
+
+// Defaults of the load: defaultRequests and defaultRepeat keep the default
+// run of every default mode within about a minute on a 2-core machine,
+// with medians that hold still from one run of the command to the next.
+const (
+	defaultWorkers  = 100
+	defaultRequests = 50
+	defaultRepeat   = 3
+)
 
 // errUsage marks errors in the command line (exit status 2).
 var errUsage = errors.New("usage")
@@ -62,20 +74,19 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.SetOutput(stderr)
 	var modes string
 	fs.StringVar(&o.kubeconfig, "kubeconfig", "", "run against the cluster of this kubeconfig (read-only: list --resource) instead of the embedded server")
-	fs.IntVar(&o.workers, "workers", 100, "concurrent workers")
-	fs.IntVar(&o.requests, "requests", 50, "requests per worker, each through a fresh rest.Config and clientset")
-	fs.StringVar(&modes, "modes", strings.Join(defaultModes, ","), "comma-separated modes to run, in order; known: "+strings.Join(modeNames(), ", "))
+	fs.IntVar(&o.workers, "workers", defaultWorkers, "concurrent workers")
+	fs.IntVar(&o.requests, "requests", defaultRequests, "requests per worker, each through a fresh rest.Config and clientset")
+	fs.IntVar(&o.repeat, "repeat", defaultRepeat, "rounds of all modes; each figure is the median of the rounds, with its range")
+	fs.StringVar(&modes, "modes", strings.Join(defaultModes, ","), "comma-separated modes to run, in order (round r starts at the r-th); known: "+strings.Join(modeNames(), ", "))
 	fs.DurationVar(&o.duration, "duration", 0, "stop a mode after this long even if requests are left (0: no limit)")
 	fs.StringVar(&o.resource, "resource", "nodes", "what each request lists: nodes or namespaces")
 	fs.BoolVar(&o.json, "json", false, "print the results as JSON instead of a table")
 	fs.StringVar(&o.svg, "svg", "", "write a chart of open connections over time per mode to this SVG file")
-	fs.BoolVar(&o.inProcess, "embedded-in-process", false, "run the embedded server inside this process (CPU seconds then include the server's)")
 	fs.IntVar(&o.maxConnsPerHost, "max-conns-per-host", 0, "sharedtransport modes: WithMaxConnsPerHost (0: the library's default)")
-	fs.DurationVar(&o.settle, "settle", 10*time.Second, "how long to wait between modes for the previous mode's connections to close")
 	fs.DurationVar(&o.timeout, "timeout", 30*time.Second, "timeout of one request")
 	fs.DurationVar(&o.sample, "sample", 20*time.Millisecond, "how often open connections are sampled for --svg and the peak (real clusters: at least 50ms)")
 	fs.BoolVar(&o.progress, "progress", true, "show progress on stderr while a mode runs")
-	fs.StringVar(&o.cpuProfile, "cpuprofile", "", "write a CPU profile of the whole run (client side) to this file")
+	fs.StringVar(&o.cpuProfile, "cpuprofile", "", "write a CPU profile of each run's load (client process) to this path + .MODE.ROUND")
 	var modeHelp [][2]string
 	for _, m := range allModes {
 		modeHelp = append(modeHelp, [2]string{m.name, m.desc})
@@ -83,8 +94,8 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	if err := parseFlagSet(fs, args, "Usage: conncount [flags]\n\nRuns the seed's load (workers x requests, a fresh rest.Config and clientset per request)\nin several modes and counts connections and TLS handshakes. Modes:\n", modeHelp); err != nil {
 		return nil, err
 	}
-	if o.workers < 1 || o.requests < 1 {
-		return nil, fmt.Errorf("%w: --workers and --requests must be at least 1", errUsage)
+	if o.workers < 1 || o.requests < 1 || o.repeat < 1 {
+		return nil, fmt.Errorf("%w: --workers, --requests and --repeat must be at least 1", errUsage)
 	}
 	switch o.resource {
 	case "nodes", "namespaces":
@@ -98,6 +109,9 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 		}
 		if findMode(name) == nil {
 			return nil, fmt.Errorf("%w: unknown mode %q (known: %s)", errUsage, name, strings.Join(modeNames(), ", "))
+		}
+		if slices.Contains(o.modes, name) {
+			return nil, fmt.Errorf("%w: mode %q given twice (--repeat runs it again)", errUsage, name)
 		}
 		o.modes = append(o.modes, name)
 	}
@@ -114,8 +128,8 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 }
 
 func main() {
-	if dir := os.Getenv(envEmbedded); dir != "" {
-		os.Exit(serveEmbedded(dir, os.Stdin, os.Stdout))
+	if code, ok := childMain(); ok {
+		os.Exit(code)
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
@@ -135,6 +149,7 @@ func main() {
 
 // run is the whole command; main and the tests call it.
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	stderr = childStderr(stderr)
 	if len(args) > 0 && args[0] == "proxy" {
 		return runProxy(ctx, args[1:], stdout, stderr)
 	}
@@ -144,58 +159,39 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	}
 	var t target
 	if o.kubeconfig != "" {
-		t, err = newClusterTarget(o.kubeconfig)
-	} else if o.inProcess {
-		t, err = newInProcessTarget()
-	} else {
-		t, err = newChildTarget(ctx)
-	}
-	if err != nil {
-		return err
-	}
-	defer t.Close()
-	if err := preflight(ctx, t.Config(), o.resource); err != nil {
-		return err
-	}
-	if o.cpuProfile != "" {
-		f, err := os.Create(o.cpuProfile)
+		ct, err := newClusterTarget(o.kubeconfig)
 		if err != nil {
 			return err
 		}
-		defer f.Close()
-		if err := pprof.StartCPUProfile(f); err != nil {
+		if err := preflight(ctx, ct.cfg, o.resource); err != nil {
 			return err
 		}
-		defer pprof.StopCPUProfile()
+		t = ct
+	} else if t, err = newEmbeddedTarget(); err != nil {
+		return err
 	}
+	defer t.close()
 	rep := &report{
 		Target:   t.Describe(),
 		Sources:  t.Sources(),
 		Workers:  o.workers,
 		Requests: o.requests,
 		Resource: o.resource,
+		Repeat:   o.repeat,
 		Started:  time.Now().UTC().Format(time.RFC3339),
 	}
-	var progress io.Writer
-	if o.progress {
-		progress = stderr
-	}
-	for i, name := range o.modes {
-		if i > 0 {
-			if err := t.Settle(ctx, o.settle); err != nil {
-				fmt.Fprintf(stderr, "conncount: %v\n", err)
-			}
+	names, rounds := runOrder(o.modes, o.repeat)
+	for i, name := range names {
+		res, err := runOnce(ctx, o, t, name, rounds[i], i+1, stderr)
+		if cerr := ctx.Err(); cerr != nil {
+			return cerr
 		}
-		if err := ctx.Err(); err != nil {
-			return err
-		}
-		res, err := runMode(ctx, o, t, findMode(name), progress)
 		if err != nil {
-			return fmt.Errorf("mode %s: %w", name, err)
+			return fmt.Errorf("mode %s, round %d: %w", name, rounds[i], err)
 		}
-		rep.Modes = append(rep.Modes, res)
+		rep.Runs = append(rep.Runs, res)
 	}
-	rep.computeRatios()
+	rep.summarize(o.modes)
 	if o.svg != "" {
 		if err := os.WriteFile(o.svg, []byte(rep.svg()), 0o644); err != nil {
 			return fmt.Errorf("write --svg: %w", err)

@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"encoding/xml"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"os"
@@ -18,9 +19,9 @@ import (
 )
 
 func TestMain(m *testing.M) {
-	// newChildTarget runs this executable again as the embedded server.
-	if dir := os.Getenv(envEmbedded); dir != "" {
-		os.Exit(serveEmbedded(dir, os.Stdin, os.Stdout))
+	// Every run starts this executable again as its client and server.
+	if code, ok := childMain(); ok {
+		os.Exit(code)
 	}
 	os.Exit(m.Run())
 }
@@ -39,26 +40,90 @@ func runJSON(t *testing.T, args ...string) *report {
 	return &rep
 }
 
-func byMode(t *testing.T, rep *report) map[string]*modeResult {
+func byMode(t *testing.T, rep *report) map[string]*modeRun {
 	t.Helper()
-	m := map[string]*modeResult{}
-	for _, r := range rep.Modes {
+	m := map[string]*modeRun{}
+	for _, r := range rep.Runs {
+		if m[r.Mode] != nil {
+			t.Fatalf("mode %s ran more than once", r.Mode)
+		}
 		m[r.Mode] = r
 	}
 	return m
+}
+
+// Each run of a mode is measured in a client process of its own, in either
+// order of --modes: every run's client and server report a PID no other
+// run (nor the test) has, and the counters those processes kept over their
+// whole lives hold that run's requests alone.
+func TestRunsInOwnProcesses(t *testing.T) {
+	const workers, requests = 4, 3
+	const total = workers * requests
+	for _, order := range [][]string{{"client-go", "sharedtransport"}, {"sharedtransport", "client-go"}} {
+		t.Run(strings.Join(order, ","), func(t *testing.T) {
+			rep := runJSON(t, "--workers", fmt.Sprint(workers), "--requests", fmt.Sprint(requests), "--repeat", "2",
+				"--modes", strings.Join(order, ","))
+			// Round 2 starts at the second mode.
+			want := []string{order[0], order[1], order[1], order[0]}
+			if len(rep.Runs) != len(want) {
+				t.Fatalf("got %d runs, want %d", len(rep.Runs), len(want))
+			}
+			pids := map[int]string{os.Getpid(): "the test's"}
+			for i, r := range rep.Runs {
+				if r.Mode != want[i] || r.Seq != i+1 || r.Round != i/2+1 {
+					t.Errorf("run %d: mode %s, seq %d, round %d; want %s, %d, %d", i+1, r.Mode, r.Seq, r.Round, want[i], i+1, i/2+1)
+				}
+				for _, p := range []struct {
+					what string
+					pid  int
+				}{{"client", r.PID}, {"server", r.ServerPID}} {
+					if p.pid <= 0 {
+						t.Errorf("run %d (%s): no %s PID", i+1, r.Mode, p.what)
+					} else if other, ok := pids[p.pid]; ok {
+						t.Errorf("run %d (%s): %s PID %d is also %s", i+1, r.Mode, p.what, p.pid, other)
+					}
+					pids[p.pid] = fmt.Sprintf("run %d's %s", i+1, p.what)
+				}
+				if r.Requests != total || r.Errors != 0 || r.ProcessRequests != total || r.ServerProcessRequests != total {
+					t.Errorf("run %d (%s): %d requests (%d errors: %s); its client process sent %d, its server served %d; want %d each",
+						i+1, r.Mode, r.Requests, r.Errors, r.FirstError, r.ProcessRequests, r.ServerProcessRequests, total)
+				}
+				switch r.Mode {
+				case "client-go":
+					if r.Pool != nil {
+						t.Errorf("run %d (client-go): pool stats %+v, want none", i+1, r.Pool)
+					}
+				case "sharedtransport":
+					if p := r.Pool; p == nil || p.Hits+p.Misses != total || p.Misses != 1 || p.Identities != 1 {
+						t.Errorf("run %d (sharedtransport): pool stats %+v; want %d Wraps, 1 identity built", i+1, p, total)
+					}
+				}
+				if r.CPUSeconds <= 0 || r.MaxRSSBytes <= 0 || r.PeakHeapBytes == 0 || r.ServerCPUSeconds == nil || *r.ServerCPUSeconds <= 0 || r.ServerMaxRSSBytes <= 0 {
+					t.Errorf("run %d (%s): client CPU %v s, max RSS %d, peak heap %d, server CPU %v, server max RSS %d; want all measured",
+						i+1, r.Mode, r.CPUSeconds, r.MaxRSSBytes, r.PeakHeapBytes, r.ServerCPUSeconds, r.ServerMaxRSSBytes)
+				}
+			}
+			// The summary follows --modes and takes each mode's own runs.
+			for i, s := range rep.Modes {
+				if s.Mode != order[i] || s.Runs != 2 || s.Requests.Median != total {
+					t.Errorf("summary %d: %s, %d runs, %v requests; want %s, 2, %d", i, s.Mode, s.Runs, s.Requests, order[i], total)
+				}
+			}
+		})
+	}
 }
 
 // The seed's comparison at small scale on the embedded server (child
 // process), counted by the server.
 func TestEmbeddedModes(t *testing.T) {
 	svg := filepath.Join(t.TempDir(), "conns.svg")
-	rep := runJSON(t, "--workers", "20", "--requests", "5", "--svg", svg)
+	rep := runJSON(t, "--workers", "20", "--requests", "5", "--repeat", "1", "--svg", svg)
 	const requests = 20 * 5
 	modes := byMode(t, rep)
 	if len(modes) != len(defaultModes) {
-		t.Fatalf("got modes %v, want %v", rep.Modes, defaultModes)
+		t.Fatalf("got %d modes, want %v", len(modes), defaultModes)
 	}
-	for _, r := range rep.Modes {
+	for _, r := range rep.Runs {
 		if r.Requests != requests || r.Errors != 0 {
 			t.Errorf("%s: %d requests, %d errors (first: %s)", r.Mode, r.Requests, r.Errors, r.FirstError)
 		}
@@ -85,8 +150,13 @@ func TestEmbeddedModes(t *testing.T) {
 	if so := modes["sharedtransport-keepalive-off"]; so.Accepted < requests || so.FullHandshakes > 20 || so.Resumed < requests-20 {
 		t.Errorf("sharedtransport-keepalive-off: accepted %d, full %d, resumed %d; want at most 20 full handshakes", so.Accepted, so.FullHandshakes, so.Resumed)
 	}
-	if cg := modes["client-go"]; cg.VsClientGo == nil || cg.VsClientGo.Connections != 1 {
-		t.Errorf("client-go ratio: %+v", cg.VsClientGo)
+	for _, s := range rep.Modes {
+		if s.ServerCPUPerRequestUs == nil || s.ServerCPUPerRequestUs.Median <= 0 {
+			t.Errorf("%s: server CPU per request %v", s.Mode, s.ServerCPUPerRequestUs)
+		}
+		if s.Mode == "client-go" && (s.VsClientGo == nil || s.VsClientGo.Connections.OfMedians != 1) {
+			t.Errorf("client-go ratio: %+v", s.VsClientGo)
+		}
 	}
 	b, err := os.ReadFile(svg)
 	if err != nil {
@@ -107,22 +177,23 @@ func TestEmbeddedModes(t *testing.T) {
 
 func TestTableOutput(t *testing.T) {
 	var out, errb bytes.Buffer
-	err := run(context.Background(), []string{"--workers", "3", "--requests", "2", "--modes", "client-go,sharedtransport", "--embedded-in-process"}, &out, &errb)
+	err := run(context.Background(), []string{"--workers", "3", "--requests", "2", "--repeat", "2", "--modes", "client-go,sharedtransport"}, &out, &errb)
 	if err != nil {
 		t.Fatalf("%v\n%s", err, errb.String())
 	}
-	for _, want := range []string{"conns accepted", "peak open", "full TLS hs", "resumed", "req/s", "p99 ms", "CPU s", "client-go ", "sharedtransport ", "ConnState"} {
+	for _, want := range []string{"conns accepted", "peak open", "full TLS hs", "resumed", "req/s", "p99 ms", "client CPU µs/req",
+		"server CPU µs/req", "client max RSS MiB", "median [min-max] of the 2 runs", "vs client-go", "client-go ", "sharedtransport ", "ConnState"} {
 		if !strings.Contains(out.String(), want) {
 			t.Errorf("table lacks %q:\n%s", want, out.String())
 		}
 	}
-	if !strings.Contains(errb.String(), "sharedtransport") {
+	if !strings.Contains(errb.String(), "round 2/2 sharedtransport") {
 		t.Errorf("no progress on stderr: %q", errb.String())
 	}
 }
 
-// --kubeconfig: counts come from the kernel's socket tables. The server runs
-// in this process here, so its own counts can be compared.
+// --kubeconfig: counts come from the kernel's socket tables, read for each
+// run's client process. The server runs in this process here.
 func TestClusterTarget(t *testing.T) {
 	srv, err := testserver.Start(testserver.Options{})
 	if err != nil {
@@ -137,7 +208,7 @@ func TestClusterTarget(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	rep := runJSON(t, "--kubeconfig", p.Kubeconfig, "--workers", "5", "--requests", "4",
+	rep := runJSON(t, "--kubeconfig", p.Kubeconfig, "--workers", "5", "--requests", "4", "--repeat", "1",
 		"--resource", "namespaces", "--modes", "client-go-proxy,sharedtransport,sharedtransport-keepalive-off")
 	modes := byMode(t, rep)
 	if cp := modes["client-go-proxy"]; cp.Errors != 0 || cp.Accepted < 20 || cp.PeakOpen < 20 || cp.OpenAtEnd < 20 {
@@ -151,6 +222,11 @@ func TestClusterTarget(t *testing.T) {
 	if so := modes["sharedtransport-keepalive-off"]; so.Errors != 0 || so.Resumed == 0 {
 		t.Errorf("sharedtransport-keepalive-off: %+v", so)
 	}
+	for _, r := range rep.Runs {
+		if r.PID == os.Getpid() || r.ServerPID != 0 || r.ServerCPUSeconds != nil {
+			t.Errorf("%s: client PID %d (the test is %d), server PID %d, server CPU %v; want a child and no server process", r.Mode, r.PID, os.Getpid(), r.ServerPID, r.ServerCPUSeconds)
+		}
+	}
 	if !strings.Contains(rep.Sources["accepted"], "ActiveOpens") {
 		t.Errorf("sources: %v", rep.Sources)
 	}
@@ -161,7 +237,7 @@ func TestBadInput(t *testing.T) {
 	run1 := func(args ...string) error {
 		var out, errb bytes.Buffer
 		start := time.Now()
-		err := run(context.Background(), append([]string{"--progress=false", "--workers", "2", "--requests", "1"}, args...), &out, &errb)
+		err := run(context.Background(), append([]string{"--progress=false", "--workers", "2", "--requests", "1", "--repeat", "1"}, args...), &out, &errb)
 		if d := time.Since(start); d > 15*time.Second {
 			t.Errorf("%v took %v", args, d)
 		}
@@ -225,13 +301,13 @@ func TestBadInput(t *testing.T) {
 		// The same user may list namespaces.
 		var out, errb bytes.Buffer
 		if err := run(context.Background(), []string{"--kubeconfig", p.Kubeconfig, "--resource", "namespaces", "--modes", "sharedtransport",
-			"--workers", "2", "--requests", "1", "--progress=false"}, &out, &errb); err != nil {
+			"--workers", "2", "--requests", "1", "--repeat", "1", "--progress=false"}, &out, &errb); err != nil {
 			t.Errorf("namespaces: %v", err)
 		}
 	})
 
 	t.Run("flags", func(t *testing.T) {
-		for _, args := range [][]string{{"--modes", "nope"}, {"--resource", "pods"}, {"--workers", "0"}, {"extra"}} {
+		for _, args := range [][]string{{"--modes", "nope"}, {"--resource", "pods"}, {"--workers", "0"}, {"--repeat", "0"}, {"--modes", "client-go,client-go"}, {"extra"}} {
 			if err := run1(args...); !errors.Is(err, errUsage) {
 				t.Errorf("%v: %v, want a usage error", args, err)
 			}

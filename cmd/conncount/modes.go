@@ -2,17 +2,16 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"net/http"
 	"net/url"
 	"os"
-	"reflect"
-	"sort"
+	"runtime/pprof"
+	"slices"
 	"sync"
 	"sync/atomic"
-	"syscall"
 	"time"
 
 	"github.com/sharedtransport/sharedtransport"
@@ -23,20 +22,24 @@ import (
 	"k8s.io/client-go/rest"
 )
 
-// modeDef is one way of building the client for each request.
+// modeDef is one way of building the client for each request. A mode runs
+// in a client process of its own (clientRole): start runs there, once.
 type modeDef struct {
 	name, desc string
-	start      func(o *options) *modeState
+	start      func(o *clientSpec) *modeState
 }
 
 // modeState is a mode while it runs.
 type modeState struct {
 	// prepare adjusts the fresh config of one request.
 	prepare func(cfg *rest.Config) error
-	// finish runs after the mode's counts are taken: it releases what the
-	// mode kept (idle connections), so the next mode starts clean.
+	// clientset builds the clientset for one request's config; nil means
+	// kubernetes.NewForConfig, as most callers do.
+	clientset func(cfg *rest.Config) (kubernetes.Interface, error)
+	// finish releases what the mode holds before its process exits.
 	finish func()
-	pool   *sharedtransport.Pool
+	// pool, when the mode uses one, reports its Stats.
+	pool *sharedtransport.Pool
 }
 
 // noProxy is a Proxy function that sends every request direct: what Karmada's
@@ -44,55 +47,15 @@ type modeState struct {
 // uncached transport for every config.
 func noProxy(*http.Request) (*url.URL, error) { return nil, nil }
 
-// transportRecorder remembers the transports client-go handed to
-// WrapTransport, without changing them (WrapTransport is not part of
-// client-go's transport cache key), so their idle connections can be closed
-// when the mode ends instead of lingering for client-go's 90-second idle
-// timeout and being counted in the next mode.
-type transportRecorder struct {
-	mu  sync.Mutex
-	rts map[http.RoundTripper]struct{}
-}
-
-func (r *transportRecorder) wrap(cfg *rest.Config) {
-	inner := cfg.WrapTransport
-	cfg.WrapTransport = func(rt http.RoundTripper) http.RoundTripper {
-		if inner != nil {
-			rt = inner(rt)
-		}
-		if rt != nil && reflect.TypeOf(rt).Comparable() {
-			r.mu.Lock()
-			if r.rts == nil {
-				r.rts = map[http.RoundTripper]struct{}{}
-			}
-			r.rts[rt] = struct{}{}
-			r.mu.Unlock()
-		}
-		return rt
-	}
-}
-
-func (r *transportRecorder) closeIdle() {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	for rt := range r.rts {
-		utilnet.CloseIdleConnectionsFor(rt)
-	}
-	r.rts = nil
-}
-
-func clientGoMode(withProxy bool) func(*options) *modeState {
-	return func(*options) *modeState {
-		rec := &transportRecorder{}
+func clientGoMode(withProxy bool) func(*clientSpec) *modeState {
+	return func(*clientSpec) *modeState {
 		return &modeState{
 			prepare: func(cfg *rest.Config) error {
 				if withProxy {
 					cfg.Proxy = noProxy
 				}
-				rec.wrap(cfg)
 				return nil
 			},
-			finish: rec.closeIdle,
 		}
 	}
 }
@@ -106,7 +69,7 @@ func clientGoMode(withProxy bool) func(*options) *modeState {
 // WrapTransport, so client-go still adds the config's authentication
 // (bearer token, user agent) above it; the round tripper client-go hands in
 // is not used.
-func karmadaKeepAliveOff(*options) *modeState {
+func karmadaKeepAliveOff(*clientSpec) *modeState {
 	return &modeState{
 		prepare: func(cfg *rest.Config) error {
 			tlsConfig, err := rest.TLSConfigFor(cfg)
@@ -121,18 +84,17 @@ func karmadaKeepAliveOff(*options) *modeState {
 			}
 			return nil
 		},
-		finish: func() {},
 	}
 }
 
-func sharedTransportMode(keepAlive, resumption, withProxy bool) func(*options) *modeState {
-	return func(o *options) *modeState {
+func sharedTransportMode(keepAlive, resumption, withProxy bool) func(*clientSpec) *modeState {
+	return func(o *clientSpec) *modeState {
 		opts := []sharedtransport.Option{
 			sharedtransport.WithKeepAlive(keepAlive),
 			sharedtransport.WithSessionResumption(resumption),
 		}
-		if o.maxConnsPerHost > 0 {
-			opts = append(opts, sharedtransport.WithMaxConnsPerHost(o.maxConnsPerHost))
+		if o.MaxConnsPerHost > 0 {
+			opts = append(opts, sharedtransport.WithMaxConnsPerHost(o.MaxConnsPerHost))
 		}
 		pool := sharedtransport.New(opts...)
 		return &modeState{
@@ -219,136 +181,151 @@ func preflight(ctx context.Context, base *rest.Config, resource string) error {
 	}
 }
 
-type sample struct {
-	T    float64 `json:"t"`
-	Open int     `json:"open"`
+// ---- the client process ----
+
+// clientSpec is what the parent tells a mode's client process.
+type clientSpec struct {
+	Kubeconfig      string        `json:"kubeconfig"`
+	Mode            string        `json:"mode"`
+	Workers         int           `json:"workers"`
+	Requests        int           `json:"requests"`
+	Resource        string        `json:"resource"`
+	Timeout         time.Duration `json:"timeout"`
+	Duration        time.Duration `json:"duration"`
+	MaxConnsPerHost int           `json:"max_conns_per_host"`
+	// CPUProfile, when set, is the file the load's CPU profile goes to.
+	CPUProfile string `json:"cpu_profile,omitempty"`
+	// Label prefixes the progress lines (empty: no progress).
+	Label string `json:"label,omitempty"`
 }
 
-type modeResult struct {
-	Mode              string                 `json:"mode"`
-	Description       string                 `json:"description"`
+type clientReady struct {
+	PID int `json:"pid"`
+}
+
+// clientResult is what a client process measured of its own load.
+type clientResult struct {
+	// PID is the process the load ran in; ProcessRequests the requests that
+	// process sent over its life, which is this load's alone.
+	PID               int                    `json:"client_pid"`
+	ProcessRequests   int64                  `json:"client_process_requests"`
 	Requests          int64                  `json:"requests"`
 	Errors            int64                  `json:"errors"`
 	FirstError        string                 `json:"first_error,omitempty"`
-	Accepted          int64                  `json:"connections_accepted"`
-	PeakOpen          int64                  `json:"peak_open"`
-	OpenAtEnd         int64                  `json:"open_at_end"`
-	FullHandshakes    int64                  `json:"full_handshakes"`
-	Resumed           int64                  `json:"resumed_handshakes"`
-	HandshakeSource   string                 `json:"handshake_source"`
 	Seconds           float64                `json:"seconds"`
 	RequestsPerSecond float64                `json:"requests_per_second"`
 	P50ms             float64                `json:"p50_ms"`
 	P99ms             float64                `json:"p99_ms"`
 	CPUSeconds        float64                `json:"cpu_seconds"`
 	CPUPerRequestUs   float64                `json:"cpu_per_request_us"`
-	VsClientGo        *ratios                `json:"vs_client_go,omitempty"`
+	PeakHeapBytes     uint64                 `json:"peak_heap_bytes"`
+	MaxRSSBytes       int64                  `json:"max_rss_bytes"`
 	Pool              *sharedtransport.Stats `json:"pool_stats,omitempty"`
-	Samples           []sample               `json:"-"`
 }
 
-type ratios struct {
-	Connections       float64 `json:"connections"`
-	RequestsPerSecond float64 `json:"requests_per_second"`
-	CPUPerRequest     float64 `json:"cpu_per_request"`
+// processRequests counts the requests this process sends; in a client
+// process of its own it equals the one load's requests.
+var processRequests atomic.Int64
+
+type clientRole struct {
+	spec  clientSpec
+	base  *rest.Config
+	def   *modeDef
+	state *modeState
+	ran   bool
 }
 
-func cpuTime() time.Duration {
-	var ru syscall.Rusage
-	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
-		return 0
+func startClientRole(specJSON []byte) (any, childRole, error) {
+	var spec clientSpec
+	if err := json.Unmarshal(specJSON, &spec); err != nil {
+		return nil, nil, err
 	}
-	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
-}
-
-func isTerminal(w io.Writer) bool {
-	f, ok := w.(*os.File)
-	if !ok {
-		return false
+	def := findMode(spec.Mode)
+	if def == nil {
+		return nil, nil, fmt.Errorf("unknown mode %q", spec.Mode)
 	}
-	fi, err := f.Stat()
-	return err == nil && fi.Mode()&os.ModeCharDevice != 0
+	base, err := loadKubeconfig(spec.Kubeconfig)
+	if err != nil {
+		return nil, nil, err
+	}
+	return clientReady{PID: os.Getpid()}, &clientRole{spec: spec, base: base, def: def, state: def.start(&spec)}, nil
 }
 
-func runMode(ctx context.Context, o *options, t target, def *modeDef, progress io.Writer) (*modeResult, error) {
-	st := def.start(o)
-	finished := false
-	defer func() {
-		if !finished {
-			st.finish()
+// handle runs the load on "run", once: a second load in the same process
+// would be measured with the first one's leftovers.
+func (c *clientRole) handle(ctx context.Context, cmd string) (any, error) {
+	if cmd != "run" {
+		return nil, fmt.Errorf("unknown command %q", cmd)
+	}
+	if c.ran {
+		return nil, errors.New("a client process runs its mode once")
+	}
+	c.ran = true
+	if c.spec.CPUProfile != "" {
+		f, err := os.Create(c.spec.CPUProfile)
+		if err != nil {
+			return nil, err
 		}
-	}()
-	if err := t.Reset(); err != nil {
-		return nil, err
+		defer f.Close()
+		if err := pprof.StartCPUProfile(f); err != nil {
+			return nil, err
+		}
+		defer pprof.StopCPUProfile()
 	}
-	base := t.Config()
+	return runLoad(ctx, &c.spec, c.base, c.state), nil
+}
+
+func (c *clientRole) close() {
+	if c.state.finish != nil {
+		c.state.finish()
+	}
+}
+
+// runLoad runs the spec's workers, each sending its requests one after the
+// other, every request through a fresh config and clientset.
+func runLoad(ctx context.Context, o *clientSpec, base *rest.Config, st *modeState) *clientResult {
 	var done, failed atomic.Int64
 	var firstErr atomic.Value
-	lat := make([][]time.Duration, o.workers)
-	total := int64(o.workers * o.requests)
-
-	// Sample open connections (the --svg picture; the peak on real clusters)
-	// and show progress.
-	stopSampling := make(chan struct{})
-	sampled := make(chan []sample, 1)
+	lat := make([][]time.Duration, o.Workers)
+	total := o.Workers * o.Requests
+	var progress *progressLine
+	if o.Label != "" {
+		progress = newProgressLine(os.Stderr)
+	}
+	show := func(start time.Time, final bool) {
+		progress.show(fmt.Sprintf("%s %6d/%d requests  %d errors  %5.1fs",
+			o.Label, done.Load(), total, failed.Load(), time.Since(start).Seconds()), final)
+	}
+	heap := startHeapSampler(20 * time.Millisecond)
+	cpu0 := selfUsage().CPU
 	start := time.Now()
+	var deadline time.Time
+	if o.Duration > 0 {
+		deadline = start.Add(o.Duration)
+	}
+	stopProgress := make(chan struct{})
+	progressDone := make(chan struct{})
 	go func() {
-		var samples []sample
-		tick := time.NewTicker(o.sample)
+		defer close(progressDone)
+		tick := time.NewTicker(200 * time.Millisecond)
 		defer tick.Stop()
-		tty := progress != nil && isTerminal(progress)
-		every := time.Second
-		if tty {
-			every = 200 * time.Millisecond
-		}
-		lastShown := time.Now()
-		show := func(open int, final bool) {
-			if progress == nil {
-				return
-			}
-			line := fmt.Sprintf("%-30s %6d/%d requests  %d errors  %5d open  %5.1fs",
-				def.name, done.Load(), total, failed.Load(), open, time.Since(start).Seconds())
-			switch {
-			case tty && final:
-				fmt.Fprintf(progress, "\r%s\033[K\n", line)
-			case tty:
-				fmt.Fprintf(progress, "\r%s\033[K", line)
-			default:
-				fmt.Fprintln(progress, line)
-			}
-		}
-		last := 0
 		for {
 			select {
-			case <-stopSampling:
-				show(last, true)
-				sampled <- samples
+			case <-stopProgress:
+				show(start, true)
 				return
 			case <-tick.C:
-				if n, err := t.Open(); err == nil {
-					last = n
-					samples = append(samples, sample{T: time.Since(start).Seconds(), Open: n})
-				}
-				if time.Since(lastShown) >= every {
-					lastShown = time.Now()
-					show(last, false)
-				}
+				show(start, false)
 			}
 		}
 	}()
-
-	cpu0 := cpuTime()
-	var deadline time.Time
-	if o.duration > 0 {
-		deadline = start.Add(o.duration)
-	}
 	var wg sync.WaitGroup
-	for w := 0; w < o.workers; w++ {
+	for w := range o.Workers {
 		wg.Add(1)
-		go func(w int) {
+		go func() {
 			defer wg.Done()
-			lat[w] = make([]time.Duration, 0, o.requests)
-			for i := 0; i < o.requests; i++ {
+			lat[w] = make([]time.Duration, 0, o.Requests)
+			for range o.Requests {
 				if ctx.Err() != nil || (!deadline.IsZero() && time.Now().After(deadline)) {
 					return
 				}
@@ -361,72 +338,48 @@ func runMode(ctx context.Context, o *options, t target, def *modeDef, progress i
 					firstErr.CompareAndSwap(nil, err.Error())
 				}
 			}
-		}(w)
+		}()
 	}
 	wg.Wait()
 	elapsed := time.Since(start)
-	cpu := cpuTime() - cpu0
-	close(stopSampling)
-	samples := <-sampled
-	if err := ctx.Err(); err != nil {
-		return nil, err
-	}
+	u := selfUsage()
+	close(stopProgress)
+	<-progressDone
 
-	c, err := t.Counts()
-	if err != nil {
-		return nil, err
-	}
-	res := &modeResult{
-		Mode:            def.name,
-		Description:     def.desc,
+	res := &clientResult{
+		PID:             os.Getpid(),
+		ProcessRequests: processRequests.Load(),
 		Requests:        done.Load(),
 		Errors:          failed.Load(),
-		Accepted:        c.Accepted,
-		PeakOpen:        c.PeakOpen,
-		OpenAtEnd:       c.Open,
-		FullHandshakes:  c.FullHandshakes,
-		Resumed:         c.Resumed,
-		HandshakeSource: "server",
 		Seconds:         elapsed.Seconds(),
-		CPUSeconds:      cpu.Seconds(),
-		Samples:         samples,
+		CPUSeconds:      (u.CPU - cpu0).Seconds(),
+		PeakHeapBytes:   heap.Stop(),
+		MaxRSSBytes:     u.MaxRSSKiB * 1024,
 	}
 	if s, ok := firstErr.Load().(string); ok {
 		res.FirstError = s
-	}
-	for _, s := range samples {
-		if int64(s.Open) > res.PeakOpen {
-			res.PeakOpen = int64(s.Open)
-		}
 	}
 	if st.pool != nil {
 		ps := st.pool.Stats()
 		res.Pool = &ps
 	}
-	if res.FullHandshakes == unknown {
-		if res.Pool != nil {
-			res.FullHandshakes, res.Resumed = int64(res.Pool.Handshakes), int64(res.Pool.Resumptions)
-			res.HandshakeSource = "library Stats"
-		} else {
-			res.FullHandshakes, res.Resumed = res.Accepted, 0
-			res.HandshakeSource = "inferred (one per connection)"
-		}
-	}
 	if res.Requests > 0 {
 		res.RequestsPerSecond = float64(res.Requests) / elapsed.Seconds()
-		res.CPUPerRequestUs = float64(cpu.Microseconds()) / float64(res.Requests)
+		res.CPUPerRequestUs = (u.CPU - cpu0).Seconds() * 1e6 / float64(res.Requests)
 	}
+	res.P50ms, res.P99ms = latencyPercentiles(lat)
+	return res
+}
+
+// latencyPercentiles returns the 50th and 99th percentiles of all the
+// workers' latencies, in milliseconds.
+func latencyPercentiles(lat [][]time.Duration) (p50, p99 float64) {
 	var all []time.Duration
 	for _, l := range lat {
 		all = append(all, l...)
 	}
-	sort.Slice(all, func(i, j int) bool { return all[i] < all[j] })
-	res.P50ms = percentile(all, 0.50)
-	res.P99ms = percentile(all, 0.99)
-
-	finished = true
-	st.finish()
-	return res, nil
+	slices.Sort(all)
+	return percentile(all, 0.50), percentile(all, 0.99)
 }
 
 func percentile(sorted []time.Duration, p float64) float64 {
@@ -443,16 +396,21 @@ func percentile(sorted []time.Duration, p float64) float64 {
 	return float64(sorted[i].Microseconds()) / 1000
 }
 
-func oneRequest(ctx context.Context, o *options, base *rest.Config, st *modeState) error {
+func oneRequest(ctx context.Context, o *clientSpec, base *rest.Config, st *modeState) error {
+	processRequests.Add(1)
 	cfg := rest.CopyConfig(base)
 	if err := st.prepare(cfg); err != nil {
 		return err
 	}
-	cs, err := kubernetes.NewForConfig(cfg)
+	newClientset := st.clientset
+	if newClientset == nil {
+		newClientset = func(cfg *rest.Config) (kubernetes.Interface, error) { return kubernetes.NewForConfig(cfg) }
+	}
+	cs, err := newClientset(cfg)
 	if err != nil {
 		return err
 	}
-	rctx, cancel := context.WithTimeout(ctx, o.timeout)
+	rctx, cancel := context.WithTimeout(ctx, o.Timeout)
 	defer cancel()
-	return list(rctx, cs, o.resource, 0)
+	return list(rctx, cs, o.Resource, 0)
 }

@@ -2,10 +2,10 @@ package main
 
 import "github.com/sharedtransport/sharedtransport/internal/procnet"
 
-// countSockets counts this process's ESTABLISHED TCP sockets whose remote
+// countSockets counts process pid's ESTABLISHED TCP sockets whose remote
 // end is one of ips at port.
-func countSockets(ips map[string]bool, port int) (int, error) {
-	conns, err := procnet.Mine()
+func countSockets(pid int, ips map[string]bool, port int) (int, error) {
+	conns, err := procnet.Of(pid)
 	if err != nil {
 		return 0, err
 	}

@@ -1,18 +1,14 @@
 package main
 
 import (
-	"bufio"
-	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
 	"net"
-	"net/http"
 	"net/url"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -27,30 +23,49 @@ import (
 // unknown marks a count a target cannot observe.
 const unknown = -1
 
-// counts are what a target observed since its last Reset. A field is
+// serverCounts are what a target observed over one run's load. A count is
 // unknown (-1) when the target cannot observe it.
-type counts struct {
+type serverCounts struct {
 	Accepted       int64
 	PeakOpen       int64
 	Open           int64
 	FullHandshakes int64
 	Resumed        int64
+	// The server's process, when it runs one of its own for the run: its
+	// PID, the requests it served over its life, its CPU time over the load
+	// and its largest resident set.
+	PID             int
+	ProcessRequests int64
+	CPU             time.Duration
+	MaxRSSKiB       int64
 }
 
 // A target is what the load runs against, and where connections are counted.
 type target interface {
-	// Config is the rest.Config loaded from the target's kubeconfig; callers
-	// copy it.
-	Config() *rest.Config
 	Describe() string
 	// Sources tells, per column, where the numbers come from.
 	Sources() map[string]string
-	Reset() error
-	Open() (int, error)
-	Counts() (counts, error)
-	// Settle waits up to d for the previous mode's connections to close.
-	Settle(ctx context.Context, d time.Duration) error
-	Close()
+	// start prepares one run (for the embedded server, a fresh server
+	// process); the mode's client process is started after it.
+	start(ctx context.Context, stderr io.Writer) (targetRun, error)
+	// sampledPeak says whether the peak of open connections comes from
+	// sampling open; the embedded server keeps its own.
+	sampledPeak() bool
+	close()
+}
+
+// A targetRun counts one run's connections.
+type targetRun interface {
+	// kubeconfig is the file the client process loads.
+	kubeconfig() string
+	// begin zeroes the counts just before the load starts in the client
+	// process clientPID.
+	begin(ctx context.Context, clientPID int) error
+	// open is the number of connections open now, cheap enough to sample.
+	open(ctx context.Context) (int, error)
+	// end takes the counts after the load, while the client still runs.
+	end(ctx context.Context) (serverCounts, error)
+	close()
 }
 
 func loadKubeconfig(path string) (*rest.Config, error) {
@@ -66,313 +81,202 @@ func loadKubeconfig(path string) (*rest.Config, error) {
 
 // ---- embedded server ----
 
-const envEmbedded = "CONNCOUNT_EMBEDDED_SERVER_DIR"
-
-// startEmbedded starts the test server with a client certificate for
-// "conncount" and writes a file-based kubeconfig (certificate, key and CA
-// as files, as most kubeconfigs on disk are) into dir.
-func startEmbedded(dir string) (*testserver.Server, string, error) {
-	srv, err := testserver.Start(testserver.Options{})
-	if err != nil {
-		return nil, "", err
-	}
-	kp, err := srv.CA().IssueClient("conncount", "system:masters")
-	if err != nil {
-		srv.Close()
-		return nil, "", err
-	}
-	p, err := srv.WriteKubeconfig(filepath.Join(dir, "kubeconfig"), kp, false)
-	if err != nil {
-		srv.Close()
-		return nil, "", err
-	}
-	return srv, p.Kubeconfig, nil
+// embeddedTarget starts a fresh embedded server process for every run, so
+// that the server's CPU time and memory are the run's alone too.
+type embeddedTarget struct {
+	dir string // kubeconfigs of the runs' servers
 }
 
-func embeddedSources(where string) map[string]string {
-	s := "embedded server (" + where + "): connections from its ConnState hook, handshakes from its TLS VerifyConnection hook"
+func newEmbeddedTarget() (target, error) {
+	dir, err := os.MkdirTemp("", "conncount-")
+	if err != nil {
+		return nil, err
+	}
+	return &embeddedTarget{dir: dir}, nil
+}
+
+func (t *embeddedTarget) Describe() string {
+	return "embedded server in a child process, a fresh one per run (HTTP/2, 100 streams per connection, client-certificate auth)"
+}
+
+func (t *embeddedTarget) Sources() map[string]string {
+	s := "embedded server (its own process): connections from its ConnState hook, handshakes from its TLS VerifyConnection hook"
 	return map[string]string{
 		"accepted":   s,
 		"peak_open":  s,
 		"open_end":   s,
 		"handshakes": s,
-		"cpu":        "getrusage(RUSAGE_SELF) of the client process",
+		"cpu":        "getrusage(RUSAGE_SELF) of the mode's client process, over the load",
+		"server_cpu": "getrusage(RUSAGE_SELF) of the embedded server's process, over the load",
+		"memory":     "the client process: peak heap from runtime/metrics " + heapMetric + " sampled every 20ms, max RSS from getrusage",
 		"latency":    "client side, per request: fresh rest.Config + clientset + list",
 	}
 }
 
-func countsOf(st testserver.Stats) counts {
-	return counts{
-		Accepted:       int64(st.Accepted),
-		PeakOpen:       int64(st.PeakOpen),
-		Open:           int64(st.Open),
-		FullHandshakes: int64(st.FullHandshakes),
-		Resumed:        int64(st.ResumedHandshakes),
-	}
-}
-
-// inProcessTarget runs the server in this process.
-type inProcessTarget struct {
-	srv *testserver.Server
-	cfg *rest.Config
-	dir string
-}
-
-func newInProcessTarget() (target, error) {
-	dir, err := os.MkdirTemp("", "conncount-")
+func (t *embeddedTarget) start(ctx context.Context, stderr io.Writer) (targetRun, error) {
+	r := &embeddedRun{}
+	var err error
+	r.child, err = startChild(ctx, "server", serverSpec{Dir: t.dir}, &r.ready, stderr)
 	if err != nil {
 		return nil, err
 	}
-	srv, kc, err := startEmbedded(dir)
-	if err != nil {
-		os.RemoveAll(dir)
-		return nil, err
-	}
-	cfg, err := loadKubeconfig(kc)
-	if err != nil {
-		srv.Close()
-		os.RemoveAll(dir)
-		return nil, err
-	}
-	return &inProcessTarget{srv: srv, cfg: cfg, dir: dir}, nil
+	return r, nil
 }
 
-func (t *inProcessTarget) Config() *rest.Config { return t.cfg }
-func (t *inProcessTarget) Describe() string {
-	return "embedded server " + t.srv.URL() + " in this process (HTTP/2, 100 streams per connection, client-certificate auth)"
-}
-func (t *inProcessTarget) Sources() map[string]string {
-	s := embeddedSources("in this process")
-	s["cpu"] = "getrusage(RUSAGE_SELF): client AND embedded server (--embedded-in-process)"
-	return s
-}
-func (t *inProcessTarget) Reset() error            { t.srv.ResetStats(); return nil }
-func (t *inProcessTarget) Open() (int, error)      { return t.srv.OpenConns(), nil }
-func (t *inProcessTarget) Counts() (counts, error) { return countsOf(t.srv.Stats()), nil }
-func (t *inProcessTarget) Settle(ctx context.Context, d time.Duration) error {
-	if waitClosed(ctx, t, d) {
-		return nil
-	}
-	return t.srv.Restart()
-}
-func (t *inProcessTarget) Close() {
-	t.srv.Close()
-	os.RemoveAll(t.dir)
+func (t *embeddedTarget) sampledPeak() bool { return false }
+func (t *embeddedTarget) close()            { os.RemoveAll(t.dir) }
+
+type embeddedRun struct {
+	child *child
+	ready serverReady
 }
 
-// waitClosed polls until the target has no open connection or d passes.
-func waitClosed(ctx context.Context, t target, d time.Duration) bool {
-	deadline := time.Now().Add(d)
-	for {
-		n, err := t.Open()
-		if err == nil && n == 0 {
-			return true
-		}
-		if time.Now().After(deadline) || ctx.Err() != nil {
-			return false
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+func (r *embeddedRun) kubeconfig() string { return r.ready.Kubeconfig }
+func (r *embeddedRun) begin(ctx context.Context, _ int) error {
+	return r.child.call(ctx, "reset", nil)
 }
+func (r *embeddedRun) open(ctx context.Context) (int, error) {
+	var n int
+	err := r.child.call(ctx, "open", &n)
+	return n, err
+}
+func (r *embeddedRun) end(ctx context.Context) (serverCounts, error) {
+	var st serversStats
+	if err := r.child.call(ctx, "stats", &st); err != nil {
+		return serverCounts{}, err
+	}
+	s := st.Servers[0]
+	return serverCounts{
+		Accepted:        int64(s.Accepted),
+		PeakOpen:        int64(s.PeakOpen),
+		Open:            int64(s.Open),
+		FullHandshakes:  int64(s.FullHandshakes),
+		Resumed:         int64(s.ResumedHandshakes),
+		PID:             st.PID,
+		ProcessRequests: st.ProcessRequests,
+		CPU:             st.CPU,
+		MaxRSSKiB:       st.MaxRSSKiB,
+	}, nil
+}
+func (r *embeddedRun) close() { r.child.close() }
 
-// childTarget runs the server in a child process (this executable again,
-// with envEmbedded set), so that getrusage of this process is the client's
-// CPU alone. The child is controlled over a plain-HTTP loopback port of its
-// own, which the counts do not include.
-type childTarget struct {
-	cmd     *exec.Cmd
-	stdin   io.WriteCloser
-	cfg     *rest.Config
-	url     string
-	control string
-	client  *http.Client
+// serversRole is a child process serving one or more embedded API servers
+// (the main command's server, the proxy's members). Commands: "reset"
+// zeroes the counters and starts the CPU clock, "open" answers the open
+// connections, "stats" the counters.
+type serversRole struct {
+	servers []*testserver.Server
+	served  atomic.Int64 // requests served over the process's life
+	cpu0    time.Duration
 	dir     string
 }
 
-type childReady struct {
+type serversStats struct {
+	PID             int                `json:"pid"`
+	Servers         []testserver.Stats `json:"servers"`
+	ProcessRequests int64              `json:"process_requests"`
+	CPU             time.Duration      `json:"cpu_ns"`
+	MaxRSSKiB       int64              `json:"max_rss_kib"`
+}
+
+// options returns testserver options that count the requests served.
+func (r *serversRole) options(o testserver.Options) testserver.Options {
+	o.OnRequest = func(testserver.RequestInfo) { r.served.Add(1) }
+	return o
+}
+
+func (r *serversRole) handle(_ context.Context, cmd string) (any, error) {
+	switch cmd {
+	case "reset":
+		for _, s := range r.servers {
+			s.ResetStats()
+		}
+		r.cpu0 = selfUsage().CPU
+		return nil, nil
+	case "open":
+		n := 0
+		for _, s := range r.servers {
+			n += s.OpenConns()
+		}
+		return n, nil
+	case "stats":
+		u := selfUsage()
+		st := serversStats{PID: os.Getpid(), ProcessRequests: r.served.Load(), CPU: u.CPU - r.cpu0, MaxRSSKiB: u.MaxRSSKiB}
+		for _, s := range r.servers {
+			st.Servers = append(st.Servers, s.Stats())
+		}
+		return st, nil
+	}
+	return nil, fmt.Errorf("unknown command %q", cmd)
+}
+
+func (r *serversRole) close() {
+	for _, s := range r.servers {
+		s.Close()
+	}
+	if r.dir != "" {
+		os.RemoveAll(r.dir)
+	}
+}
+
+type serverSpec struct {
+	Dir string `json:"dir"`
+}
+
+type serverReady struct {
 	Kubeconfig string `json:"kubeconfig"`
 	URL        string `json:"url"`
-	Control    string `json:"control"`
-	Error      string `json:"error,omitempty"`
+	PID        int    `json:"pid"`
 }
 
-func newChildTarget(ctx context.Context) (target, error) {
-	exe, err := os.Executable()
+// startServerRole starts the test server with a client certificate for
+// "conncount" and writes a file-based kubeconfig (certificate, key and CA
+// as files, as most kubeconfigs on disk are) into a new directory in
+// spec.Dir.
+func startServerRole(specJSON []byte) (any, childRole, error) {
+	var spec serverSpec
+	if err := json.Unmarshal(specJSON, &spec); err != nil {
+		return nil, nil, err
+	}
+	r := &serversRole{}
+	dir, err := os.MkdirTemp(spec.Dir, "server-")
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
-	dir, err := os.MkdirTemp("", "conncount-")
+	r.dir = dir
+	srv, err := testserver.Start(r.options(testserver.Options{}))
 	if err != nil {
-		return nil, err
+		r.close()
+		return nil, nil, err
 	}
-	cmd := exec.Command(exe)
-	cmd.Env = append(os.Environ(), envEmbedded+"="+dir)
-	cmd.Stderr = os.Stderr
-	stdin, err := cmd.StdinPipe()
+	r.servers = append(r.servers, srv)
+	kp, err := srv.CA().IssueClient("conncount", "system:masters")
 	if err != nil {
-		os.RemoveAll(dir)
-		return nil, err
+		r.close()
+		return nil, nil, err
 	}
-	stdout, err := cmd.StdoutPipe()
+	p, err := srv.WriteKubeconfig(filepath.Join(dir, "kubeconfig"), kp, false)
 	if err != nil {
-		os.RemoveAll(dir)
-		return nil, err
+		r.close()
+		return nil, nil, err
 	}
-	if err := cmd.Start(); err != nil {
-		os.RemoveAll(dir)
-		return nil, fmt.Errorf("start embedded server: %w", err)
-	}
-	t := &childTarget{cmd: cmd, stdin: stdin, dir: dir,
-		client: &http.Client{Timeout: 30 * time.Second, Transport: &http.Transport{Proxy: nil, MaxIdleConnsPerHost: 4}}}
-	readyc := make(chan childReady, 1)
-	go func() {
-		var r childReady
-		line, err := bufio.NewReader(stdout).ReadBytes('\n')
-		if err == nil {
-			err = json.Unmarshal(line, &r)
-		}
-		if err != nil && r.Error == "" {
-			r.Error = "no ready line from the embedded server: " + err.Error()
-		}
-		readyc <- r
-		_, _ = io.Copy(io.Discard, stdout)
-	}()
-	var ready childReady
-	select {
-	case ready = <-readyc:
-	case <-time.After(30 * time.Second):
-		ready.Error = "embedded server did not start within 30s"
-	case <-ctx.Done():
-		ready.Error = ctx.Err().Error()
-	}
-	if ready.Error != "" {
-		t.Close()
-		return nil, errors.New(ready.Error)
-	}
-	t.url, t.control = ready.URL, ready.Control
-	if t.cfg, err = loadKubeconfig(ready.Kubeconfig); err != nil {
-		t.Close()
-		return nil, err
-	}
-	return t, nil
-}
-
-func (t *childTarget) Config() *rest.Config { return t.cfg }
-func (t *childTarget) Describe() string {
-	return "embedded server " + t.url + " in a child process (HTTP/2, 100 streams per connection, client-certificate auth)"
-}
-func (t *childTarget) Sources() map[string]string { return embeddedSources("child process") }
-
-func (t *childTarget) call(method, path string, out any) error {
-	req, err := http.NewRequest(method, t.control+path, nil)
-	if err != nil {
-		return err
-	}
-	resp, err := t.client.Do(req)
-	if err != nil {
-		return fmt.Errorf("embedded server control: %w", err)
-	}
-	defer resp.Body.Close()
-	b, err := io.ReadAll(resp.Body)
-	if err != nil {
-		return err
-	}
-	if resp.StatusCode != http.StatusOK {
-		return fmt.Errorf("embedded server control %s: %s: %s", path, resp.Status, bytes.TrimSpace(b))
-	}
-	if out != nil {
-		return json.Unmarshal(b, out)
-	}
-	return nil
-}
-
-func (t *childTarget) Reset() error { return t.call(http.MethodPost, "/reset", nil) }
-func (t *childTarget) Open() (int, error) {
-	var n int
-	err := t.call(http.MethodGet, "/open", &n)
-	return n, err
-}
-func (t *childTarget) Counts() (counts, error) {
-	var st testserver.Stats
-	if err := t.call(http.MethodGet, "/stats", &st); err != nil {
-		return counts{}, err
-	}
-	return countsOf(st), nil
-}
-func (t *childTarget) Settle(ctx context.Context, d time.Duration) error {
-	if waitClosed(ctx, t, d) {
-		return nil
-	}
-	return t.call(http.MethodPost, "/restart", nil)
-}
-func (t *childTarget) Close() {
-	_ = t.stdin.Close() // the child exits when its stdin closes
-	done := make(chan struct{})
-	go func() { _ = t.cmd.Wait(); close(done) }()
-	select {
-	case <-done:
-	case <-time.After(10 * time.Second):
-		_ = t.cmd.Process.Kill()
-		<-done
-	}
-	t.client.CloseIdleConnections()
-	os.RemoveAll(t.dir)
-}
-
-// serveEmbedded is the child process: it serves until stdin closes.
-func serveEmbedded(dir string, stdin io.Reader, stdout io.Writer) int {
-	fail := func(err error) int {
-		b, _ := json.Marshal(childReady{Error: err.Error()})
-		fmt.Fprintf(stdout, "%s\n", b)
-		return 1
-	}
-	srv, kc, err := startEmbedded(dir)
-	if err != nil {
-		return fail(err)
-	}
-	defer srv.Close()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return fail(err)
-	}
-	mux := http.NewServeMux()
-	mux.HandleFunc("GET /stats", func(w http.ResponseWriter, r *http.Request) {
-		_ = json.NewEncoder(w).Encode(srv.Stats())
-	})
-	mux.HandleFunc("GET /open", func(w http.ResponseWriter, r *http.Request) {
-		fmt.Fprint(w, srv.OpenConns())
-	})
-	mux.HandleFunc("POST /reset", func(w http.ResponseWriter, r *http.Request) { srv.ResetStats() })
-	mux.HandleFunc("POST /restart", func(w http.ResponseWriter, r *http.Request) {
-		if err := srv.Restart(); err != nil {
-			http.Error(w, err.Error(), http.StatusInternalServerError)
-		}
-	})
-	ctl := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
-	go func() { _ = ctl.Serve(ln) }()
-	defer ctl.Close()
-	b, _ := json.Marshal(childReady{Kubeconfig: kc, URL: srv.URL(), Control: "http://" + ln.Addr().String()})
-	fmt.Fprintf(stdout, "%s\n", b)
-	_, _ = io.Copy(io.Discard, stdin) // until the parent closes stdin or exits
-	return 0
+	return serverReady{Kubeconfig: p.Kubeconfig, URL: srv.URL(), PID: os.Getpid()}, r, nil
 }
 
 // ---- real cluster ----
 
-// clusterTarget counts this process's sockets to the API server in the
-// kernel's tables.
+// clusterTarget counts the client process's sockets to the API server in
+// the kernel's tables.
 type clusterTarget struct {
 	cfg       *rest.Config
 	path      string
 	host      string
 	port      int
 	ips       map[string]bool
-	opens0    int64
-	peak      atomic.Int64 // Open runs on the sampler goroutine too
 	proxyNote string
 }
 
-func newClusterTarget(path string) (target, error) {
+func newClusterTarget(path string) (*clusterTarget, error) {
 	cfg, err := loadKubeconfig(path)
 	if err != nil {
 		return nil, err
@@ -414,67 +318,80 @@ func newClusterTarget(path string) (target, error) {
 	return t, nil
 }
 
-func (t *clusterTarget) Config() *rest.Config { return t.cfg }
 func (t *clusterTarget) Describe() string {
 	return fmt.Sprintf("cluster %s from kubeconfig %s%s", t.cfg.Host, t.path, t.proxyNote)
 }
+
 func (t *clusterTarget) Sources() map[string]string {
 	return map[string]string{
 		"accepted":   "kernel: Tcp ActiveOpens delta in /proc/net/snmp (every connection this network namespace opened)",
-		"peak_open":  "kernel: ESTABLISHED sockets of this process to the server's address and port in /proc/net/tcp and tcp6, sampled",
-		"open_end":   "kernel: ESTABLISHED sockets of this process to the server, at the end of the mode",
+		"peak_open":  "kernel: ESTABLISHED sockets of the mode's client process to the server's address and port in /proc/PID/net/tcp and tcp6, sampled",
+		"open_end":   "kernel: ESTABLISHED sockets of the mode's client process to the server, at the end of the load",
 		"handshakes": "sharedtransport modes: the library's Stats; client-go modes: inferred, one full handshake per connection (client-go sets no TLS session cache)",
-		"cpu":        "getrusage(RUSAGE_SELF) of this process",
+		"cpu":        "getrusage(RUSAGE_SELF) of the mode's client process, over the load",
+		"memory":     "the client process: peak heap from runtime/metrics " + heapMetric + " sampled every 20ms, max RSS from getrusage",
 		"latency":    "client side, per request: fresh rest.Config + clientset + list",
 	}
 }
 
-func (t *clusterTarget) Reset() error {
+func (t *clusterTarget) start(context.Context, io.Writer) (targetRun, error) {
+	return &clusterRun{t: t}, nil
+}
+
+func (t *clusterTarget) sampledPeak() bool { return true }
+func (t *clusterTarget) close()            {}
+
+type clusterRun struct {
+	t      *clusterTarget
+	pid    int
+	opens0 int64
+	peak   atomic.Int64 // open runs on the sampler goroutine too
+}
+
+func (r *clusterRun) kubeconfig() string { return r.t.path }
+
+func (r *clusterRun) begin(ctx context.Context, clientPID int) error {
+	r.pid = clientPID
 	n, err := readActiveOpens()
 	if err != nil {
 		return err
 	}
-	t.opens0 = n
-	open, err := t.Open()
+	r.opens0 = n
+	open, err := r.open(ctx)
 	if err != nil {
 		return err
 	}
-	t.peak.Store(int64(open))
+	r.peak.Store(int64(open))
 	return nil
 }
 
-func (t *clusterTarget) Open() (int, error) {
-	n, err := countSockets(t.ips, t.port)
+func (r *clusterRun) open(context.Context) (int, error) {
+	n, err := countSockets(r.pid, r.t.ips, r.t.port)
 	for err == nil {
-		p := t.peak.Load()
-		if int64(n) <= p || t.peak.CompareAndSwap(p, int64(n)) {
+		p := r.peak.Load()
+		if int64(n) <= p || r.peak.CompareAndSwap(p, int64(n)) {
 			break
 		}
 	}
 	return n, err
 }
 
-func (t *clusterTarget) Counts() (counts, error) {
+func (r *clusterRun) end(ctx context.Context) (serverCounts, error) {
 	n, err := readActiveOpens()
 	if err != nil {
-		return counts{}, err
+		return serverCounts{}, err
 	}
-	open, err := t.Open()
+	open, err := r.open(ctx)
 	if err != nil {
-		return counts{}, err
+		return serverCounts{}, err
 	}
-	return counts{Accepted: n - t.opens0, PeakOpen: t.peak.Load(), Open: int64(open), FullHandshakes: unknown, Resumed: unknown}, nil
+	return serverCounts{
+		Accepted: n - r.opens0, PeakOpen: r.peak.Load(), Open: int64(open),
+		FullHandshakes: unknown, Resumed: unknown, ProcessRequests: unknown, CPU: unknown,
+	}, nil
 }
 
-func (t *clusterTarget) Settle(ctx context.Context, d time.Duration) error {
-	if waitClosed(ctx, t, d) {
-		return nil
-	}
-	n, _ := t.Open()
-	return fmt.Errorf("%d connections of the previous mode are still open after %v; the next mode's open counts include them", n, d)
-}
-
-func (t *clusterTarget) Close() {}
+func (r *clusterRun) close() {}
 
 // readActiveOpens returns the kernel's Tcp ActiveOpens counter.
 func readActiveOpens() (int64, error) {

@@ -30,13 +30,20 @@ type Conn struct {
 }
 
 // Mine returns the TCP sockets, IPv4 and IPv6, that this process holds open.
-func Mine() ([]Conn, error) {
-	owned, err := ownedInodes()
+func Mine() ([]Conn, error) { return of("self") }
+
+// Of returns the TCP sockets, IPv4 and IPv6, that process pid holds open,
+// from that process's view of the socket tables (its network namespace).
+// Reading another process's descriptors needs the same user, or more.
+func Of(pid int) ([]Conn, error) { return of(strconv.Itoa(pid)) }
+
+func of(proc string) ([]Conn, error) {
+	owned, err := ownedInodes("/proc/" + proc + "/fd")
 	if err != nil {
 		return nil, err
 	}
 	var out []Conn
-	for _, file := range []string{"/proc/net/tcp", "/proc/net/tcp6"} {
+	for _, file := range []string{"/proc/" + proc + "/net/tcp", "/proc/" + proc + "/net/tcp6"} {
 		b, err := os.ReadFile(file)
 		if err != nil {
 			if os.IsNotExist(err) {
@@ -113,9 +120,10 @@ func parseAddr(s string) (net.IP, int, error) {
 	return ip, int(port), nil
 }
 
-// ownedInodes returns the inodes of this process's sockets.
-func ownedInodes() (map[uint64]bool, error) {
-	d, err := os.Open("/proc/self/fd")
+// ownedInodes returns the inodes of the sockets in the descriptor directory
+// fdDir (/proc/PID/fd).
+func ownedInodes(fdDir string) (map[uint64]bool, error) {
+	d, err := os.Open(fdDir)
 	if err != nil {
 		return nil, err
 	}
@@ -126,7 +134,7 @@ func ownedInodes() (map[uint64]bool, error) {
 	}
 	out := make(map[uint64]bool, len(names))
 	for _, n := range names {
-		link, err := os.Readlink("/proc/self/fd/" + n)
+		link, err := os.Readlink(fdDir + "/" + n)
 		if err != nil || !strings.HasPrefix(link, "socket:[") {
 			continue
 		}

@@ -1,6 +1,11 @@
 package procnet
 
-import "testing"
+import (
+	"net"
+	"os"
+	"os/exec"
+	"testing"
+)
 
 func TestParse(t *testing.T) {
 	const tcp = `  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
@@ -27,5 +32,47 @@ func TestParse(t *testing.T) {
 	}
 	if e := es[1]; e.RemoteIP.To4().String() != "127.0.0.1" || e.RemotePort != 443 {
 		t.Errorf("v4-mapped entry: %+v %v", e, e.RemoteIP)
+	}
+}
+
+// Of reads another process's descriptors: a socket this process holds is
+// listed for this process's PID, and not for a child that holds none.
+func TestOf(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	port := ln.Addr().(*net.TCPAddr).Port
+	conn, err := net.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	held := func(pid int) bool {
+		conns, err := Of(pid)
+		if err != nil {
+			t.Fatalf("Of(%d): %v", pid, err)
+		}
+		for _, c := range conns {
+			if c.RemotePort == port && c.State == Established {
+				return true
+			}
+		}
+		return false
+	}
+	if !held(os.Getpid()) {
+		t.Errorf("Of(own PID) lacks the connection to port %d", port)
+	}
+	child := exec.Command("sleep", "10")
+	if err := child.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = child.Process.Kill(); _ = child.Wait() }()
+	if held(child.Process.Pid) {
+		t.Errorf("Of(child PID) lists this process's connection")
+	}
+	if _, err := Of(-1); err == nil {
+		t.Errorf("Of(-1): no error")
 	}
 }
