@@ -110,6 +110,10 @@ func sharedTransportMode(keepAlive, resumption, withProxy bool) func(*clientSpec
 	}
 }
 
+// allModes are the main command's modes. A new mode is one more entry: its
+// start builds what the mode keeps (a pool), its modeState says how a
+// request's config and clientset are made. Every column, the server's CPU
+// included, is measured the same way for every entry.
 var allModes = []modeDef{
 	{"client-go", "client-go as is: fresh rest.Config + clientset per request (client-go's transport cache applies)", clientGoMode(false)},
 	{"client-go-proxy", "the same with rest.Config.Proxy set (Karmada's member-cluster configs): client-go cannot cache the transport", clientGoMode(true)},

@@ -52,6 +52,8 @@ func frontWith(m memberproxy.Mode, opts []sharedtransport.Option) func(*memberpr
 	}
 }
 
+// proxyModes are the proxy subcommand's modes; a new way for the front to
+// get its round tripper is one more entry with a newFront of its own.
 var proxyModes = []proxyModeDef{
 	{"new-transport", "Karmada before PR 5610: a new transport per request (issue 5574)", frontWith(memberproxy.NewTransport, nil)},
 	{"new-transport-keepalive-off", "Karmada since PR 5610: a new transport per request, keep-alive off", frontWith(memberproxy.NewTransportNoKeepAlive, nil)},
@@ -61,9 +63,9 @@ var proxyModes = []proxyModeDef{
 
 var defaultProxyModes = []string{"new-transport", "new-transport-keepalive-off", "sharedtransport"}
 
-// Defaults of the proxy load; see defaultRepeat.
+// Defaults of the proxy load, chosen as defaultRequests and defaultRepeat.
 const (
-	defaultProxyRequests = 50
+	defaultProxyRequests = 20
 	defaultProxyRepeat   = 3
 )
 
