@@ -56,13 +56,14 @@ type options struct {
 	cpuProfile      string
 }
 
-// Defaults of the load. Three rounds of 2,000 requests per mode keep the
-// default command within about a minute on a 2-core machine, and the
-// median of three stands still when one round is disturbed.
+// Defaults of the load. Five rounds of 2,000 requests per mode keep the
+// default command within about a minute on a 2-core machine shared with
+// other work, and a median of five stands still when two rounds are
+// disturbed.
 const (
 	defaultWorkers  = 100
 	defaultRequests = 20
-	defaultRepeat   = 3
+	defaultRepeat   = 5
 )
 
 // errUsage marks errors in the command line (exit status 2).

@@ -66,7 +66,7 @@ var defaultProxyModes = []string{"new-transport", "new-transport-keepalive-off",
 // Defaults of the proxy load, chosen as defaultRequests and defaultRepeat.
 const (
 	defaultProxyRequests = 20
-	defaultProxyRepeat   = 3
+	defaultProxyRepeat   = 5
 )
 
 type proxyOptions struct {
