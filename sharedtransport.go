@@ -1,10 +1,11 @@
 package sharedtransport
 
 import (
-	"bytes"
 	"context"
+	"crypto/hmac"
+	"crypto/rand"
 	"crypto/sha256"
-	"crypto/x509"
+	"crypto/tls"
 	"encoding/binary"
 	"encoding/hex"
 	"errors"
@@ -15,7 +16,7 @@ import (
 	"path/filepath"
 	"runtime"
 	"slices"
-	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -96,26 +97,27 @@ func (p *Pool) Wrap(cfg *rest.Config) error {
 	if p.isClosed() {
 		return ErrClosed
 	}
-	id, err := p.identityFor(cfg)
+	id, share, err := p.identityFor(cfg)
 	if err != nil {
 		return err
 	}
-	if id == nil {
+	if !share {
 		p.stats.passThrough.Add(1)
 		return nil
 	}
-	probe, err := probeRequest(cfg)
-	if err != nil {
-		return fmt.Errorf("sharedtransport: host %q: %w", redactHost(cfg.Host), err)
-	}
-	l, err := p.acquire(id, probe)
+	h, err := newHook(p, id, cfg)
 	if err != nil {
 		return err
 	}
+	l, err := p.acquire(id)
+	if err != nil {
+		return err
+	}
+	h.lease = weak.Make(l)
 	// The config holds its lease; the hook it carries refers to it only
 	// weakly, because client-go may keep the hook for good (see hook).
 	runtime.AddCleanup(cfg, holdLease, l)
-	cfg.WrapTransport = transport.Wrappers(newHook(p, id, probe, l).wrap, cfg.WrapTransport)
+	cfg.WrapTransport = transport.Wrappers(h.wrap, cfg.WrapTransport)
 	return nil
 }
 
@@ -195,11 +197,62 @@ func (p *Pool) Stats() Stats {
 	}
 }
 
-// identityKey is a digest of an identity. It is comparable, and holds no key
-// material: printing it reveals nothing.
-type identityKey [sha256.Size]byte
+// identityKey is what two configs must agree on to share a transport. It is
+// a comparable struct, as client-go's tlsCacheKey is, so a field added to the
+// identity is added here once and compared everywhere. Key material enters
+// it as digests; its String redacts everything.
+type identityKey struct {
+	insecure           bool
+	serverName         string
+	nextProtos         string // length-prefixed, so ["h2,x"] and ["h2", "x"] differ
+	disableCompression bool
 
-func (k identityKey) String() string { return "identity:" + hex.EncodeToString(k[:6]) }
+	// Watched files by path; inline data, and files read once, by digest.
+	caFile, certFile, keyFile string
+	caData, certData, keyData digest
+
+	getCert    *transport.GetCertHolder // an exec plugin's certificate
+	dialHolder *transport.DialHolder    // an exec plugin's dialer
+	dialName   string                   // a custom Dial, named by WithDialIdentity
+
+	// proxy is "" when the transport uses the environment's proxy, as
+	// client-go does for configs without Proxy; otherwise the URL the
+	// config's Proxy gave for its host ("direct" for none).
+	proxy string
+}
+
+type digest [sha256.Size]byte
+
+func digestOf(b []byte) digest {
+	if len(b) == 0 {
+		return digest{}
+	}
+	return sha256.Sum256(b)
+}
+
+// nameSecret keys the names identities are printed with. A plain digest of a
+// key would let a log reader test guesses (a proxy password) offline.
+var nameSecret = sync.OnceValue(func() []byte {
+	b := make([]byte, 32)
+	if _, err := rand.Read(b); err != nil {
+		panic(err) // crypto/rand does not fail on supported platforms
+	}
+	return b
+})
+
+// String names the identity without revealing anything that went into it:
+// an HMAC under a random per-process key. The name is stable for the process.
+func (k identityKey) String() string { return "identity:" + hex.EncodeToString(k.mac()[:6]) }
+
+func (k identityKey) mac() []byte {
+	type fields identityKey // no String method: fmt prints every field
+	h := hmac.New(sha256.New, nameSecret())
+	fmt.Fprintf(h, "%#v", fields(k))
+	return h.Sum(nil)
+}
+
+// GoString keeps %#v as redacted as %v.
+func (k identityKey) GoString() string { return k.String() }
 
 // identity is everything that decides what a connection is and whom it
 // authenticates as. It is computed once, when a config is wrapped. Per-request
@@ -212,151 +265,183 @@ type identity struct {
 	serverName         string
 	nextProtos         []string
 	disableCompression bool
+	// alpn is the protocol list client-go's own transport for the identity
+	// offers once HTTP/2 is configured: what a client-go transport handed to
+	// the hook must offer to be this identity's.
+	alpn []string
 
 	// Files are watched and reloaded; inline data is fixed for the identity.
 	caFile, certFile, keyFile string
 	caData, certData, keyData []byte
 	getCert                   *transport.GetCertHolder // exec plugin certificates
 
-	dial func(ctx context.Context, network, address string) (net.Conn, error) // nil: client-go's default dialer
+	dial func(ctx context.Context, network, address string) (net.Conn, error) // nil: the default dialer
 
-	// proxy is nil when the transport should use the environment, as
-	// client-go does for configs without Proxy. Otherwise it returns the URL
-	// (or nil, direct) that the config's own Proxy function gave for host,
-	// and only requests to host use the shared transport.
+	// proxy is nil when the transport uses the environment, as client-go
+	// does for configs without Proxy. Otherwise it returns the URL (or nil,
+	// direct) that the config's own Proxy function gave for its host.
 	proxy func(*http.Request) (*url.URL, error)
-	host  string
 }
 
 // watchesFiles reports whether the identity's material comes from files that
 // are watched for rotation.
 func (id *identity) watchesFiles() bool { return id.caFile != "" || id.certFile != "" }
 
-// identityFor computes cfg's identity. It returns nil, nil for configs that
-// pass through.
-func (p *Pool) identityFor(cfg *rest.Config) (*identity, error) {
+// identityFor computes cfg's identity. share is false for configs that pass
+// through to client-go untouched: their own Transport, no TLS at all, an
+// unnamed custom Dial, a Proxy function that fails.
+func (p *Pool) identityFor(cfg *rest.Config) (id *identity, share bool, err error) {
 	if cfg == nil {
-		return nil, errors.New("sharedtransport: Wrap called with a nil *rest.Config")
+		return nil, false, errors.New("sharedtransport: Wrap called with a nil *rest.Config")
 	}
 	if cfg.Transport != nil {
-		return nil, nil // the caller brought its own transport: never replaced
+		return nil, false, nil // the caller brought its own transport: never replaced
+	}
+	if _, err := probeRequest(cfg); err != nil {
+		return nil, false, err
 	}
 	tc, err := cfg.TransportConfig()
 	if err != nil {
-		return nil, fmt.Errorf("sharedtransport: %w", err)
+		return nil, false, fmt.Errorf("sharedtransport: %w", err)
 	}
 	hasTLS := tc.HasCA() || tc.HasCertAuth() || tc.HasCertCallback() || tc.TLS.Insecure ||
 		tc.TLS.ServerName != "" || len(tc.TLS.NextProtos) > 0
 	if !hasTLS && tc.DialHolder == nil && tc.Proxy == nil {
-		return nil, nil // client-go uses http.DefaultTransport, already shared
+		return nil, false, nil // client-go uses http.DefaultTransport, already shared
 	}
 	if tc.HasCA() && tc.TLS.Insecure {
-		return nil, errors.New("sharedtransport: a config cannot set both a CA and insecure: remove one of them")
+		return nil, false, errors.New("sharedtransport: a config cannot set both a CA and insecure: remove one of them")
 	}
 
-	id := &identity{
+	id = &identity{
 		insecure:           tc.TLS.Insecure,
 		serverName:         tc.TLS.ServerName,
 		nextProtos:         tc.TLS.NextProtos,
 		disableCompression: tc.DisableCompression,
 		getCert:            tc.TLS.GetCertHolder,
+		alpn:               clientGoALPN(tc.TLS.NextProtos, hasTLS),
 	}
-	h := newKeyHasher()
-	h.bool("insecure", id.insecure)
-	h.str("serverName", id.serverName)
-	// One field per protocol: joined with a separator, ["h2,x"] and
-	// ["h2", "x"] would be one key for two different ALPN lists.
-	h.str("nextProtos", strconv.Itoa(len(id.nextProtos)))
-	for _, proto := range id.nextProtos {
-		h.str("nextProto", proto)
+	if err := id.setMaterial(tc); err != nil {
+		return nil, false, err
 	}
-	h.bool("disableCompression", id.disableCompression)
-	h.ptr("getCert", id.getCert)
+	dialName, share := p.setDialer(id, cfg, tc)
+	if !share {
+		return nil, false, nil
+	}
+	proxy := ""
+	if cfg.Proxy != nil {
+		r, err := proxyRoute(cfg)
+		if err != nil {
+			p.opts.logger.V(2).Info("Config passes through: its Proxy function failed", "host", redactHost(cfg.Host), "err", err)
+			return nil, false, nil
+		}
+		if !r.env {
+			id.proxy, proxy = r.fixed, r.url
+		}
+	}
+	id.key = identityKey{
+		insecure:           id.insecure,
+		serverName:         id.serverName,
+		nextProtos:         lengthPrefixed(id.nextProtos),
+		disableCompression: id.disableCompression,
+		caFile:             id.caFile,
+		certFile:           id.certFile,
+		keyFile:            id.keyFile,
+		caData:             digestOf(id.caData),
+		certData:           digestOf(id.certData),
+		keyData:            digestOf(id.keyData),
+		getCert:            id.getCert,
+		dialName:           dialName,
+		proxy:              proxy,
+	}
+	if dialName == "" {
+		id.key.dialHolder = tc.DialHolder // exec plugin: one per authenticator, cached by client-go
+	}
+	return id, true, nil
+}
 
-	// Like client-go: files are reloaded only when named without inline data
-	// (and, for the client certificate, when both halves are files).
+// setMaterial records where id's CA and client certificate come from. Like
+// client-go, files are reloaded only when named without inline data (and, for
+// the client certificate, when both halves are files); a mix is read once.
+func (id *identity) setMaterial(tc *transport.Config) error {
+	var err error
 	if tc.TLS.CAFile != "" && len(tc.TLS.CAData) == 0 {
 		if id.caFile, err = filepath.Abs(tc.TLS.CAFile); err != nil {
-			return nil, fmt.Errorf("sharedtransport: CA file %q: %w", tc.TLS.CAFile, err)
+			return fmt.Errorf("sharedtransport: CA file %q: %w", tc.TLS.CAFile, err)
 		}
-		h.str("caFile", id.caFile)
 	} else {
 		id.caData = tc.TLS.CAData
-		h.bytes("caData", id.caData)
 	}
-	switch {
-	case tc.TLS.CertFile != "" && len(tc.TLS.CertData) == 0 && tc.TLS.KeyFile != "" && len(tc.TLS.KeyData) == 0:
+	if tc.TLS.CertFile != "" && len(tc.TLS.CertData) == 0 && tc.TLS.KeyFile != "" && len(tc.TLS.KeyData) == 0 {
 		if id.certFile, err = filepath.Abs(tc.TLS.CertFile); err != nil {
-			return nil, fmt.Errorf("sharedtransport: client certificate file %q: %w", tc.TLS.CertFile, err)
+			return fmt.Errorf("sharedtransport: client certificate file %q: %w", tc.TLS.CertFile, err)
 		}
 		if id.keyFile, err = filepath.Abs(tc.TLS.KeyFile); err != nil {
-			return nil, fmt.Errorf("sharedtransport: client key file %q: %w", tc.TLS.KeyFile, err)
+			return fmt.Errorf("sharedtransport: client key file %q: %w", tc.TLS.KeyFile, err)
 		}
-		h.str("certFile", id.certFile)
-		h.str("keyFile", id.keyFile)
-	default:
-		// A mix of file and inline data is read once, as client-go does.
-		if id.certData, err = dataOrFile(tc.TLS.CertData, tc.TLS.CertFile, "client certificate"); err != nil {
-			return nil, err
-		}
-		if id.keyData, err = dataOrFile(tc.TLS.KeyData, tc.TLS.KeyFile, "client key"); err != nil {
-			return nil, err
-		}
-		h.bytes("certData", id.certData)
-		h.bytes("keyData", id.keyData)
+		return nil
 	}
+	if id.certData, err = dataOrFile(tc.TLS.CertData, tc.TLS.CertFile, "client certificate"); err != nil {
+		return err
+	}
+	id.keyData, err = dataOrFile(tc.TLS.KeyData, tc.TLS.KeyFile, "client key")
+	return err
+}
 
+// setDialer sets the dialer the identity's transport uses and returns the
+// name that keys a custom Dial. share is false for a custom Dial without a
+// name: dialers cannot be compared.
+func (p *Pool) setDialer(id *identity, cfg *rest.Config, tc *transport.Config) (name string, share bool) {
 	switch {
 	case cfg.Dial != nil:
-		name := ""
 		if p.opts.dialIdentity != nil {
 			name = p.opts.dialIdentity(cfg)
 		}
 		if name == "" {
-			return nil, nil // dialers cannot be compared: not shared unless named
+			return "", false
 		}
 		// tc's dialer, not cfg.Dial: for an exec plugin config client-go
 		// wraps cfg.Dial in the tracker its authenticator closes when the
 		// plugin's certificate changes, and the pool's connections must
 		// close with it. Otherwise the two are the same function.
 		id.dial = tc.DialHolder.Dial
-		h.str("dialIdentity", name)
 	case tc.DialHolder != nil:
-		// The exec credential plugin's dialer: one per authenticator, and
-		// client-go caches authenticators, so the pointer is an identity.
-		id.dial = tc.DialHolder.Dial
-		h.ptr("dialHolder", tc.DialHolder)
+		id.dial = tc.DialHolder.Dial // the exec plugin's tracking dialer
 	}
+	return name, true
+}
 
-	if cfg.Proxy != nil {
-		shared, err := proxyRoute(cfg)
-		if err != nil {
-			p.opts.logger.V(2).Info("Config passes through: its Proxy function failed", "host", redactHost(cfg.Host), "err", err)
-			return nil, nil
-		}
-		if !shared.env {
-			id.proxy = shared.fixed
-			id.host = shared.host
-			h.str("proxy", shared.url)
-			h.str("host", shared.host)
-		}
+// clientGoALPN returns the protocols a transport client-go builds for
+// nextProtos offers once utilnet.SetTransportDefaults configured HTTP/2
+// (DISABLE_HTTP2 included).
+func clientGoALPN(nextProtos []string, hasTLS bool) []string {
+	if !hasTLS {
+		return nil
 	}
-	id.key = h.sum()
-	return id, nil
+	t := utilnet.SetTransportDefaults(&http.Transport{TLSClientConfig: &tls.Config{NextProtos: slices.Clone(nextProtos)}})
+	return t.TLSClientConfig.NextProtos
+}
+
+func lengthPrefixed(list []string) string {
+	var b []byte
+	for _, s := range list {
+		b = binary.AppendUvarint(b, uint64(len(s)))
+		b = append(b, s...)
+	}
+	return string(b)
 }
 
 type route struct {
 	env   bool // the config's Proxy agrees with the environment for its host
 	url   string
-	host  string
 	fixed func(*http.Request) (*url.URL, error)
 }
 
 // proxyRoute samples cfg.Proxy for cfg's host. Proxy functions cannot be
 // compared, so two configs are taken to agree when their functions give the
-// same answer for the host they talk to; the host then joins the identity. A
-// config whose Proxy gives what the environment would is the same as a config
-// without Proxy.
+// same answer for the host they talk to. Only requests to that host ever use
+// the shared transport (see hook.onlyHost); a config whose Proxy gives what
+// the environment would shares the environment's transport.
 func proxyRoute(cfg *rest.Config) (route, error) {
 	req, err := probeRequest(cfg)
 	if err != nil {
@@ -371,25 +456,36 @@ func proxyRoute(cfg *rest.Config) (route, error) {
 	}
 	return route{
 		url:   urlString(got),
-		host:  req.URL.Host,
 		fixed: func(*http.Request) (*url.URL, error) { return got, nil },
 	}, nil
 }
 
 // probeRequest is a request to cfg's host, for asking proxy functions where
-// they would send it.
+// they would send it. Its error names the host, redacted.
 func probeRequest(cfg *rest.Config) (*http.Request, error) {
 	u, _, err := rest.DefaultServerUrlFor(cfg)
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("sharedtransport: host %q is not a valid URL: fix the config's Host", redactHost(cfg.Host))
 	}
 	return &http.Request{Method: http.MethodGet, URL: u, Header: http.Header{}, Host: u.Host}, nil
 }
 
-// redactHost hides a password a config's Host may carry in its user info.
+// redactHost hides a password a config's Host may carry. A Host that does not
+// parse is redacted by hand: everything between the scheme and the last "@"
+// may be user info.
 func redactHost(host string) string {
-	if u, err := url.Parse(host); err == nil && u.User != nil {
-		return u.Redacted()
+	if u, err := url.Parse(host); err == nil {
+		if u.User != nil {
+			return u.Redacted()
+		}
+		return host
+	}
+	rest, scheme := host, ""
+	if i := strings.Index(rest, "://"); i >= 0 {
+		scheme, rest = rest[:i+3], rest[i+3:]
+	}
+	if i := strings.LastIndex(rest, "@"); i >= 0 {
+		return scheme + "xxxxx@" + rest[i+1:]
 	}
 	return host
 }
@@ -401,43 +497,13 @@ func urlString(u *url.URL) string {
 	return u.String()
 }
 
-// keyHasher builds an identityKey. Every field is written with its name and
-// length, so no two different identities can produce the same stream.
-type keyHasher struct{ buf []byte }
-
-func newKeyHasher() *keyHasher { return &keyHasher{} }
-
-func (h *keyHasher) bytes(name string, b []byte) {
-	h.buf = binary.AppendUvarint(h.buf, uint64(len(name)))
-	h.buf = append(h.buf, name...)
-	h.buf = binary.AppendUvarint(h.buf, uint64(len(b)))
-	h.buf = append(h.buf, b...)
-}
-func (h *keyHasher) str(name, s string) { h.bytes(name, []byte(s)) }
-func (h *keyHasher) bool(name string, b bool) {
-	if b {
-		h.str(name, "1")
-	} else {
-		h.str(name, "0")
-	}
-}
-
-// ptr keys by address. The identity keeps what the pointer points to alive, so
-// the address cannot be reused while the identity exists.
-func (h *keyHasher) ptr(name string, p any) { h.str(name, fmt.Sprintf("%p", p)) }
-
-func (h *keyHasher) sum() identityKey {
-	k := identityKey(sha256.Sum256(h.buf))
-	clear(h.buf) // the stream held key material
-	return k
-}
-
 // entry is one identity's place in the pool: its current transport
 // generation, its file watches, and how many wrapped configs refer to it.
 type entry struct {
 	pool    *Pool
 	id      *identity
 	current atomic.Pointer[generation]
+	since   atomic.Int64 // when current took effect, in Unix nanoseconds
 	closed  atomic.Bool
 
 	// Guarded by pool.mu.
@@ -445,94 +511,56 @@ type entry struct {
 	idleTimer *time.Timer
 	watch     *identityWatch // nil unless id.watchesFiles()
 
-	verifyMu sync.Mutex // serializes first looks at client-go transports (lease.matches)
+	checkMu sync.Mutex // serializes first looks at client-go transports (see clientTransport.check)
 
-	mu       sync.Mutex // guards draining and the past credentials
+	mu       sync.Mutex // guards draining, agreed and agreedNext
 	draining map[*generation]*time.Timer
-	// Credentials earlier generations used, for identities with files.
-	// client-go keeps its own copy of file material and refreshes it on its
-	// own schedule (client certificates every 5 minutes, CAs lazily or never
-	// before v0.36), so the transport it hands the hook for an unchanged
-	// config may show material the pool has already rotated away from.
-	pastRoots  []*x509.CertPool
-	pastLeaves [][]byte
-	// client-go transports already found to be this identity's. client-go
-	// hands the same transport again for every config its cache can key,
-	// and asking a transport for its client certificate is not free: for
-	// certificate files it re-reads them and, if they changed, races
-	// client-go's own refresher (client-go's dynamicClientCert returns its
-	// certificate outside its lock). Weak, so the pool keeps none alive.
-	recent     [8]weak.Pointer[http.Transport]
-	recentNext int
+	// client-go transports found to agree with a generation. client-go hands
+	// the same transport again for every config its cache can key, and
+	// asking a transport for its client certificate is not free. A finding
+	// holds for its generation only: a rotation changes what the pool
+	// presents, never what client-go's transport presents. Weak, so the pool
+	// keeps no transport alive.
+	agreed     [8]agreement
+	agreedNext int
 }
 
-// verified reports whether t is a client-go transport already matched to e.
-func (e *entry) verified(t *http.Transport) bool {
+// certFileSettle is how long after a rotation client-go's transports may still
+// present the certificate they read from the files before it: client-go caches
+// what it reads for a second.
+const certFileSettle = 2 * time.Second
+
+// settled reports whether g took effect long enough ago that client-go's
+// transports for the same certificate files present what g presents.
+func (e *entry) settled(g *generation) bool {
+	return e.current.Load() != g || time.Since(time.Unix(0, e.since.Load())) >= certFileSettle
+}
+
+type agreement struct {
+	t    weak.Pointer[http.Transport]
+	g    *generation
+	dial dialFingerprint
+}
+
+// agrees reports whether t was already found to agree with g for a client
+// that dials with dial.
+func (e *entry) agrees(t *http.Transport, g *generation, dial dialFingerprint) bool {
 	w := weak.Make(t)
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	for _, r := range e.recent {
-		if r == w {
-			return true
-		}
-	}
-	return false
+	return slices.Contains(e.agreed[:], agreement{w, g, dial})
 }
 
-func (e *entry) remember(t *http.Transport) {
+func (e *entry) rememberAgreement(t *http.Transport, g *generation, dial dialFingerprint) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	e.recent[e.recentNext] = weak.Make(t)
-	e.recentNext = (e.recentNext + 1) % len(e.recent)
-}
-
-// maxPastCredentials bounds how many rotations back a client-go transport's
-// material is still recognised as this identity's.
-const maxPastCredentials = 8
-
-// trustsRoots reports whether roots are what g trusts or, for a CA file, what
-// an earlier generation trusted.
-func (e *entry) trustsRoots(g *generation, roots *x509.CertPool) bool {
-	if samePool(roots, g.roots) {
-		return true
-	}
-	if e.id.caFile == "" {
-		return false
-	}
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	return slices.ContainsFunc(e.pastRoots, func(r *x509.CertPool) bool { return samePool(roots, r) })
-}
-
-// trustsLeaf reports whether leaf is the client certificate g presents or,
-// for certificate files, one an earlier generation presented.
-func (e *entry) trustsLeaf(g *generation, leaf []byte) bool {
-	if bytes.Equal(leaf, g.leaf) {
-		return true
-	}
-	if leaf != nil && g.leaf == nil && e.id.getCert != nil {
-		// The exec plugin's certificate: ask the holder, as a handshake would.
-		cert, err := e.id.getCert.GetCert()
-		return err == nil && cert != nil && len(cert.Certificate) > 0 && bytes.Equal(leaf, cert.Certificate[0])
-	}
-	if e.id.certFile == "" {
-		return false
-	}
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	return slices.ContainsFunc(e.pastLeaves, func(l []byte) bool { return bytes.Equal(leaf, l) })
-}
-
-func samePool(a, b *x509.CertPool) bool {
-	if a == nil || b == nil {
-		return a == b
-	}
-	return a.Equal(b)
+	e.agreed[e.agreedNext] = agreement{weak.Make(t), g, dial}
+	e.agreedNext = (e.agreedNext + 1) % len(e.agreed)
 }
 
 // acquire returns a lease on id's entry, building the entry on first use.
 // Concurrent first uses of one identity share one build.
-func (p *Pool) acquire(id *identity, probe *http.Request) (*lease, error) {
+func (p *Pool) acquire(id *identity) (*lease, error) {
 	built := false
 	for {
 		p.mu.Lock()
@@ -546,11 +574,11 @@ func (p *Pool) acquire(id *identity, probe *http.Request) (*lease, error) {
 			if !built {
 				p.stats.hits.Add(1)
 			}
-			return newLease(e, probe), nil
+			return newLease(e), nil
 		}
 		p.mu.Unlock()
 
-		_, err, _ := p.group.Do(string(id.key[:]), func() (any, error) {
+		_, err, _ := p.group.Do(string(id.key.mac()), func() (any, error) {
 			p.mu.Lock()
 			_, ok := p.entries[id.key]
 			p.mu.Unlock()
@@ -591,6 +619,7 @@ func (p *Pool) build(id *identity) (*entry, error) {
 		return nil, err
 	}
 	e.current.Store(g)
+	e.since.Store(time.Now().UnixNano())
 	if id.watchesFiles() {
 		w, err := p.fileWatcher()
 		if err != nil {
@@ -648,13 +677,10 @@ func (e *entry) rotate(g *generation, drain time.Duration) bool {
 		g.close()
 		return false
 	}
+	e.since.Store(time.Now().UnixNano()) // before g is visible: see settled
 	old := e.current.Swap(g)
-	if e.id.caFile != "" {
-		e.pastRoots = appendBounded(e.pastRoots, old.roots)
-	}
-	if e.id.certFile != "" {
-		e.pastLeaves = appendBounded(e.pastLeaves, old.leaf)
-	}
+	// Findings about client-go transports were made against old.
+	e.agreed = [len(e.agreed)]agreement{}
 	if e.draining == nil {
 		e.draining = map[*generation]*time.Timer{}
 	}
@@ -667,13 +693,6 @@ func (e *entry) rotate(g *generation, drain time.Duration) bool {
 	e.mu.Unlock()
 	old.closeIdle()
 	return true
-}
-
-func appendBounded[T any](s []T, v T) []T {
-	if len(s) == maxPastCredentials {
-		s = append(s[:0], s[1:]...)
-	}
-	return append(s, v)
 }
 
 // close stops e's watches and closes every connection it holds, draining
@@ -701,15 +720,10 @@ func (e *entry) close() {
 // lease is one wrapped config's hold on an entry. While a config, a copy of
 // it, or any client built from them is reachable, so is its lease, and the
 // entry stays. When the last lease is collected the entry's idle grace starts.
-type lease struct {
-	e *entry
-	// probe is a request to the wrapped config's host, used to check that a
-	// round tripper handed to the hook routes through the same proxy.
-	probe *http.Request
-}
+type lease struct{ e *entry }
 
-func newLease(e *entry, probe *http.Request) *lease {
-	l := &lease{e: e, probe: probe}
+func newLease(e *entry) *lease {
+	l := &lease{e: e}
 	runtime.AddCleanup(l, e.pool.release, e)
 	return l
 }

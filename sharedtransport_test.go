@@ -361,7 +361,7 @@ func TestHookComposition(t *testing.T) {
 	if beforeSeen.count() != 3 || afterSeen.count() != 3 {
 		t.Errorf("wrappers saw %d and %d requests, want 3 and 3", beforeSeen.count(), afterSeen.count())
 	}
-	if _, ok := before.next.(*lease); !ok {
+	if _, ok := before.next.(*clientTransport); !ok {
 		t.Errorf("the wrapper set before Wrap wraps %T, want the pool's round tripper innermost", before.next)
 	}
 	if innerOfAfter != before {

@@ -1,46 +1,88 @@
 package sharedtransport
 
 import (
+	"bytes"
+	"context"
 	"crypto/tls"
+	"crypto/x509"
 	"errors"
 	"fmt"
+	"maps"
+	"net"
 	"net/http"
 	"net/url"
+	"path/filepath"
+	"reflect"
+	"slices"
 	"sync"
+	"sync/atomic"
+	"time"
+	"unsafe"
 	"weak"
 
 	utilnet "k8s.io/apimachinery/pkg/util/net"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
+	"k8s.io/client-go/util/connrotation"
 )
 
-// hook is what Wrap installs as the innermost rest.Config.WrapTransport. It
-// refers to its lease weakly. client-go keeps the WrapTransport of the first
-// config of every TLS cache key for as long as it keeps the transport it
-// cached for that key: the GetClientCertificate closure of the cached
-// transport's tls.Config captures the whole transport.Config. Before v0.36
-// (and with the ClientsAllowTLSCacheGC gate off) that cache is never pruned,
-// so a hook holding its lease strongly kept every identity with a client
-// certificate alive for good, connections and memory, once a client had been
-// built from it: a deleted member cluster, a rotated-away Secret. Instead the
+// hook is what Wrap installs as the innermost rest.Config.WrapTransport.
+// client-go calls it with the transport it built for a client of the wrapped
+// config, or of a copy of it (rest.CopyConfig copies WrapTransport), or of the
+// config changed in place. The hook never sees the config, only client-go's
+// transport, so the rule is: hand a client the shared transport only when
+// client-go's transport for that client is shown to authenticate, trust, dial,
+// route, negotiate and compress exactly as the shared one does; anything not
+// shown keeps client-go's transport (correct, only not shared).
+//
+// The hook refers to its lease weakly. client-go keeps the WrapTransport of the
+// first config of every TLS cache key for as long as it keeps the transport it
+// cached for that key (the GetClientCertificate closure of the cached
+// transport's tls.Config captures the whole transport.Config), and before
+// v0.36 that cache is never pruned: a hook holding its lease strongly would
+// keep every identity with a client certificate alive for good. Instead the
 // wrapped config holds the lease (Wrap attaches it), clients hold it through
 // the round tripper the hook returns, and a hook whose lease was collected
 // takes a new one.
 type hook struct {
-	pool  *Pool
-	id    *identity
-	probe *http.Request
+	pool *Pool
+	id   *identity
+	// dial is the dialer of the wrapped config as client-go would use it: a
+	// client-go transport that dials with anything else is not this
+	// config's.
+	dial dialFingerprint
+	// onlyHost, set when the wrapped config has a Proxy function, is the
+	// host that function was asked about: requests to any other host keep
+	// client-go's transport, which asks the client's own Proxy.
+	onlyHost string
 
 	mu    sync.Mutex // guards lease
 	lease weak.Pointer[lease]
 }
 
-func newHook(p *Pool, id *identity, probe *http.Request, l *lease) *hook {
-	return &hook{pool: p, id: id, probe: probe, lease: weak.Make(l)}
+func newHook(p *Pool, id *identity, cfg *rest.Config) (*hook, error) {
+	h := &hook{pool: p, id: id, dial: defaultDial}
+	if cfg.Dial != nil {
+		h.dial = fingerprintDial(cfg.Dial)
+	}
+	if cfg.Proxy != nil {
+		probe, err := probeRequest(cfg)
+		if err != nil {
+			return nil, err
+		}
+		h.onlyHost = probe.URL.Host
+	}
+	return h, nil
 }
 
 func (h *hook) wrap(rt http.RoundTripper) http.RoundTripper {
+	switch rt.(type) {
+	case *clientTransport, closedRoundTripper:
+		// A hook installed later (the config was wrapped again) already
+		// decided for this client.
+		return rt
+	}
 	l, err := h.current()
 	switch {
 	case errors.Is(err, ErrClosed):
@@ -52,7 +94,19 @@ func (h *hook) wrap(rt http.RoundTripper) http.RoundTripper {
 		h.pool.stats.passThrough.Add(1)
 		return rt
 	}
-	return l.wrap(rt)
+	if l.e.closed.Load() {
+		return closedRoundTripper{} // fails every request with ErrClosed, rather than silently leaving the pool
+	}
+	got := httpTransport(rt)
+	if got == nil {
+		return rt // SPDY, websocket, a caller's own transport: never replaced
+	}
+	c := &clientTransport{lease: l, clientGo: rt, got: got, dial: h.dial, onlyHost: h.onlyHost}
+	if v := c.verdict(); !v.shared && !v.provisional {
+		h.pool.stats.passThrough.Add(1)
+		return rt
+	}
+	return c
 }
 
 // current returns the hook's lease, taking a new one when it was collected.
@@ -62,7 +116,7 @@ func (h *hook) current() (*lease, error) {
 	if l := h.lease.Value(); l != nil {
 		return l, nil
 	}
-	l, err := h.pool.acquire(h.id, h.probe)
+	l, err := h.pool.acquire(h.id)
 	if err != nil {
 		return nil, err
 	}
@@ -76,72 +130,176 @@ func (closedRoundTripper) RoundTrip(*http.Request) (*http.Response, error) {
 	return nil, fmt.Errorf("%w: build the client from a config wrapped by an open pool", ErrClosed)
 }
 
-// wrap is the lease's part of the hook.
-// client-go calls it with the transport it built for a config: the wrapped
-// config, or a copy of it (rest.CopyConfig copies WrapTransport). The shared
-// transport replaces rt only when rt is a client-go TLS transport for this
-// very identity; anything else (SPDY and websocket round trippers, a
-// user-supplied Transport, a copy whose credentials changed) passes through.
-func (l *lease) wrap(rt http.RoundTripper) http.RoundTripper {
-	if l.e.closed.Load() {
-		return l // fails every request with ErrClosed, rather than silently leaving the pool
-	}
-	if !l.matches(rt) {
-		l.e.pool.stats.passThrough.Add(1)
-		return rt
-	}
-	if l.e.id.host != "" {
-		return &hostRoundTripper{lease: l, other: rt}
-	}
-	return l
+// clientTransport is what one client gets from the hook: the shared transport
+// while client-go's transport for that client agrees with it, client-go's
+// transport otherwise. Agreement is checked once per generation: a rotation
+// changes what the pool presents and never what client-go's transport
+// presents, so a client whose credentials matched the old material (a copy
+// holding the same bytes inline, in other files) is checked again.
+type clientTransport struct {
+	lease    *lease
+	clientGo http.RoundTripper // what client-go built for this client
+	got      *http.Transport   // clientGo unwrapped
+	dial     dialFingerprint
+	onlyHost string
+
+	state atomic.Pointer[verdict]
 }
 
-// matches reports whether rt, built by client-go, authenticates and routes
-// exactly as the lease's identity does. This is what keeps a copy of a
-// wrapped config that was given other credentials off the original's
-// connections.
-func (l *lease) matches(rt http.RoundTripper) bool {
-	got := httpTransport(rt)
-	if got == nil {
-		return false
+// verdict is a clientTransport's finding about one generation.
+type verdict struct {
+	g      *generation
+	shared bool
+	// provisional marks a disagreement found while client-go may still hand
+	// out the certificate it read before the files changed: it caches what
+	// it reads from certificate files for a second. Such a finding is made
+	// again once that window has passed.
+	provisional bool
+	// routes records, per scheme and host, whether client-go's Proxy and the
+	// shared transport's send requests the same way. Copied on write.
+	routes map[string]bool
+}
+
+// maxRoutes bounds the hosts a verdict remembers; beyond it routes are
+// compared per request.
+const maxRoutes = 32
+
+func (c *clientTransport) RoundTrip(req *http.Request) (*http.Response, error) {
+	if c.onlyHost != "" && req.URL.Host != c.onlyHost {
+		return c.clientGo.RoundTrip(req)
 	}
-	if l.e.verified(got) {
+	if c.lease.e.closed.Load() {
+		return c.lease.RoundTrip(req) // ErrClosed, as for every client of a closed pool
+	}
+	v := c.verdict()
+	if !v.shared || !c.sameRoute(v, req) {
+		return c.clientGo.RoundTrip(req)
+	}
+	return c.lease.roundTripOn(v.g, req)
+}
+
+// verdict returns the finding for the current generation, checking once when
+// the generation changed.
+func (c *clientTransport) verdict() *verdict {
+	e := c.lease.e
+	g := e.current.Load()
+	v := c.state.Load()
+	if v != nil && v.g == g && !(v.provisional && e.settled(g)) {
+		return v
+	}
+	settled := e.settled(g)
+	v = &verdict{g: g, shared: c.check(g)}
+	v.provisional = !v.shared && !settled && e.id.certFile != ""
+	c.state.Store(v)
+	return v
+}
+
+// check reports whether client-go's transport for this client authenticates,
+// trusts, dials, negotiates and compresses exactly as g does.
+func (c *clientTransport) check(g *generation) bool {
+	e := c.lease.e
+	if e.agrees(c.got, g, c.dial) {
 		return true
 	}
 	// One first look at a time per identity: client-go's certificate-file
 	// refresher returns its certificate outside its lock, so concurrent
 	// askers (the first clients of a new config, built at once) race inside
 	// client-go.
-	l.e.verifyMu.Lock()
-	defer l.e.verifyMu.Unlock()
-	if l.e.verified(got) {
+	e.checkMu.Lock()
+	defer e.checkMu.Unlock()
+	if e.agrees(c.got, g, c.dial) {
 		return true
 	}
-	g := l.e.current.Load()
-	gotTLS, wantTLS := got.TLSClientConfig, g.transport.TLSClientConfig
-	if gotTLS == nil || wantTLS == nil {
-		if gotTLS != wantTLS {
-			return false
-		}
-	} else {
-		if gotTLS.ServerName != wantTLS.ServerName || gotTLS.InsecureSkipVerify != wantTLS.InsecureSkipVerify {
-			return false
-		}
-		// Roots first: asking client-go for its certificate is not free.
-		if !l.e.trustsRoots(g, gotTLS.RootCAs) {
-			return false
-		}
-		leaf, err := clientLeaf(gotTLS)
-		if err != nil || !l.e.trustsLeaf(g, leaf) {
-			return false
-		}
-	}
-	if !sameProxy(got.Proxy, g.transport.Proxy, l.probe) {
+	if !sameTransport(c.clientGo, c.got, g, e.id, c.dial) {
 		return false
 	}
-	l.e.remember(got)
+	e.rememberAgreement(c.got, g, c.dial)
 	return true
 }
+
+// sameTransport compares, field by field, what client-go's transport got does
+// with what the generation g does. Material the pool used before g never makes
+// a match: a client holding it is not this identity's any more.
+func sameTransport(rt http.RoundTripper, got *http.Transport, g *generation, id *identity, dial dialFingerprint) bool {
+	if got.DisableCompression != id.disableCompression {
+		return false
+	}
+	// client-go sets DialContext only, and never touches the CONNECT request.
+	if got.Dial != nil || got.DialTLS != nil || got.DialTLSContext != nil ||
+		got.ProxyConnectHeader != nil || got.GetProxyConnectHeader != nil || got.OnProxyConnectResponse != nil {
+		return false
+	}
+	if fp := fingerprintDial(got.DialContext); !fp.known() || fp != dial {
+		return false
+	}
+	gotTLS, wantTLS := got.TLSClientConfig, g.transport.TLSClientConfig
+	if gotTLS == nil || wantTLS == nil {
+		return gotTLS == wantTLS
+	}
+	if gotTLS.ServerName != wantTLS.ServerName || gotTLS.InsecureSkipVerify != wantTLS.InsecureSkipVerify ||
+		gotTLS.MinVersion != wantTLS.MinVersion || gotTLS.MaxVersion != wantTLS.MaxVersion ||
+		!slices.Equal(gotTLS.NextProtos, id.alpn) ||
+		gotTLS.VerifyPeerCertificate != nil || gotTLS.VerifyConnection != nil || len(gotTLS.Certificates) > 0 {
+		return false
+	}
+	if !samePool(gotTLS.RootCAs, g.roots) && !readsCAFile(rt, id.caFile) {
+		return false
+	}
+	// Roots before the certificate: asking client-go for it is not free.
+	gotLeaf, err := clientLeaf(gotTLS)
+	if err != nil {
+		return false
+	}
+	wantLeaf := g.leaf
+	if id.getCert != nil {
+		// The exec plugin's certificate, as a handshake would get it now. A
+		// client-go transport presenting none (a copy with a token, for which
+		// client-go's exec authenticator steps aside) is not this identity's.
+		cert, err := id.getCert.GetCert()
+		if err != nil || cert == nil || len(cert.Certificate) == 0 {
+			return false
+		}
+		wantLeaf = cert.Certificate[0]
+	}
+	return bytes.Equal(gotLeaf, wantLeaf) && (gotLeaf == nil) == (wantLeaf == nil)
+}
+
+// sameRoute reports whether client-go's transport would send req the way the
+// shared transport does: through the same proxy, or direct. Proxy functions
+// cannot be compared, so both are asked, once per scheme and host.
+func (c *clientTransport) sameRoute(v *verdict, req *http.Request) bool {
+	k := req.URL.Scheme + "://" + req.URL.Host
+	if ok, seen := v.routes[k]; seen {
+		return ok
+	}
+	ok := sameProxy(c.got.Proxy, v.g.transport.Proxy, req)
+	if len(v.routes) < maxRoutes {
+		routes := make(map[string]bool, len(v.routes)+1)
+		maps.Copy(routes, v.routes)
+		routes[k] = ok
+		// Only this verdict's successor sees the new map; a lost race costs
+		// one more comparison.
+		c.state.CompareAndSwap(v, &verdict{g: v.g, shared: v.shared, routes: routes})
+	}
+	return ok
+}
+
+// CloseIdleConnections closes idle connections of both transports the client
+// may use.
+func (c *clientTransport) CloseIdleConnections() {
+	utilnet.CloseIdleConnectionsFor(c.clientGo)
+	utilnet.CloseIdleConnectionsFor(c.lease)
+}
+
+// WrappedRoundTripper is the transport that carries the client's requests now.
+func (c *clientTransport) WrappedRoundTripper() http.RoundTripper {
+	if c.verdict().shared {
+		return c.lease
+	}
+	return c.clientGo
+}
+
+var _ utilnet.RoundTripperWrapper = &clientTransport{}
 
 // httpTransport unwraps rt to the *http.Transport client-go built, or nil.
 // client-go hands WrapTransport its TLS transport wrapped (the cache's
@@ -161,39 +319,76 @@ func httpTransport(rt http.RoundTripper) *http.Transport {
 	return nil
 }
 
+// readsCAFile reports whether rt is client-go's CA-reloading holder for
+// caFile (client-go v0.36+, ClientsAllowCARotation): its roots are that
+// file's, refreshed on client-go's own schedule, so the pool (which reloads
+// the same file sooner) trusts what it trusts. A transport with the same
+// roots from inline data is not such a holder.
+func readsCAFile(rt http.RoundTripper, caFile string) bool {
+	if caFile == "" {
+		return false
+	}
+	for range 8 {
+		v := reflect.ValueOf(rt)
+		if v.Kind() == reflect.Pointer && v.Elem().Kind() == reflect.Struct {
+			t := v.Elem().Type()
+			if t.PkgPath() == "k8s.io/client-go/transport" && t.Name() == "atomicTransportHolder" {
+				f := v.Elem().FieldByName("caFile")
+				if f.Kind() != reflect.String {
+					return false
+				}
+				abs, err := filepath.Abs(f.String())
+				return err == nil && abs == caFile
+			}
+		}
+		w, ok := rt.(utilnet.RoundTripperWrapper)
+		if !ok {
+			return false
+		}
+		rt = w.WrappedRoundTripper()
+	}
+	return false
+}
+
 // clientLeaf returns the DER of the client certificate c presents, or nil.
 func clientLeaf(c *tls.Config) ([]byte, error) {
-	var cert *tls.Certificate
-	switch {
-	case c.GetClientCertificate != nil:
-		var err error
-		if cert, err = c.GetClientCertificate(&tls.CertificateRequestInfo{}); err != nil {
-			return nil, err
-		}
-	case len(c.Certificates) > 0:
-		cert = &c.Certificates[0]
-	}
-	if cert == nil || len(cert.Certificate) == 0 {
+	if c.GetClientCertificate == nil {
 		return nil, nil
+	}
+	cert, err := c.GetClientCertificate(&tls.CertificateRequestInfo{})
+	if err != nil || cert == nil || len(cert.Certificate) == 0 {
+		return nil, err
 	}
 	return cert.Certificate[0], nil
 }
 
-func sameProxy(got, want func(*http.Request) (*url.URL, error), probe *http.Request) bool {
+func samePool(a, b *x509.CertPool) bool {
+	if a == nil || b == nil {
+		return a == b
+	}
+	return a.Equal(b)
+}
+
+func sameProxy(got, want func(*http.Request) (*url.URL, error), req *http.Request) bool {
 	if got == nil || want == nil {
 		return (got == nil) == (want == nil)
 	}
-	g, err1 := got(probe)
-	w, err2 := want(probe)
+	g, err1 := got(req)
+	w, err2 := want(req)
 	return err1 == nil && err2 == nil && urlString(g) == urlString(w)
 }
 
 // RoundTrip sends req through the identity's current transport.
 func (l *lease) RoundTrip(req *http.Request) (*http.Response, error) {
+	return l.roundTripOn(l.e.current.Load(), req)
+}
+
+// roundTripOn sends req through generation g of the identity's transport.
+func (l *lease) roundTripOn(g *generation, req *http.Request) (*http.Response, error) {
 	if l.e.closed.Load() {
 		return nil, fmt.Errorf("%w: build the client from a config wrapped by an open pool", ErrClosed)
 	}
-	resp, err := l.e.current.Load().roundTrip(req)
+	resp, err := g.roundTrip(req)
 	if err != nil && l.e.closed.Load() {
 		// Closed while the request ran: say so, rather than whatever the
 		// connection that Close cut reported.
@@ -207,24 +402,6 @@ func (l *lease) RoundTrip(req *http.Request) (*http.Response, error) {
 func (l *lease) WrappedRoundTripper() http.RoundTripper { return l.e.current.Load().transport }
 
 var _ utilnet.RoundTripperWrapper = &lease{}
-
-// hostRoundTripper serves identities whose Proxy was sampled for one host:
-// only requests to that host may use the shared transport. Requests to other
-// hosts (a copy of the config pointed elsewhere) go where client-go would
-// send them.
-type hostRoundTripper struct {
-	*lease
-	other http.RoundTripper
-}
-
-func (h *hostRoundTripper) RoundTrip(req *http.Request) (*http.Response, error) {
-	if req.URL.Host != h.e.id.host {
-		return h.other.RoundTrip(req)
-	}
-	return h.lease.RoundTrip(req)
-}
-
-var _ utilnet.RoundTripperWrapper = &hostRoundTripper{}
 
 // WrapConfigFn wraps cfg and returns it, in the shape of cli-runtime's
 // genericclioptions.ConfigFlags.WrapConfigFn. On error it logs, counts
@@ -264,3 +441,113 @@ func (c *clientConfig) ClientConfig() (*rest.Config, error) {
 func (c *clientConfig) RawConfig() (clientcmdapi.Config, error) { return c.inner.RawConfig() }
 func (c *clientConfig) Namespace() (string, bool, error)        { return c.inner.Namespace() }
 func (c *clientConfig) ConfigAccess() clientcmd.ConfigAccess    { return c.inner.ConfigAccess() }
+
+// dialFingerprint tells which dialer a transport dials with, so the hook can
+// show that client-go's transport for a client dials as the shared one does.
+// Dial functions cannot be compared in Go; their closures can. A func value
+// points to a closure record whose first word is the code pointer and whose
+// next words are what it captured (for a method value, the receiver). Two
+// copies of one func value point to one record. client-go's default dialer is
+// a fresh (&net.Dialer{...}).DialContext per transport, recognised by its code
+// pointer and its receiver's settings, and client-go wraps dialers in
+// connrotation.Dialer (certificate files, exec plugins), which dials through
+// the dialer it wraps: the fingerprint looks through it. Anything this cannot
+// read is unknown, and unknown never matches.
+type dialFingerprint struct {
+	kind    dialKind
+	closure unsafe.Pointer // kind dialFunc: the closure record, kept alive so its address is not reused
+}
+
+type dialKind uint8
+
+const (
+	dialUnknown dialKind = iota
+	dialDefault          // client-go's default dialer
+	dialFunc             // one particular func value
+)
+
+var defaultDial = dialFingerprint{kind: dialDefault}
+
+func (f dialFingerprint) known() bool { return f.kind != dialUnknown }
+
+type dialFn = func(ctx context.Context, network, address string) (net.Conn, error)
+
+// closureOf returns the closure record of a func value.
+func closureOf(f dialFn) unsafe.Pointer { return *(*unsafe.Pointer)(unsafe.Pointer(&f)) }
+
+// receiverOf returns the receiver a method value captured. The caller checks
+// the code pointer first.
+func receiverOf[R any](f dialFn) *R {
+	return *(**R)(unsafe.Add(closureOf(f), unsafe.Sizeof(uintptr(0))))
+}
+
+var (
+	netDialerCode = reflect.ValueOf((&net.Dialer{}).DialContext).Pointer()
+	rotDialerCode = reflect.ValueOf(connrotation.NewDialer(nil).DialContext).Pointer()
+)
+
+// dialInspection reports whether closures look as fingerprintDial expects on
+// this toolchain; if not, every dialer is unknown and configs whose dialer
+// must be shown pass through.
+var dialInspection = sync.OnceValue(func() bool {
+	d := &net.Dialer{Timeout: time.Second}
+	inner := d.DialContext
+	rd := connrotation.NewDialer(inner)
+	outer := rd.DialContext
+	if reflect.ValueOf(inner).Pointer() != netDialerCode || receiverOf[net.Dialer](inner) != d ||
+		reflect.ValueOf(outer).Pointer() != rotDialerCode || receiverOf[connrotation.Dialer](outer) != rd {
+		return false
+	}
+	got, ok := wrappedDial(rd)
+	return ok && closureOf(got) == closureOf(inner)
+})
+
+// wrappedDial reads the dialer a connrotation.Dialer dials through.
+func wrappedDial(rd *connrotation.Dialer) (dialFn, bool) {
+	f := reflect.ValueOf(rd).Elem().FieldByName("dial")
+	if !f.IsValid() || f.Type() != reflect.TypeFor[connrotation.DialFunc]() {
+		return nil, false
+	}
+	return *(*dialFn)(unsafe.Pointer(f.UnsafeAddr())), true
+}
+
+func fingerprintDial(f dialFn) dialFingerprint {
+	if f == nil || !dialInspection() {
+		return dialFingerprint{}
+	}
+	for range 4 {
+		code := reflect.ValueOf(f).Pointer()
+		switch {
+		case code == rotDialerCode:
+			inner, ok := wrappedDial(receiverOf[connrotation.Dialer](f))
+			if !ok || inner == nil {
+				return dialFingerprint{}
+			}
+			f = inner
+			continue
+		case code == netDialerCode && isClientGoDialer(receiverOf[net.Dialer](f)):
+			return defaultDial
+		}
+		return dialFingerprint{kind: dialFunc, closure: closureOf(f)}
+	}
+	return dialFingerprint{}
+}
+
+// isClientGoDialer reports whether d is set as client-go sets its default
+// dialer: 30 s timeout and keep-alive, everything else zero.
+func isClientGoDialer(d *net.Dialer) bool {
+	if d == nil || d.Timeout != 30*time.Second || d.KeepAlive != 30*time.Second {
+		return false
+	}
+	v := reflect.ValueOf(d).Elem()
+	for i := range v.NumField() {
+		switch v.Type().Field(i).Name {
+		case "Timeout", "KeepAlive":
+		default:
+			if !v.Field(i).IsZero() {
+				return false
+			}
+		}
+	}
+	return true
+}
