@@ -32,8 +32,18 @@
 // impersonation, user agent and host are not identity: client-go adds them to
 // each request above the transport. A Proxy function is asked where it sends
 // the config's host; a custom Dial is shared only when [WithDialIdentity] names
-// it. Copies of a wrapped config (rest.CopyConfig) whose credentials were
-// changed afterwards never ride the original's connections.
+// it.
+//
+// # Copies of a wrapped config
+//
+// rest.CopyConfig copies the hook, so it also runs for copies of a wrapped
+// config and for the config changed in place, whatever changed. A client
+// rides the shared transport only when client-go's own transport for that
+// client is shown to present the same client certificate, trust the same
+// roots, dial, route, negotiate and compress exactly as the shared one;
+// anything not shown keeps client-go's transport. A finding holds for one
+// version of the identity's material: after a rotation each client checks
+// again, and material the pool used before never makes a match.
 //
 // An identity no client refers to any more is released, connections and
 // memory, after [WithIdleTimeout].

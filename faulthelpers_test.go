@@ -46,6 +46,7 @@ type forwarder struct {
 	connect  bool // act as an HTTP CONNECT proxy
 
 	accepted       atomic.Int64 // client connections accepted
+	upstreams      sync.Map     // local address of every open upstream connection -> the client's address
 	closedByClient atomic.Int64 // client connections that ended from the client's side
 
 	mu     sync.Mutex // guards pipes and closed
@@ -135,6 +136,9 @@ func (f *forwarder) handle(c net.Conn) {
 		c.Close()
 		return
 	}
+	upAddr := up.LocalAddr().String()
+	f.upstreams.Store(upAddr, c.RemoteAddr().String())
+	defer f.upstreams.Delete(upAddr) // a closed connection's port is reused
 	p := &pipe{client: c, upstream: up}
 	f.mu.Lock()
 	if f.closed {
@@ -193,6 +197,17 @@ func (f *forwarder) blackhole() int {
 		p.dead.Store(true)
 	}
 	return len(f.pipes)
+}
+
+// carried reports whether the server-side remote address addr is one of the
+// forwarder's upstream connections (the request it saw came through f), and
+// the address of the client connection it forwards.
+func (f *forwarder) carried(addr string) (client string, ok bool) {
+	v, ok := f.upstreams.Load(addr)
+	if !ok {
+		return "", false
+	}
+	return v.(string), true
 }
 
 func (f *forwarder) open() int {

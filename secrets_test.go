@@ -9,7 +9,10 @@ import (
 	"encoding/pem"
 	"flag"
 	"fmt"
+	"net/http"
+	"net/url"
 	"os"
+	"os/exec"
 	"runtime"
 	"strings"
 	"sync"
@@ -258,4 +261,87 @@ func containsAny(text string, secrets []string) bool {
 // withDebounce shortens how long file events settle before a reload.
 func withDebounce(d time.Duration) Option {
 	return func(o *options) { o.debounce = d }
+}
+
+// TestIdentityNamesResistGuessing: the name an identity is logged with lets
+// no one holding the log test guesses offline. A second process (another
+// run of this test binary, as an attacker's would be) computes the names of
+// configs with every password of a dictionary; none may match the name this
+// process printed.
+func TestIdentityNamesResistGuessing(t *testing.T) {
+	dictionary := []string{"password", "letmein", "hunter2", "secret", "admin", "kubernetes"}
+	nameFor := func(password string) string {
+		proxy, _ := url.Parse("http://proxyuser:" + password + "@127.0.0.1:3128")
+		cfg := &rest.Config{Host: "https://127.0.0.1:6443", Proxy: http.ProxyURL(proxy)}
+		cfg.Insecure = true
+		id, share, err := New().identityFor(cfg)
+		if err != nil || !share {
+			t.Fatalf("identityFor: %v, share %v", err, share)
+		}
+		return id.key.String()
+	}
+	if os.Getenv("SHAREDTRANSPORT_GUESS") == "1" {
+		for _, word := range dictionary {
+			fmt.Printf("guess %s %s\n", word, nameFor(word))
+		}
+		return
+	}
+	printed := nameFor("hunter2")
+	if again := nameFor("hunter2"); again != printed {
+		t.Fatalf("the name is not stable in one process: %s, then %s", printed, again)
+	}
+	cmd := exec.Command(os.Args[0], "-test.run=^TestIdentityNamesResistGuessing$", "-test.count=1")
+	cmd.Env = append(os.Environ(), "SHAREDTRANSPORT_GUESS=1")
+	out, err := cmd.Output()
+	if err != nil {
+		t.Fatalf("the guessing process: %v\n%s", err, out)
+	}
+	guesses := 0
+	for _, line := range strings.Split(string(out), "\n") {
+		var word, name string
+		if n, _ := fmt.Sscanf(line, "guess %s %s", &word, &name); n != 2 {
+			continue
+		}
+		guesses++
+		if name == printed {
+			t.Errorf("another process recovered the proxy password %q from the printed name %s", word, printed)
+		}
+	}
+	if guesses != len(dictionary) {
+		t.Fatalf("the guessing process made %d guesses, want %d:\n%s", guesses, len(dictionary), out)
+	}
+}
+
+// TestHostPasswordRedacted: a password in a Host that does not parse never
+// reaches an error or a log line, and a bad Host is reported as a bad Host,
+// with Proxy set or not.
+func TestHostPasswordRedacted(t *testing.T) {
+	logs := captureKlog(t, 10)
+	const password = "S3cr%et-pw"
+	p := newPool(t)
+	for _, withProxy := range []bool{false, true} {
+		cfg := &rest.Config{Host: "https://admin:" + password + "@127.0.0.1:6443"}
+		cfg.Insecure = true
+		if withProxy {
+			cfg.Proxy = nilProxy
+		}
+		err := p.Wrap(cfg)
+		if err == nil {
+			t.Fatalf("Proxy %v: Wrap accepted a Host that does not parse", withProxy)
+		}
+		if !strings.Contains(err.Error(), "not a valid URL") {
+			t.Errorf("Proxy %v: Wrap's error %q does not say the Host is bad", withProxy, err)
+		}
+		if strings.Contains(err.Error(), "S3cr") {
+			t.Errorf("Proxy %v: Wrap's error holds the password: %q", withProxy, err)
+		}
+		p.WrapConfigFn(cfg)
+	}
+	klog.Flush()
+	if !strings.Contains(logs.String(), "not a valid URL") {
+		t.Errorf("WrapConfigFn logged nothing about the bad Host")
+	}
+	if strings.Contains(logs.String(), "S3cr") {
+		t.Errorf("a log line holds the password:\n%s", logs)
+	}
 }

@@ -277,6 +277,11 @@ type identity struct {
 
 	dial func(ctx context.Context, network, address string) (net.Conn, error) // nil: the default dialer
 
+	// clientGoKey, for certificate-file identities client-go can cache (no
+	// Proxy, no Dial), is the TLS part of the config as client-go keys its
+	// transport cache: the paths as the config names them.
+	clientGoKey *transport.TLSConfig
+
 	// proxy is nil when the transport uses the environment, as client-go
 	// does for configs without Proxy. Otherwise it returns the URL (or nil,
 	// direct) that the config's own Proxy function gave for its host.
@@ -356,6 +361,17 @@ func (p *Pool) identityFor(cfg *rest.Config) (id *identity, share bool, err erro
 	}
 	if dialName == "" {
 		id.key.dialHolder = tc.DialHolder // exec plugin: one per authenticator, cached by client-go
+	}
+	if id.certFile != "" && cfg.Proxy == nil && tc.DialHolder == nil {
+		id.clientGoKey = &transport.TLSConfig{
+			Insecure:   tc.TLS.Insecure,
+			ServerName: tc.TLS.ServerName,
+			NextProtos: tc.TLS.NextProtos,
+			CAFile:     tc.TLS.CAFile,
+			CAData:     tc.TLS.CAData,
+			CertFile:   tc.TLS.CertFile,
+			KeyFile:    tc.TLS.KeyFile,
+		}
 	}
 	return id, true, nil
 }
@@ -528,7 +544,7 @@ type entry struct {
 // certFileSettle is how long after a rotation client-go's transports may still
 // present the certificate they read from the files before it: client-go caches
 // what it reads for a second.
-const certFileSettle = 2 * time.Second
+const certFileSettle = 1200 * time.Millisecond
 
 // settled reports whether g took effect long enough ago that client-go's
 // transports for the same certificate files present what g presents.

@@ -24,6 +24,7 @@ import (
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
+	"k8s.io/client-go/transport"
 	"k8s.io/client-go/util/connrotation"
 )
 
@@ -99,6 +100,7 @@ func (h *hook) wrap(rt http.RoundTripper) http.RoundTripper {
 	}
 	got := httpTransport(rt)
 	if got == nil {
+		h.pool.stats.passThrough.Add(1)
 		return rt // SPDY, websocket, a caller's own transport: never replaced
 	}
 	c := &clientTransport{lease: l, clientGo: rt, got: got, dial: h.dial, onlyHost: h.onlyHost}
@@ -151,8 +153,8 @@ type verdict struct {
 	g      *generation
 	shared bool
 	// provisional marks a disagreement found while client-go may still hand
-	// out the certificate it read before the files changed: it caches what
-	// it reads from certificate files for a second. Such a finding is made
+	// out the certificate it read before the files changed (it caches what
+	// it reads from certificate files for a second). Such a finding is made
 	// again once that window has passed.
 	provisional bool
 	// routes records, per scheme and host, whether client-go's Proxy and the
@@ -184,7 +186,7 @@ func (c *clientTransport) verdict() *verdict {
 	e := c.lease.e
 	g := e.current.Load()
 	v := c.state.Load()
-	if v != nil && v.g == g && !(v.provisional && e.settled(g)) {
+	if v != nil && v.g == g && (!v.provisional || !e.settled(g)) {
 		return v
 	}
 	settled := e.settled(g)
@@ -244,6 +246,12 @@ func sameTransport(rt http.RoundTripper, got *http.Transport, g *generation, id 
 	}
 	if !samePool(gotTLS.RootCAs, g.roots) && !readsCAFile(rt, id.caFile) {
 		return false
+	}
+	if isClientGoTransportFor(got, id) {
+		// client-go's own transport for the identity's certificate files:
+		// it presents what those files hold, as the pool does, even while
+		// its cache of them is a second behind the pool's.
+		return true
 	}
 	// Roots before the certificate: asking client-go for it is not free.
 	gotLeaf, err := clientLeaf(gotTLS)
@@ -348,6 +356,20 @@ func readsCAFile(rt http.RoundTripper, caFile string) bool {
 		rt = w.WrappedRoundTripper()
 	}
 	return false
+}
+
+// isClientGoTransportFor reports whether got is the transport client-go's cache
+// holds for id's certificate files: the proof that got reads the same files,
+// which no comparison of what it presents can give (a copy naming other files
+// with the same bytes presents the same certificate until the files diverge).
+func isClientGoTransportFor(got *http.Transport, id *identity) bool {
+	if id.clientGoKey == nil {
+		return false
+	}
+	key := *id.clientGoKey // client-go fills in what it reads from the files
+	key.NextProtos = slices.Clone(key.NextProtos)
+	rt, err := transport.New(&transport.Config{TLS: key, DisableCompression: id.disableCompression})
+	return err == nil && httpTransport(rt) == got
 }
 
 // clientLeaf returns the DER of the client certificate c presents, or nil.

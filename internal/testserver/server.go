@@ -118,6 +118,9 @@ type RequestInfo struct {
 	// User is the authenticated user ("" when authentication failed).
 	User      string
 	UserAgent string
+	// AcceptEncoding is the request's Accept-Encoding header ("gzip" when
+	// Go's transport asked for compression).
+	AcceptEncoding string
 	// Resumed reports whether the request's TLS connection was resumed.
 	Resumed    bool
 	TLSVersion uint16
@@ -500,14 +503,15 @@ func (s *Server) serveHTTP(w http.ResponseWriter, r *http.Request) {
 		}
 	}
 	ri := RequestInfo{
-		Time:       time.Now(),
-		Method:     r.Method,
-		Path:       r.URL.Path,
-		Query:      r.URL.RawQuery,
-		Proto:      r.Proto,
-		RemoteAddr: r.RemoteAddr,
-		UserAgent:  r.UserAgent(),
-		Watch:      r.URL.Query().Get("watch") == "true" || r.URL.Query().Get("watch") == "1",
+		Time:           time.Now(),
+		Method:         r.Method,
+		Path:           r.URL.Path,
+		Query:          r.URL.RawQuery,
+		Proto:          r.Proto,
+		RemoteAddr:     r.RemoteAddr,
+		UserAgent:      r.UserAgent(),
+		AcceptEncoding: r.Header.Get("Accept-Encoding"),
+		Watch:          r.URL.Query().Get("watch") == "true" || r.URL.Query().Get("watch") == "1",
 	}
 	if r.TLS != nil {
 		ri.Resumed = r.TLS.DidResume

@@ -1,0 +1,638 @@
+package sharedtransport
+
+// Copy safety, end to end: a copy of a wrapped config (rest.CopyConfig), or
+// the config changed in place after Wrap, must reach the server exactly as
+// the same config reaches it through client-go alone. Every case compares,
+// request by request, what the server, the CONNECT proxies and the relays saw
+// for the copy with what they saw for its control: the same copy made from an
+// unwrapped twin of the original.
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"net"
+	"net/http"
+	"net/url"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	utilnet "k8s.io/apimachinery/pkg/util/net"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
+
+	"github.com/sharedtransport/sharedtransport/internal/testserver"
+)
+
+// observation is what the far side saw of one request: the server's view of
+// the connection and headers, and which proxy or relay carried it.
+type observation struct {
+	Err   string // the class of error the client got; the rest is empty then
+	CN    string // client certificate on the connection
+	Token string // bearer token
+	Proto string
+	Gzip  bool   // the request asked for a compressed response
+	Via   string // "direct", "proxy 1", "relay 2", ...
+}
+
+// copyRig is a TLS server (HTTP/2, client certificates, tokens) with two
+// CONNECT proxies and two relays in front of it, recording every tagged
+// request.
+type copyRig struct {
+	srv     *testserver.Server
+	proxies [2]*forwarder
+	relays  [2]*forwarder
+	dialers [2]*markedDialer
+
+	n    atomic.Int64
+	mu   sync.Mutex
+	seen map[string]testserver.RequestInfo // tag -> the request
+}
+
+func newCopyRig(t testing.TB, opts testserver.Options) *copyRig {
+	t.Helper()
+	r := &copyRig{seen: map[string]testserver.RequestInfo{}}
+	opts.OnRequest = r.record
+	opts.Tokens = map[string]string{"token-x": "x", "token-y": "y"}
+	opts.ClientAuth = testserver.VerifyClientCertIfGiven
+	srv, err := testserver.Start(opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { srv.Close() })
+	r.srv = srv
+	for i := range 2 {
+		r.proxies[i] = newConnectProxy(t)
+		r.relays[i] = newRelay(t, srv.Addr())
+		r.dialers[i] = &markedDialer{}
+	}
+	return r
+}
+
+func (r *copyRig) record(ri testserver.RequestInfo) {
+	tg, _, ok := parseTag(ri.UserAgent)
+	if !ok {
+		return
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.seen[tg] = ri
+}
+
+// rigClient is one clientset, kept so a test can send through it again (a
+// client built before a rotation).
+type rigClient struct {
+	r   *copyRig
+	cs  *kubernetes.Clientset
+	tag string
+	err error
+}
+
+// client builds a clientset from cfg (a copy of it, tagged; cfg is unchanged).
+func (r *copyRig) client(cfg *rest.Config) *rigClient {
+	c := &rigClient{r: r, tag: fmt.Sprint("c", r.n.Add(1))}
+	cfg = rest.CopyConfig(cfg)
+	tag(cfg, c.tag, "")
+	c.cs, c.err = kubernetes.NewForConfig(cfg)
+	return c
+}
+
+func (c *rigClient) observe() observation {
+	if c.err != nil {
+		return observation{Err: errorClass(c.err)}
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	// A new connection, so the handshake shows what the client presents now:
+	// client-go reads certificate files again only for a new handshake.
+	if rc, ok := c.cs.CoreV1().RESTClient().(*rest.RESTClient); ok {
+		utilnet.CloseIdleConnectionsFor(rc.Client.Transport)
+	}
+	c.r.mu.Lock()
+	delete(c.r.seen, c.tag)
+	c.r.mu.Unlock()
+	var o observation
+	if _, err := c.cs.CoreV1().Nodes().List(ctx, metav1.ListOptions{}); err != nil {
+		o.Err = errorClass(err)
+	}
+	c.r.mu.Lock()
+	ri, ok := c.r.seen[c.tag]
+	c.r.mu.Unlock()
+	if !ok {
+		if o.Err == "" {
+			o.Err = "the server saw no request"
+		}
+		return o
+	}
+	o.CN, o.Token, o.Proto, o.Gzip = ri.CertCN, ri.Token, ri.Proto, strings.Contains(ri.AcceptEncoding, "gzip")
+	o.Via = c.r.via(ri.RemoteAddr)
+	return o
+}
+
+// via names the hops a connection the server saw from addr came through.
+func (r *copyRig) via(addr string) string {
+	var hops []string
+	for hop := true; hop; {
+		hop = false
+		for i, f := range append(r.proxies[:], r.relays[:]...) {
+			if from, ok := f.carried(addr); ok {
+				hops = append(hops, [...]string{"proxy 1", "proxy 2", "relay 1", "relay 2"}[i])
+				addr, hop = from, true
+			}
+		}
+	}
+	for i, d := range r.dialers {
+		if _, ok := d.conns.Load(addr); ok {
+			hops = append(hops, fmt.Sprint("dialer ", i+1))
+		}
+	}
+	if len(hops) == 0 {
+		return "direct"
+	}
+	return strings.Join(hops, " < ")
+}
+
+// markedDialer dials the address it is asked for and remembers the local
+// address of every connection it has open, so the far side can tell which
+// dialer a connection came from.
+type markedDialer struct{ conns sync.Map }
+
+func (d *markedDialer) dial(ctx context.Context, network, address string) (net.Conn, error) {
+	var nd net.Dialer
+	c, err := nd.DialContext(ctx, network, address)
+	if err != nil {
+		return nil, err
+	}
+	d.conns.Store(c.LocalAddr().String(), true)
+	return &markedConn{Conn: c, d: d}, nil
+}
+
+type markedConn struct {
+	net.Conn
+	d *markedDialer
+}
+
+func (c *markedConn) Close() error {
+	c.d.conns.Delete(c.LocalAddr().String())
+	return c.Conn.Close()
+}
+
+// observe sends one request through a new client of cfg.
+func (r *copyRig) observe(cfg *rest.Config) observation { return r.client(cfg).observe() }
+
+func errorClass(err error) string {
+	s := err.Error()
+	for _, class := range []string{"unknown authority", "certificate is valid for", "cannot be used in combination", "Unauthorized", "bad certificate", "no Auth Provider"} {
+		if strings.Contains(s, class) {
+			return class
+		}
+	}
+	return "error"
+}
+
+// proxyTo returns a Proxy function sending every request through p.
+func proxyTo(p *forwarder) func(*http.Request) (*url.URL, error) {
+	u, _ := url.Parse(p.url())
+	return func(*http.Request) (*url.URL, error) { return u, nil }
+}
+
+// pairedPool wraps originals in a pool and keeps unwrapped twins for the
+// controls.
+type copyPair struct{ wrapped, control *rest.Config }
+
+func wrapPair(t testing.TB, p *Pool, newOriginal func() *rest.Config) copyPair {
+	t.Helper()
+	pair := copyPair{newOriginal(), newOriginal()}
+	if err := p.Wrap(pair.wrapped); err != nil {
+		t.Fatal(err)
+	}
+	return pair
+}
+
+// copies applies mutate to a copy of each side.
+func (pair copyPair) copies(mutate func(*rest.Config)) copyPair {
+	w, c := rest.CopyConfig(pair.wrapped), rest.CopyConfig(pair.control)
+	mutate(w)
+	mutate(c)
+	return copyPair{w, c}
+}
+
+// check asserts that the wrapped side is seen exactly as its control, and,
+// when want is not nil, as want.
+func (r *copyRig) check(t *testing.T, pair copyPair, want *observation) {
+	t.Helper()
+	got, control := r.observe(pair.wrapped), r.observe(pair.control)
+	if got != control {
+		t.Errorf("through the pool the far side saw %+v; through client-go alone %+v", got, control)
+	}
+	if want != nil && control != *want {
+		t.Errorf("control saw %+v, want %+v (the test's premise is wrong)", control, *want)
+	}
+}
+
+// expect asserts what the far side sees for a new client of cfg.
+func (r *copyRig) expect(t *testing.T, cfg *rest.Config, want observation) {
+	t.Helper()
+	if got := r.observe(cfg); got != want {
+		t.Errorf("the far side saw %+v, want %+v", got, want)
+	}
+}
+
+// TestCopyCrossings: the crossings the review of 2026-12-03 reproduced, each
+// with its control.
+func TestCopyCrossings(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	r := newCopyRig(t, testserver.Options{CA: f.ca})
+	execAliceKP, err := f.ca.IssueClient("exec-alice")
+	if err != nil {
+		t.Fatal(err)
+	}
+	execAlice := writeExecPlugin(t, f.dir, "exec-alice", execAliceKP)
+	withExec := func() *rest.Config {
+		c := r.srv.RestConfig(nil)
+		e := *execAlice
+		c.ExecProvider = &e
+		return c
+	}
+	h2 := "HTTP/2.0"
+
+	t.Run("exec plugin", func(t *testing.T) {
+		for _, tc := range []struct {
+			name   string
+			mutate func(*rest.Config)
+			want   observation
+		}{
+			{"copy with a token", func(c *rest.Config) { c.BearerToken = "token-x" }, observation{Token: "token-x", Proto: h2, Gzip: true, Via: "direct"}},
+			{"copy with basic auth", func(c *rest.Config) { c.Username, c.Password = "u", "p" }, observation{Err: "Unauthorized", Proto: h2, Gzip: true, Via: "direct"}},
+			{"copy without the plugin", func(c *rest.Config) { c.ExecProvider = nil }, observation{Err: "Unauthorized", Proto: h2, Gzip: true, Via: "direct"}},
+			{"copy with bob's certificate", func(c *rest.Config) { c.CertData, c.KeyData = f.bob.CertPEM, f.bob.KeyPEM }, observation{CN: "bob", Proto: h2, Gzip: true, Via: "direct"}},
+		} {
+			t.Run(tc.name, func(t *testing.T) {
+				p := newPool(t)
+				pair := wrapPair(t, p, withExec)
+				r.check(t, pair.copies(func(*rest.Config) {}), &observation{CN: "exec-alice", Proto: h2, Gzip: true, Via: "direct"})
+				cp := pair.copies(tc.mutate)
+				r.check(t, cp, &tc.want)
+				t.Run("wrapped again, same pool", func(t *testing.T) {
+					if err := p.Wrap(cp.wrapped); err != nil {
+						t.Fatal(err)
+					}
+					r.check(t, cp, &tc.want)
+				})
+				t.Run("wrapped again, other pool", func(t *testing.T) {
+					cp := pair.copies(tc.mutate)
+					if err := newPool(t).Wrap(cp.wrapped); err != nil {
+						t.Fatal(err)
+					}
+					r.check(t, cp, &tc.want)
+				})
+			})
+		}
+		t.Run("token set in place after Wrap", func(t *testing.T) {
+			pair := wrapPair(t, newPool(t), withExec)
+			r.check(t, pair, &observation{CN: "exec-alice", Proto: h2, Gzip: true, Via: "direct"})
+			pair.wrapped.BearerToken, pair.control.BearerToken = "token-x", "token-x"
+			r.check(t, pair, &observation{Token: "token-x", Proto: h2, Gzip: true, Via: "direct"})
+		})
+	})
+
+	// Files rotate from alice to bob; copies hold alice's material in other
+	// ways. Past material of the original never vouches for them.
+	t.Run("rotated-away certificate", func(t *testing.T) {
+		p := newPool(t, WithPollInterval(0))
+		d := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
+		pair := wrapPair(t, p, func() *rest.Config { return d.config(r.srv.URL()) })
+		r.check(t, pair, &observation{CN: "alice", Proto: h2, Gzip: true, Via: "direct"})
+		d.write(t, f.bob, f.ca.CertPEM())
+		waitFor(t, "rotation to bob", func() bool { return p.Stats().Rotations == 1 })
+		waitFor(t, "the original presents bob", func() bool { return r.observe(pair.wrapped).CN == "bob" })
+		inline := pair.copies(func(c *rest.Config) {
+			c.CertFile, c.KeyFile, c.CertData, c.KeyData = "", "", f.alice.CertPEM, f.alice.KeyPEM
+		})
+		r.check(t, inline, &observation{CN: "alice", Proto: h2, Gzip: true, Via: "direct"})
+	})
+
+	t.Run("other files with the same bytes", func(t *testing.T) {
+		p := newPool(t, WithPollInterval(0))
+		d := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
+		same := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
+		pair := wrapPair(t, p, func() *rest.Config { return d.config(r.srv.URL()) })
+		cp := pair.copies(func(c *rest.Config) { c.CertFile, c.KeyFile, c.CAFile = same.cert, same.key, same.ca })
+		before := [2]*rigClient{r.client(cp.wrapped), r.client(cp.control)}
+		aliceSeen := observation{CN: "alice", Proto: h2, Gzip: true, Via: "direct"}
+		for _, c := range before {
+			if o := c.observe(); o != aliceSeen {
+				t.Fatalf("before the rotation: %+v, want %+v", o, aliceSeen)
+			}
+		}
+		d.write(t, f.carol, f.ca.CertPEM())
+		waitFor(t, "rotation to carol", func() bool { return p.Stats().Rotations == 1 })
+		if got, control := before[0].observe(), before[1].observe(); got != control || got != aliceSeen {
+			t.Errorf("a client of the copy built before the rotation: %+v through the pool, %+v alone, want %+v", got, control, aliceSeen)
+		}
+		r.check(t, cp, &aliceSeen)
+		waitFor(t, "the original moves to carol", func() bool { return r.observe(pair.wrapped).CN == "carol" })
+	})
+
+	t.Run("rotated-away CA", func(t *testing.T) {
+		newCA, err := testserver.NewCA("new-ca")
+		if err != nil {
+			t.Fatal(err)
+		}
+		serving, err := newCA.IssueServer()
+		if err != nil {
+			t.Fatal(err)
+		}
+		// Served from the new CA; client certificates still from the old.
+		moved := newCopyRig(t, testserver.Options{CA: newCA, ServerCert: serving, ClientCAs: f.ca.Pool()})
+		p := newPool(t, WithPollInterval(0))
+		d := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
+		pair := wrapPair(t, p, func() *rest.Config { return d.config(moved.srv.URL()) })
+		moved.check(t, pair, &observation{Err: "unknown authority"})
+		d.write(t, f.alice, newCA.CertPEM())
+		waitFor(t, "the new CA is taken", func() bool { return p.Stats().Rotations == 1 })
+		// client-go alone takes the new CA file later (v0.36+) or only for new
+		// transports (before): the pool's own side is what is promised here.
+		moved.expect(t, pair.wrapped, observation{CN: "alice", Proto: h2, Gzip: true, Via: "direct"})
+		oldInline := pair.copies(func(c *rest.Config) { c.CAFile, c.CAData = "", f.ca.CertPEM() })
+		moved.check(t, oldInline, &observation{Err: "unknown authority"})
+	})
+
+	t.Run("a copy's own Dial", func(t *testing.T) {
+		for name, newOriginal := range map[string]func() *rest.Config{
+			"inline certificate": func() *rest.Config { return r.srv.RestConfig(f.alice) },
+			"certificate files":  func() *rest.Config { return newCertDir(t, inPlace, f.alice, f.ca.CertPEM()).config(r.srv.URL()) },
+			"exec plugin":        withExec,
+		} {
+			t.Run(name, func(t *testing.T) {
+				pair := wrapPair(t, newPool(t), newOriginal)
+				cp := pair.copies(func(c *rest.Config) { c.Dial = r.relays[0].dial() })
+				o := r.observe(cp.control)
+				if o.Via != "relay 1" {
+					t.Fatalf("control went %s, want relay 1", o.Via)
+				}
+				r.check(t, cp, nil)
+			})
+		}
+	})
+
+	t.Run("Proxy for another host", func(t *testing.T) {
+		direct := r.srv.URL()
+		other := strings.Replace(direct, "127.0.0.1", "localhost", 1)
+		proxied, _ := url.Parse(r.proxies[0].url())
+		ownHostDirect := func(req *http.Request) (*url.URL, error) {
+			if "https://"+req.URL.Host == direct {
+				return nil, nil
+			}
+			return proxied, nil
+		}
+		pair := wrapPair(t, newPool(t), func() *rest.Config {
+			c := r.srv.RestConfig(f.alice)
+			c.Proxy = ownHostDirect
+			return c
+		})
+		r.check(t, pair, &observation{CN: "alice", Proto: h2, Gzip: true, Via: "direct"})
+		r.check(t, pair.copies(func(c *rest.Config) { c.Host = other }), &observation{CN: "alice", Proto: h2, Gzip: true, Via: "proxy 1"})
+	})
+
+	t.Run("compression and protocols", func(t *testing.T) {
+		pair := wrapPair(t, newPool(t), func() *rest.Config { return r.srv.RestConfig(f.alice) })
+		r.check(t, pair.copies(func(c *rest.Config) { c.DisableCompression = true }), &observation{CN: "alice", Proto: h2, Via: "direct"})
+		r.check(t, pair.copies(func(c *rest.Config) { c.NextProtos = []string{"http/1.1"} }), &observation{CN: "alice", Proto: "HTTP/1.1", Gzip: true, Via: "direct"})
+		pair.wrapped.DisableCompression, pair.control.DisableCompression = true, true
+		r.check(t, pair, &observation{CN: "alice", Proto: h2, Via: "direct"})
+	})
+}
+
+// copySpec is one random (original, mutation) pair for the property test.
+type copySpec struct {
+	original uint64 // cert source, CA source, exec, proxy, dial
+	mutation uint64 // one bit per field of rest.Config that reaches the transport
+	rotate   bool   // rotate the original's files between the two looks
+}
+
+// Mutations of a copy, one bit each.
+var copyMutations = []struct {
+	name   string
+	mutate func(m *copyMaterial, c *rest.Config)
+}{
+	{"BearerToken", func(m *copyMaterial, c *rest.Config) { c.BearerToken = "token-y" }},
+	{"Username", func(m *copyMaterial, c *rest.Config) { c.Username, c.Password = "u", "p" }},
+	{"ExecProvider", func(m *copyMaterial, c *rest.Config) { e := *m.execBob; c.ExecProvider = &e }},
+	{"no ExecProvider", func(m *copyMaterial, c *rest.Config) { c.ExecProvider = nil }},
+	{"AuthProvider", func(m *copyMaterial, c *rest.Config) {
+		c.AuthProvider = &clientcmdapi.AuthProviderConfig{Name: testAuthProvider, Config: map[string]string{"token": "token-x"}}
+	}},
+	{"Dial", func(m *copyMaterial, c *rest.Config) { c.Dial = m.rig.dialers[1].dial }},
+	{"Proxy", func(m *copyMaterial, c *rest.Config) { c.Proxy = proxyTo(m.rig.proxies[1]) }},
+	{"Proxy nil", func(m *copyMaterial, c *rest.Config) { c.Proxy = nil }},
+	{"Host", func(m *copyMaterial, c *rest.Config) { c.Host = strings.Replace(c.Host, "127.0.0.1", "localhost", 1) }},
+	{"DisableCompression", func(m *copyMaterial, c *rest.Config) { c.DisableCompression = !c.DisableCompression }},
+	{"NextProtos", func(m *copyMaterial, c *rest.Config) { c.NextProtos = []string{"http/1.1"} }},
+	{"CAData", func(m *copyMaterial, c *rest.Config) { c.CAFile, c.CAData = "", m.otherCA }},
+	{"CAFile", func(m *copyMaterial, c *rest.Config) { c.CAFile, c.CAData = m.sameCAFile, nil }},
+	{"CertData", func(m *copyMaterial, c *rest.Config) {
+		c.CertFile, c.KeyFile, c.CertData, c.KeyData = "", "", m.f.bob.CertPEM, m.f.bob.KeyPEM
+	}},
+	{"CertFile", func(m *copyMaterial, c *rest.Config) {
+		c.CertFile, c.KeyFile, c.CertData, c.KeyData = m.carolFiles.cert, m.carolFiles.key, nil, nil
+	}},
+	{"KeyData only", func(m *copyMaterial, c *rest.Config) { c.KeyData = m.f.bob.KeyPEM }},
+}
+
+// copyMaterial is what the property test builds configs from.
+type copyMaterial struct {
+	f          *fixture
+	rig        *copyRig
+	execAlice  *clientcmdapi.ExecConfig
+	execBob    *clientcmdapi.ExecConfig
+	otherCA    []byte
+	sameCAFile string
+	carolFiles *certDir
+}
+
+const testAuthProvider = "sharedtransport-test"
+
+// tokenAuthProvider is an auth-provider plugin that sets a bearer token on
+// every request, as client-go's plugins do, above WrapTransport.
+type tokenAuthProvider struct{ token string }
+
+func (a tokenAuthProvider) WrapTransport(rt http.RoundTripper) http.RoundTripper {
+	return &tokenRoundTripper{next: rt, token: a.token}
+}
+func (tokenAuthProvider) Login() error { return nil }
+
+type tokenRoundTripper struct {
+	next  http.RoundTripper
+	token string
+}
+
+func (t *tokenRoundTripper) WrappedRoundTripper() http.RoundTripper { return t.next }
+
+func (t *tokenRoundTripper) RoundTrip(req *http.Request) (*http.Response, error) {
+	req = req.Clone(req.Context())
+	req.Header.Set("Authorization", "Bearer "+t.token)
+	return t.next.RoundTrip(req)
+}
+
+var registerAuthProvider = sync.OnceValue(func() error {
+	return rest.RegisterAuthProviderPlugin(testAuthProvider, func(_ string, cfg map[string]string, _ rest.AuthProviderConfigPersister) (rest.AuthProvider, error) {
+		return tokenAuthProvider{cfg["token"]}, nil
+	})
+})
+
+func newCopyMaterial(t testing.TB) *copyMaterial {
+	t.Helper()
+	if err := registerAuthProvider(); err != nil {
+		t.Fatal(err)
+	}
+	f := newFixture(t, testserver.Options{})
+	m := &copyMaterial{f: f, rig: newCopyRig(t, testserver.Options{CA: f.ca})}
+	issue := func(cn string) *testserver.KeyPair {
+		kp, err := f.ca.IssueClient(cn)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return kp
+	}
+	m.execAlice = writeExecPlugin(t, f.dir, "exec-alice", issue("exec-alice"))
+	m.execBob = writeExecPlugin(t, f.dir, "exec-bob", issue("exec-bob"))
+	other, err := testserver.NewCA("other")
+	if err != nil {
+		t.Fatal(err)
+	}
+	m.otherCA = other.CertPEM()
+	m.carolFiles = newCertDir(t, inPlace, f.carol, f.ca.CertPEM())
+	m.sameCAFile = m.carolFiles.ca
+	return m
+}
+
+// originalFor builds the original config spec describes, and the certDir
+// whose files it names (nil when inline).
+func (m *copyMaterial) originalFor(t testing.TB, spec uint64) (func() *rest.Config, *certDir) {
+	t.Helper()
+	var d *certDir
+	exec := spec&2 != 0
+	if spec&1 != 0 && !exec {
+		d = newCertDir(t, renameOver, m.f.alice, m.f.ca.CertPEM())
+	}
+	proxy := (spec >> 2) % 3 // none, proxy 1, direct by function
+	dial := spec&32 != 0
+	return func() *rest.Config {
+		var c *rest.Config
+		switch {
+		case exec:
+			c = m.rig.srv.RestConfig(nil)
+			e := *m.execAlice
+			c.ExecProvider = &e
+		case d != nil:
+			c = d.config(m.rig.srv.URL())
+		default:
+			c = m.rig.srv.RestConfig(m.f.alice)
+		}
+		switch proxy {
+		case 1:
+			c.Proxy = proxyTo(m.rig.proxies[0])
+		case 2:
+			c.Proxy = nilProxy
+		}
+		if dial {
+			c.Dial = m.rig.dialers[0].dial
+		}
+		return c
+	}, d
+}
+
+// checkCopy runs one pair: a client of the copy through the pool must be
+// seen as the same copy through client-go alone, before and after a rotation
+// of the original's files, for clients built before and after it.
+func (m *copyMaterial) checkCopy(t *testing.T, s copySpec) {
+	t.Helper()
+	p := newPool(t, WithPollInterval(0), WithDialIdentity(func(*rest.Config) string { return "dialer 1" }))
+	newOriginal, d := m.originalFor(t, s.original)
+	pair := wrapPair(t, p, newOriginal)
+	var names []string
+	cp := pair.copies(func(c *rest.Config) {
+		for i, mu := range copyMutations {
+			if s.mutation&(1<<i) != 0 {
+				mu.mutate(m, c)
+			}
+		}
+	})
+	for i, mu := range copyMutations {
+		if s.mutation&(1<<i) != 0 {
+			names = append(names, mu.name)
+		}
+	}
+	what := fmt.Sprintf("original %06b, copy with %v", s.original, names)
+	early := [2]*rigClient{m.rig.client(cp.wrapped), m.rig.client(cp.control)}
+	if got, control := early[0].observe(), early[1].observe(); got != control {
+		t.Errorf("%s: through the pool %+v, through client-go alone %+v", what, got, control)
+	}
+	if !s.rotate || d == nil {
+		return
+	}
+	rotations := p.Stats().Rotations
+	d.write(t, m.f.bob, m.f.ca.CertPEM())
+	waitFor(t, "rotation", func() bool { return p.Stats().Rotations > rotations })
+	time.Sleep(certFileSettle) // past client-go's own certificate cache, so the controls are settled too
+	if got, control := early[0].observe(), early[1].observe(); got != control {
+		t.Errorf("%s, client built before the rotation: through the pool %+v, through client-go alone %+v", what, got, control)
+	}
+	if got, control := m.rig.observe(cp.wrapped), m.rig.observe(cp.control); got != control {
+		t.Errorf("%s, client built after the rotation: through the pool %+v, through client-go alone %+v", what, got, control)
+	}
+}
+
+func randomCopySpec(rnd *rand.Rand) copySpec {
+	var mutation uint64
+	for range 1 + rnd.IntN(3) {
+		mutation |= 1 << rnd.IntN(len(copyMutations))
+	}
+	return copySpec{original: rnd.Uint64N(64), mutation: mutation, rotate: rnd.IntN(4) == 0}
+}
+
+// TestCopyProperty: random originals and copies, over every field of
+// rest.Config that reaches the transport.
+func TestCopyProperty(t *testing.T) {
+	m := newCopyMaterial(t)
+	trials := 48
+	if testing.Short() {
+		trials = 12
+	}
+	seed := uint64(time.Now().UnixNano())
+	t.Logf("seed %d", seed)
+	rnd := rand.New(rand.NewPCG(seed, 0))
+	// Every mutation alone on every kind of original first, then random pairs.
+	var specs []copySpec
+	for i := range copyMutations {
+		specs = append(specs, copySpec{original: uint64(i % 64), mutation: 1 << i})
+	}
+	for range trials {
+		specs = append(specs, randomCopySpec(rnd))
+	}
+	for _, s := range specs {
+		m.checkCopy(t, s)
+		if t.Failed() {
+			return
+		}
+	}
+}
+
+// FuzzCopySafety explores (original, copy) pairs beyond the property test's.
+func FuzzCopySafety(f *testing.F) {
+	for i := range copyMutations {
+		f.Add(uint64(i%64), uint64(1)<<i, false)
+	}
+	f.Add(uint64(1), uint64(1<<13), true)
+	m := newCopyMaterial(f)
+	f.Fuzz(func(t *testing.T, original, mutation uint64, rotate bool) {
+		mutation &= 1<<len(copyMutations) - 1
+		m.checkCopy(t, copySpec{original % 64, mutation, rotate})
+	})
+}
