@@ -21,6 +21,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -44,8 +45,15 @@ type forwarder struct {
 	// CONNECT proxy it is decided per request, so it may be nil.
 	upstream func() (net.Conn, error)
 	connect  bool // act as an HTTP CONNECT proxy
+	// requireHeader, when set, is a header every CONNECT must carry with one
+	// of the given values; others get 407.
+	requireHeader string
+	requireValues []string
 
 	accepted       atomic.Int64 // client connections accepted
+	rejected       atomic.Int64 // CONNECT requests answered 407
+	tunnelMu       sync.Mutex
+	tunnels        map[string]http.Header // upstream local address -> the CONNECT request's header
 	upstreams      sync.Map     // local address of every open upstream connection -> the client's address
 	closedByClient atomic.Int64 // client connections that ended from the client's side
 
@@ -111,6 +119,7 @@ func (f *forwarder) handle(c net.Conn) {
 	var up net.Conn
 	var err error
 	var buffered []byte
+	var connectHeader http.Header
 	if f.connect {
 		br := bufio.NewReader(c)
 		req, rerr := http.ReadRequest(br)
@@ -118,6 +127,13 @@ func (f *forwarder) handle(c net.Conn) {
 			c.Close()
 			return
 		}
+		if f.requireHeader != "" && !slices.Contains(f.requireValues, req.Header.Get(f.requireHeader)) {
+			f.rejected.Add(1)
+			fmt.Fprintf(c, "HTTP/1.1 407 Proxy Authentication Required\r\nContent-Length: 0\r\n\r\n")
+			c.Close()
+			return
+		}
+		connectHeader = req.Header
 		if up, err = net.Dial("tcp", req.Host); err != nil {
 			fmt.Fprintf(c, "HTTP/1.1 502 Bad Gateway\r\nContent-Length: 0\r\n\r\n")
 			c.Close()
@@ -137,6 +153,14 @@ func (f *forwarder) handle(c net.Conn) {
 		return
 	}
 	upAddr := up.LocalAddr().String()
+	if f.connect {
+		f.tunnelMu.Lock()
+		if f.tunnels == nil {
+			f.tunnels = map[string]http.Header{}
+		}
+		f.tunnels[upAddr] = connectHeader
+		f.tunnelMu.Unlock()
+	}
 	f.upstreams.Store(upAddr, c.RemoteAddr().String())
 	defer f.upstreams.Delete(upAddr) // a closed connection's port is reused
 	p := &pipe{client: c, upstream: up}
@@ -197,6 +221,21 @@ func (f *forwarder) blackhole() int {
 		p.dead.Store(true)
 	}
 	return len(f.pipes)
+}
+
+// tunnelHeader returns the CONNECT header of the tunnel whose upstream
+// connection the server sees as addr.
+func (f *forwarder) tunnelHeader(addr string) http.Header {
+	f.tunnelMu.Lock()
+	defer f.tunnelMu.Unlock()
+	return f.tunnels[addr]
+}
+
+// tunnelCount is how many tunnels f opened.
+func (f *forwarder) tunnelCount() int {
+	f.tunnelMu.Lock()
+	defer f.tunnelMu.Unlock()
+	return len(f.tunnels)
 }
 
 // carried reports whether the server-side remote address addr is one of the

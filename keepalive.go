@@ -154,6 +154,7 @@ func (p *Pool) newGeneration(e *entry, m *material) (*generation, error) {
 			DialContext:         dial,
 			DisableCompression:  id.disableCompression,
 			DisableKeepAlives:   !p.opts.keepAlive,
+			ProxyConnectHeader:  id.connectHeader,
 		}
 		return utilnet.SetTransportDefaults(t)
 	}

@@ -122,7 +122,8 @@ func TestSecretsStaySecret(t *testing.T) {
 	for _, kp := range []*testserver.KeyPair{f.alice, f.bob, f.carol, execKP} {
 		secrets = append(secrets, secretForms(t, kp.KeyPEM)...)
 	}
-	secrets = append(secrets, token, password)
+	proxyPassword, proxyCred := randomSecret(t, "proxy-password-"), randomSecret(t, "proxy-cred-")
+	secrets = append(secrets, token, password, proxyPassword, proxyCred)
 
 	var texts []string // everything the test saw besides the logs
 	note := func(what string, v any) {
@@ -151,6 +152,16 @@ func TestSecretsStaySecret(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
+	// A proxy with a password in its URL and a CONNECT header from a
+	// Karmada-style wrapper; the proxy is not there, so requests fail.
+	proxyCfg := f.srv.RestConfig(f.alice)
+	proxyURL, _ := url.Parse("http://proxyuser:" + proxyPassword + "@127.0.0.1:1")
+	proxyCfg.Proxy = http.ProxyURL(proxyURL)
+	proxyCfg.WrapTransport = karmadaProxyHeader(nil, http.Header{"Proxy-Authorization": {"Basic " + proxyCred}})
+	if err := p.Wrap(proxyCfg); err != nil {
+		t.Fatal(err)
+	}
+	note("request through a proxy that is not there", listNodes(ctx, proxyCfg))
 
 	// Rotation: bad files are rejected (and logged), then good ones taken.
 	rotateTo := func(what string, cert, key []byte, done func(Stats) bool) {
@@ -200,7 +211,7 @@ func TestSecretsStaySecret(t *testing.T) {
 			t.Fatal(err)
 		}
 	}()
-	waitFor(t, "an identity released", func() bool { runtime.GC(); return p.Stats().Identities <= 3 })
+	waitFor(t, "an identity released", func() bool { runtime.GC(); return p.Stats().Identities <= 4 })
 
 	// String() and Stats.
 	p.mu.Lock()
@@ -211,7 +222,7 @@ func TestSecretsStaySecret(t *testing.T) {
 	}
 	p.mu.Unlock()
 	note("Stats", fmt.Sprintf("%+v %#v", p.Stats(), p.Stats()))
-	runtime.KeepAlive([]*rest.Config{fileCfg, basicCfg, execCfg}) // their identities were printed above
+	runtime.KeepAlive([]*rest.Config{fileCfg, basicCfg, execCfg, proxyCfg}) // their identities were printed above
 	if err := p.Close(); err != nil {
 		t.Fatal(err)
 	}

@@ -219,6 +219,9 @@ type identityKey struct {
 	// client-go does for configs without Proxy; otherwise the URL the
 	// config's Proxy gave for its host ("direct" for none).
 	proxy string
+	// connectHeader digests the headers CONNECT requests to the proxy carry
+	// (proxy credentials, typically).
+	connectHeader digest
 }
 
 type digest [sha256.Size]byte
@@ -277,6 +280,13 @@ type identity struct {
 
 	dial func(ctx context.Context, network, address string) (net.Conn, error) // nil: the default dialer
 
+	// connectHeader is sent with every CONNECT request to a proxy; see
+	// connectHeaderFor. headerFromWrappers says a wrapper in the config's
+	// WrapTransport sets it, so client-go's transport, where a client keeps
+	// it, gets it the same way.
+	connectHeader      http.Header
+	headerFromWrappers bool
+
 	// clientGoKey, for certificate-file identities client-go can cache (no
 	// Proxy, no Dial), is the TLS part of the config as client-go keys its
 	// transport cache: the paths as the config names them.
@@ -333,6 +343,9 @@ func (p *Pool) identityFor(cfg *rest.Config) (id *identity, share bool, err erro
 	if !share {
 		return nil, false, nil
 	}
+	if id.connectHeader, id.headerFromWrappers, share = p.connectHeaderFor(cfg); !share {
+		return nil, false, nil
+	}
 	proxy := ""
 	if cfg.Proxy != nil {
 		r, err := proxyRoute(cfg)
@@ -358,6 +371,7 @@ func (p *Pool) identityFor(cfg *rest.Config) (id *identity, share bool, err erro
 		getCert:            id.getCert,
 		dialName:           dialName,
 		proxy:              proxy,
+		connectHeader:      digestOf(canonicalHeader(id.connectHeader)),
 	}
 	if dialName == "" {
 		id.key.dialHolder = tc.DialHolder // exec plugin: one per authenticator, cached by client-go

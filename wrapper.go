@@ -5,6 +5,7 @@ import (
 	"context"
 	"crypto/tls"
 	"crypto/x509"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"maps"
@@ -84,6 +85,9 @@ func (h *hook) wrap(rt http.RoundTripper) http.RoundTripper {
 		// decided for this client.
 		return rt
 	}
+	if isProbe(rt) {
+		return rt // Wrap of this config again, finding out what its wrappers do
+	}
 	l, err := h.current()
 	switch {
 	case errors.Is(err, ErrClosed):
@@ -104,10 +108,22 @@ func (h *hook) wrap(rt http.RoundTripper) http.RoundTripper {
 		return rt // SPDY, websocket, a caller's own transport: never replaced
 	}
 	c := &clientTransport{lease: l, clientGo: rt, got: got, dial: h.dial, onlyHost: h.onlyHost}
-	if v := c.verdict(); !v.shared && !v.provisional {
+	if t, ok := rt.(*http.Transport); ok && h.id.headerFromWrappers {
+		// What the config's header wrapper would have made of client-go's
+		// transport had the hook not been below it.
+		t = t.Clone()
+		t.ProxyConnectHeader = h.id.connectHeader.Clone()
+		c.clientGo = t
+	}
+	if !sameShape(rt, got, l.e.current.Load(), h.id, h.dial) {
 		h.pool.stats.passThrough.Add(1)
 		return rt
 	}
+	// The first request checks the certificate, not the client's
+	// construction: client-go
+	// starts a refresher for certificate files with every transport it
+	// builds, which asks for the certificate at once and, being unlocked
+	// where it returns it, must not be asked concurrently.
 	return c
 }
 
@@ -145,7 +161,8 @@ type clientTransport struct {
 	dial     dialFingerprint
 	onlyHost string
 
-	state atomic.Pointer[verdict]
+	state      atomic.Pointer[verdict]
+	passedOnce atomic.Bool // counted in Stats.PassThrough
 }
 
 // verdict is a clientTransport's finding about one generation.
@@ -193,6 +210,9 @@ func (c *clientTransport) verdict() *verdict {
 	v = &verdict{g: g, shared: c.check(g)}
 	v.provisional = !v.shared && !settled && e.id.certFile != ""
 	c.state.Store(v)
+	if !v.shared && !v.provisional && c.passedOnce.CompareAndSwap(false, true) {
+		e.pool.stats.passThrough.Add(1)
+	}
 	return v
 }
 
@@ -223,29 +243,12 @@ func (c *clientTransport) check(g *generation) bool {
 // with what the generation g does. Material the pool used before g never makes
 // a match: a client holding it is not this identity's any more.
 func sameTransport(rt http.RoundTripper, got *http.Transport, g *generation, id *identity, dial dialFingerprint) bool {
-	if got.DisableCompression != id.disableCompression {
+	if !sameShape(rt, got, g, id, dial) {
 		return false
 	}
-	// client-go sets DialContext only, and never touches the CONNECT request.
-	if got.Dial != nil || got.DialTLS != nil || got.DialTLSContext != nil ||
-		got.ProxyConnectHeader != nil || got.GetProxyConnectHeader != nil || got.OnProxyConnectResponse != nil {
-		return false
-	}
-	if fp := fingerprintDial(got.DialContext); !fp.known() || fp != dial {
-		return false
-	}
-	gotTLS, wantTLS := got.TLSClientConfig, g.transport.TLSClientConfig
-	if gotTLS == nil || wantTLS == nil {
-		return gotTLS == wantTLS
-	}
-	if gotTLS.ServerName != wantTLS.ServerName || gotTLS.InsecureSkipVerify != wantTLS.InsecureSkipVerify ||
-		gotTLS.MinVersion != wantTLS.MinVersion || gotTLS.MaxVersion != wantTLS.MaxVersion ||
-		!slices.Equal(gotTLS.NextProtos, id.alpn) ||
-		gotTLS.VerifyPeerCertificate != nil || gotTLS.VerifyConnection != nil || len(gotTLS.Certificates) > 0 {
-		return false
-	}
-	if !samePool(gotTLS.RootCAs, g.roots) && !readsCAFile(rt, id.caFile) {
-		return false
+	gotTLS := got.TLSClientConfig
+	if gotTLS == nil {
+		return true // and so is g's: sameShape compared
 	}
 	if isClientGoTransportFor(got, id) {
 		// client-go's own transport for the identity's certificate files:
@@ -270,6 +273,33 @@ func sameTransport(rt http.RoundTripper, got *http.Transport, g *generation, id 
 		wantLeaf = cert.Certificate[0]
 	}
 	return bytes.Equal(gotLeaf, wantLeaf) && (gotLeaf == nil) == (wantLeaf == nil)
+}
+
+// sameShape is sameTransport but for the client certificate: everything that
+// can be compared without asking client-go's transport for it.
+func sameShape(rt http.RoundTripper, got *http.Transport, g *generation, id *identity, dial dialFingerprint) bool {
+	if got.DisableCompression != id.disableCompression {
+		return false
+	}
+	// client-go sets DialContext only, and never touches the CONNECT request.
+	if got.Dial != nil || got.DialTLS != nil || got.DialTLSContext != nil ||
+		got.ProxyConnectHeader != nil || got.GetProxyConnectHeader != nil || got.OnProxyConnectResponse != nil {
+		return false
+	}
+	if fp := fingerprintDial(got.DialContext); !fp.known() || fp != dial {
+		return false
+	}
+	gotTLS, wantTLS := got.TLSClientConfig, g.transport.TLSClientConfig
+	if gotTLS == nil || wantTLS == nil {
+		return gotTLS == wantTLS
+	}
+	if gotTLS.ServerName != wantTLS.ServerName || gotTLS.InsecureSkipVerify != wantTLS.InsecureSkipVerify ||
+		gotTLS.MinVersion != wantTLS.MinVersion || gotTLS.MaxVersion != wantTLS.MaxVersion ||
+		!slices.Equal(gotTLS.NextProtos, id.alpn) ||
+		gotTLS.VerifyPeerCertificate != nil || gotTLS.VerifyConnection != nil || len(gotTLS.Certificates) > 0 {
+		return false
+	}
+	return samePool(gotTLS.RootCAs, g.roots) || readsCAFile(rt, id.caFile)
 }
 
 // sameRoute reports whether client-go's transport would send req the way the
@@ -572,4 +602,108 @@ func isClientGoDialer(d *net.Dialer) bool {
 		}
 	}
 	return true
+}
+
+// connectHeaderFor returns the headers cfg's CONNECT requests carry: those a
+// wrapper already in cfg.WrapTransport sets on the transport below it, or else
+// those WithProxyConnectHeader gives. Such a wrapper (Karmada's
+// Spec.ProxyHeader clones the *http.Transport it is handed and sets
+// ProxyConnectHeader on the clone) sits above the hook and is handed the
+// pool's round tripper, so it would do nothing: the pool finds out what it
+// does by running cfg.WrapTransport once, at Wrap, over a probe transport.
+// share is false when the wrappers replace the transport in any other way:
+// the pool cannot give that to shared connections, and dropping it silently
+// would change what the config does.
+func (p *Pool) connectHeaderFor(cfg *rest.Config) (h http.Header, fromWrappers, share bool) {
+	if cfg.WrapTransport != nil {
+		h, replaced, ok := probeWrappers(cfg.WrapTransport)
+		if !ok {
+			p.opts.logger.V(2).Info("Config passes through: a wrapper in its WrapTransport replaces the transport below it with more than CONNECT headers", "host", redactHost(cfg.Host))
+			return nil, false, false
+		}
+		if replaced {
+			return h, true, true
+		}
+	}
+	if p.opts.connectHeader != nil {
+		h = p.opts.connectHeader(cfg).Clone()
+	}
+	return h, false, true
+}
+
+// probeWrappers runs wrap over a probe transport. replaced reports that wrap
+// handed back another *http.Transport; ok that it differs from the probe in
+// its CONNECT headers at most (a static header: GetProxyConnectHeader is not
+// recognised).
+func probeWrappers(wrap transport.WrapperFunc) (h http.Header, replaced, ok bool) {
+	probe := &http.Transport{Proxy: probeProxy, DialContext: probeDial}
+	var out http.RoundTripper
+	func() {
+		defer func() {
+			if recover() != nil {
+				out = nil
+			}
+		}()
+		out = wrap(probe)
+	}()
+	t := httpTransport(out)
+	if t == nil || t == probe {
+		return nil, false, true
+	}
+	if t.GetProxyConnectHeader != nil || !sameButConnectHeader(t, probe) {
+		return nil, true, false
+	}
+	return t.ProxyConnectHeader.Clone(), true, true
+}
+
+func isProbe(rt http.RoundTripper) bool {
+	t, ok := rt.(*http.Transport)
+	return ok && t.Proxy != nil && reflect.ValueOf(t.Proxy).Pointer() == reflect.ValueOf(probeProxy).Pointer()
+}
+
+func probeProxy(*http.Request) (*url.URL, error) {
+	return nil, errors.New("sharedtransport: probe transport")
+}
+
+func probeDial(context.Context, string, string) (net.Conn, error) {
+	return nil, errors.New("sharedtransport: probe transport")
+}
+
+// sameButConnectHeader compares every exported field of two transports but
+// ProxyConnectHeader and GetProxyConnectHeader. Functions are the same when
+// they are one func value.
+func sameButConnectHeader(a, b *http.Transport) bool {
+	va, vb := reflect.ValueOf(a).Elem(), reflect.ValueOf(b).Elem()
+	for i := range va.NumField() {
+		f := va.Type().Field(i)
+		if !f.IsExported() || f.Name == "ProxyConnectHeader" || f.Name == "GetProxyConnectHeader" {
+			continue
+		}
+		fa, fb := va.Field(i), vb.Field(i)
+		if f.Type.Kind() == reflect.Func {
+			if *(*unsafe.Pointer)(unsafe.Pointer(fa.UnsafeAddr())) != *(*unsafe.Pointer)(unsafe.Pointer(fb.UnsafeAddr())) {
+				return false
+			}
+			continue
+		}
+		if !reflect.DeepEqual(fa.Interface(), fb.Interface()) {
+			return false
+		}
+	}
+	return true
+}
+
+// canonicalHeader encodes h so that equal headers give equal bytes.
+func canonicalHeader(h http.Header) []byte {
+	var b []byte
+	for _, k := range slices.Sorted(maps.Keys(h)) {
+		b = binary.AppendUvarint(b, uint64(len(k)))
+		b = append(b, k...)
+		b = binary.AppendUvarint(b, uint64(len(h[k])))
+		for _, v := range h[k] {
+			b = binary.AppendUvarint(b, uint64(len(v)))
+			b = append(b, v...)
+		}
+	}
+	return b
 }

@@ -25,6 +25,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
+	"k8s.io/client-go/transport"
 
 	"github.com/sharedtransport/sharedtransport/internal/testserver"
 )
@@ -48,6 +49,9 @@ type copyRig struct {
 	proxies [2]*forwarder
 	relays  [2]*forwarder
 	dialers [2]*markedDialer
+	// keepConns leaves connections open between observations (tests that
+	// count connections); by default each observation starts a new one.
+	keepConns bool
 
 	n    atomic.Int64
 	mu   sync.Mutex
@@ -110,7 +114,7 @@ func (c *rigClient) observe() observation {
 	defer cancel()
 	// A new connection, so the handshake shows what the client presents now:
 	// client-go reads certificate files again only for a new handshake.
-	if rc, ok := c.cs.CoreV1().RESTClient().(*rest.RESTClient); ok {
+	if rc, ok := c.cs.CoreV1().RESTClient().(*rest.RESTClient); ok && !c.r.keepConns {
 		utilnet.CloseIdleConnectionsFor(rc.Client.Transport)
 	}
 	c.r.mu.Lock()
@@ -634,5 +638,172 @@ func FuzzCopySafety(f *testing.F) {
 	f.Fuzz(func(t *testing.T, original, mutation uint64, rotate bool) {
 		mutation &= 1<<len(copyMutations) - 1
 		m.checkCopy(t, copySpec{original % 64, mutation, rotate})
+	})
+}
+
+// karmadaProxyHeader is a WrapTransport written the way Karmada's
+// Spec.ProxyHeader wrapper is: it clones the *http.Transport it is handed,
+// sets ProxyConnectHeader on the clone, then applies the wrappers the config
+// had before it.
+func karmadaProxyHeader(next transport.WrapperFunc, h http.Header) transport.WrapperFunc {
+	return func(rt http.RoundTripper) http.RoundTripper {
+		if t, ok := rt.(*http.Transport); ok {
+			t = t.Clone()
+			t.ProxyConnectHeader = h.Clone()
+			rt = t
+		}
+		if next != nil {
+			rt = next(rt)
+		}
+		return rt
+	}
+}
+
+// TestProxyConnectHeader: Karmada-shaped member configs (token, CA data, a
+// proxy URL that needs a header) through a CONNECT proxy that refuses tunnels
+// without it, counted at the proxy.
+func TestProxyConnectHeader(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	r := newCopyRig(t, testserver.Options{CA: f.ca})
+	r.keepConns = true
+	credA, credB := http.Header{"Proxy-Authorization": {"Basic a"}}, http.Header{"Proxy-Authorization": {"Basic b"}}
+	newProxy := func() *forwarder {
+		return startForwarder(t, &forwarder{connect: true, requireHeader: "Proxy-Authorization", requireValues: []string{"Basic a", "Basic b"}})
+	}
+	member := func(proxy *forwarder, token string, h http.Header) *rest.Config {
+		cfg := &rest.Config{Host: r.srv.URL(), BearerToken: token}
+		cfg.CAData = f.ca.CertPEM()
+		cfg.Proxy = proxyTo(proxy)
+		if h != nil {
+			cfg.WrapTransport = karmadaProxyHeader(cfg.WrapTransport, h)
+		}
+		return cfg
+	}
+	const reconciles = 40
+
+	t.Run("one tunnel for many configs of one identity and header", func(t *testing.T) {
+		proxy := newProxy()
+		p := newPool(t)
+		for i := range reconciles {
+			cfg := member(proxy, "token-x", credA)
+			if err := p.Wrap(cfg); err != nil {
+				t.Fatal(err)
+			}
+			if o := r.observe(cfg); o.Err != "" || o.Token != "token-x" || o.Via != "proxy 1" && !strings.HasPrefix(o.Via, "direct") {
+				t.Fatalf("reconcile %d: %+v", i, o)
+			}
+		}
+		if n, rej := proxy.tunnelCount(), proxy.rejected.Load(); n != 1 || rej != 0 {
+			t.Errorf("the proxy opened %d tunnels and refused %d for %d configs, want 1 and 0", n, rej, reconciles)
+		}
+		for addr, h := range proxy.tunnels {
+			if h.Get("Proxy-Authorization") != "Basic a" {
+				t.Errorf("tunnel %s carried %q", addr, h.Get("Proxy-Authorization"))
+			}
+		}
+	})
+
+	t.Run("client-go alone: a tunnel per config, each with the header", func(t *testing.T) {
+		proxy := newProxy()
+		for range 5 {
+			if o := r.observe(member(proxy, "token-x", credA)); o.Err != "" {
+				t.Fatalf("%+v", o)
+			}
+		}
+		if n, rej := proxy.tunnelCount(), proxy.rejected.Load(); n != 5 || rej != 0 {
+			t.Errorf("client-go alone: %d tunnels, %d refused, want 5 and 0", n, rej)
+		}
+	})
+
+	t.Run("other headers, other tunnels", func(t *testing.T) {
+		proxy := newProxy()
+		p := newPool(t)
+		a, b := member(proxy, "token-x", credA), member(proxy, "token-x", credB)
+		for _, cfg := range []*rest.Config{a, b} {
+			if err := p.Wrap(cfg); err != nil {
+				t.Fatal(err)
+			}
+		}
+		for range 3 {
+			for _, cfg := range []*rest.Config{a, b} {
+				if o := r.observe(cfg); o.Err != "" {
+					t.Fatalf("%+v", o)
+				}
+			}
+		}
+		if n := proxy.tunnelCount(); n != 2 {
+			t.Errorf("%d tunnels for two headers, want 2", n)
+		}
+		if got := p.Stats().Identities; got != 2 {
+			t.Errorf("%d identities for two headers, want 2", got)
+		}
+		seen := map[string]bool{}
+		for _, h := range proxy.tunnels {
+			seen[h.Get("Proxy-Authorization")] = true
+		}
+		if !seen["Basic a"] || !seen["Basic b"] {
+			t.Errorf("tunnels carried %v, want both credentials", seen)
+		}
+	})
+
+	t.Run("WithProxyConnectHeader", func(t *testing.T) {
+		proxy := newProxy()
+		p := newPool(t, WithProxyConnectHeader(func(*rest.Config) http.Header { return credB }))
+		for range 10 {
+			cfg := member(proxy, "token-x", nil)
+			if err := p.Wrap(cfg); err != nil {
+				t.Fatal(err)
+			}
+			if o := r.observe(cfg); o.Err != "" {
+				t.Fatalf("%+v", o)
+			}
+		}
+		if n, rej := proxy.tunnelCount(), proxy.rejected.Load(); n != 1 || rej != 0 {
+			t.Errorf("%d tunnels, %d refused, want 1 and 0", n, rej)
+		}
+	})
+
+	t.Run("a copy for another host keeps the header on client-go's transport", func(t *testing.T) {
+		proxy := newProxy()
+		p := newPool(t)
+		cfg := member(proxy, "token-x", credA)
+		if err := p.Wrap(cfg); err != nil {
+			t.Fatal(err)
+		}
+		cp := rest.CopyConfig(cfg)
+		cp.Host = strings.Replace(cp.Host, "127.0.0.1", "localhost", 1)
+		if o := r.observe(cp); o.Err != "" || o.Via != "proxy 1" && proxy.tunnelCount() == 0 {
+			t.Fatalf("%+v", o)
+		}
+		if rej := proxy.rejected.Load(); rej != 0 {
+			t.Errorf("the proxy refused %d tunnels", rej)
+		}
+	})
+
+	t.Run("a wrapper that changes more than CONNECT headers passes the config through", func(t *testing.T) {
+		p := newPool(t)
+		ownDialer := func(next transport.WrapperFunc) transport.WrapperFunc {
+			return func(rt http.RoundTripper) http.RoundTripper {
+				if t, ok := rt.(*http.Transport); ok {
+					t = t.Clone()
+					t.ProxyConnectHeader = credA.Clone()
+					t.DialContext = r.dialers[0].dial
+					rt = t
+				}
+				return next(rt)
+			}
+		}
+		cfg := member(r.proxies[0], "token-x", nil)
+		cfg.WrapTransport = ownDialer(func(rt http.RoundTripper) http.RoundTripper { return rt })
+		control := rest.CopyConfig(cfg)
+		if err := p.Wrap(cfg); err != nil {
+			t.Fatal(err)
+		}
+		if st := p.Stats(); st.PassThrough != 1 || st.Identities != 0 {
+			t.Errorf("pool %+v, want the config passed through", st)
+		}
+		if got, want := r.observe(cfg), r.observe(control); got != want || want.Via != "proxy 1 < dialer 1" {
+			t.Errorf("through the pool %+v, client-go alone %+v (through proxy 1 from dialer 1)", got, want)
+		}
 	})
 }
