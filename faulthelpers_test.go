@@ -54,8 +54,8 @@ type forwarder struct {
 	rejected       atomic.Int64 // CONNECT requests answered 407
 	tunnelMu       sync.Mutex
 	tunnels        map[string]http.Header // upstream local address -> the CONNECT request's header
-	upstreams      sync.Map     // local address of every open upstream connection -> the client's address
-	closedByClient atomic.Int64 // client connections that ended from the client's side
+	upstreams      sync.Map               // local address of every open upstream connection -> the client's address
+	closedByClient atomic.Int64           // client connections that ended from the client's side
 
 	mu     sync.Mutex // guards pipes and closed
 	pipes  map[*pipe]struct{}
