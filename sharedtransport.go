@@ -13,6 +13,7 @@ import (
 	"net"
 	"net/http"
 	"net/url"
+	"os"
 	"path/filepath"
 	"runtime"
 	"slices"
@@ -448,9 +449,18 @@ func clientGoALPN(nextProtos []string, hasTLS bool) []string {
 	if !hasTLS {
 		return nil
 	}
+	key := os.Getenv("DISABLE_HTTP2") + "\x00" + lengthPrefixed(nextProtos)
+	if alpn, ok := alpnCache.Load(key); ok {
+		return alpn.([]string)
+	}
 	t := utilnet.SetTransportDefaults(&http.Transport{TLSClientConfig: &tls.Config{NextProtos: slices.Clone(nextProtos)}})
+	alpnCache.Store(key, t.TLSClientConfig.NextProtos)
 	return t.TLSClientConfig.NextProtos
 }
+
+// alpnCache remembers clientGoALPN's answers: configuring HTTP/2 on a
+// transport to read them is not free, and configs carry few distinct lists.
+var alpnCache sync.Map // DISABLE_HTTP2 and the list -> []string
 
 func lengthPrefixed(list []string) string {
 	var b []byte
