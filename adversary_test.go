@@ -1,0 +1,299 @@
+package sharedtransport
+
+// Adversarial review of the copy-safety rewrite (issue 11): each test is an
+// attack on the promise that a client of a copy of a wrapped config, of the
+// config changed in place, or of the config itself, is seen by the server,
+// the proxies and the dialers exactly as the same config through client-go
+// alone. Every case runs a control through client-go alone.
+
+import (
+	"net/http"
+	"net/url"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/transport"
+
+	"github.com/sharedtransport/sharedtransport/internal/testserver"
+)
+
+// TestAdversaryCopyFilesRotate: a copy names other certificate files that
+// hold the original's bytes. The match is remembered for the pool's
+// generation; when the COPY's files change (the original's do not), the pool
+// has no new generation, re-checks nothing, and the copy keeps presenting the
+// original's certificate.
+func TestAdversaryCopyFilesRotate(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	r := newCopyRig(t, testserver.Options{CA: f.ca})
+	h2 := "HTTP/2.0"
+	for _, layout := range []string{renameOver, secretVolume} {
+		t.Run(layout, func(t *testing.T) {
+			p := newPool(t, WithPollInterval(0))
+			d := newCertDir(t, layout, f.alice, f.ca.CertPEM())
+			other := newCertDir(t, layout, f.alice, f.ca.CertPEM())
+			pair := wrapPair(t, p, func() *rest.Config { return d.config(r.srv.URL()) })
+			cp := pair.copies(func(c *rest.Config) { c.CertFile, c.KeyFile = other.cert, other.key })
+			before := [2]*rigClient{r.client(cp.wrapped), r.client(cp.control)}
+			aliceSeen := observation{CN: "alice", Proto: h2, Gzip: true, Via: "direct"}
+			for _, c := range before {
+				if o := c.observe(); o != aliceSeen {
+					t.Fatalf("before the copy's files changed: %+v, want %+v", o, aliceSeen)
+				}
+			}
+			other.write(t, f.bob, f.ca.CertPEM())
+			time.Sleep(certFileSettle) // past client-go's one-second cache of the files
+			bobSeen := observation{CN: "bob", Proto: h2, Gzip: true, Via: "direct"}
+			if got, control := before[0].observe(), before[1].observe(); got != control {
+				t.Errorf("client of the copy built before its files changed: through the pool %+v, through client-go alone %+v", got, control)
+			}
+			r.check(t, cp, &bobSeen)
+		})
+	}
+}
+
+// TestAdversaryExecRotationRemembered: an exec-plugin identity has one
+// generation for good (its certificate changes without a rotation of the
+// pool), so a client found to agree with the plugin's certificate once rides
+// the shared transport after the plugin hands out another one.
+func TestAdversaryExecRotationRemembered(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	r := newCopyRig(t, testserver.Options{CA: f.ca})
+	issue := func(cn string) *testserver.KeyPair {
+		kp, err := f.ca.IssueClient(cn)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return kp
+	}
+	h2 := "HTTP/2.0"
+
+	t.Run("copy with the plugin's certificate inline, plugin rotates", func(t *testing.T) {
+		first, next := issue("exec-first"), issue("exec-next")
+		exec := writeExecPlugin(t, f.dir, "adv-inline", first)
+		expiry := time.Now().Add(2 * time.Second).Truncate(time.Second)
+		writeExecCredential(t, f.dir, "adv-inline", first, expiry)
+		pair := wrapPair(t, newPool(t), func() *rest.Config {
+			c := r.srv.RestConfig(nil)
+			e := *exec
+			c.ExecProvider = &e
+			return c
+		})
+		// A config that holds exec-first's certificate and key itself
+		// (client-go's exec authenticator steps aside for it).
+		cp := pair.copies(func(c *rest.Config) { c.CertData, c.KeyData = first.CertPEM, first.KeyPEM })
+		firstSeen := observation{CN: "exec-first", Proto: h2, Gzip: true, Via: "direct"}
+		r.check(t, cp, &firstSeen)
+		before := [2]*rigClient{r.client(cp.wrapped), r.client(cp.control)}
+		writeExecCredential(t, f.dir, "adv-inline", next, time.Time{})
+		time.Sleep(time.Until(expiry) + 200*time.Millisecond)
+		// The original's own client runs the plugin again and moves on.
+		waitFor(t, "the original presents exec-next", func() bool { return r.observe(pair.wrapped).CN == "exec-next" })
+		if got, control := before[0].observe(), before[1].observe(); got != control {
+			t.Errorf("client of the copy built before the plugin's change: through the pool %+v, through client-go alone %+v", got, control)
+		}
+		r.check(t, cp, &firstSeen)
+	})
+
+	t.Run("copy with its own plugin, the copy's plugin rotates", func(t *testing.T) {
+		shared, own := issue("exec-shared"), issue("exec-own")
+		exec := writeExecPlugin(t, f.dir, "adv-orig", shared)
+		// The copy's plugin is another program that starts out printing the
+		// same credential, and later another one.
+		copyExec := writeExecPlugin(t, f.dir, "adv-copy", shared)
+		expiry := time.Now().Add(2 * time.Second).Truncate(time.Second)
+		writeExecCredential(t, f.dir, "adv-copy", shared, expiry)
+		pair := wrapPair(t, newPool(t), func() *rest.Config {
+			c := r.srv.RestConfig(nil)
+			e := *exec
+			c.ExecProvider = &e
+			return c
+		})
+		cp := pair.copies(func(c *rest.Config) { e := *copyExec; c.ExecProvider = &e })
+		r.check(t, cp, &observation{CN: "exec-shared", Proto: h2, Gzip: true, Via: "direct"})
+		writeExecCredential(t, f.dir, "adv-copy", own, time.Time{})
+		time.Sleep(time.Until(expiry) + 200*time.Millisecond)
+		ownSeen := observation{CN: "exec-own", Proto: h2, Gzip: true, Via: "direct"}
+		// The first request after expiry runs the copy's plugin again.
+		for range 2 {
+			r.check(t, cp, &ownSeen)
+		}
+	})
+}
+
+// TestAdversaryInnerWrapperDropped: a wrapper that lands inside the hook (a
+// copy that prepends it: transport.Wrappers(mine, cfg.WrapTransport)) and
+// implements utilnet.RoundTripperWrapper, as client-go's own bearer-token and
+// impersonation wrappers do, is unwrapped to client-go's *http.Transport and
+// then replaced together with it: its headers never reach the server.
+func TestAdversaryInnerWrapperDropped(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	r := newCopyRig(t, testserver.Options{CA: f.ca})
+	h2 := "HTTP/2.0"
+	for name, newOriginal := range map[string]func() *rest.Config{
+		"inline certificate": func() *rest.Config { return r.srv.RestConfig(f.alice) },
+		"certificate files":  func() *rest.Config { return newCertDir(t, inPlace, f.alice, f.ca.CertPEM()).config(r.srv.URL()) },
+	} {
+		t.Run(name, func(t *testing.T) {
+			pair := wrapPair(t, newPool(t), newOriginal)
+			cp := pair.copies(func(c *rest.Config) {
+				c.WrapTransport = transport.Wrappers(func(rt http.RoundTripper) http.RoundTripper {
+					return transport.NewBearerAuthRoundTripper("token-y", rt)
+				}, c.WrapTransport)
+			})
+			r.check(t, cp, &observation{CN: "alice", Token: "token-y", Proto: h2, Gzip: true, Via: "direct"})
+			t.Run("set in place after Wrap", func(t *testing.T) {
+				for _, c := range []*rest.Config{pair.wrapped, pair.control} {
+					c.WrapTransport = transport.Wrappers(func(rt http.RoundTripper) http.RoundTripper {
+						return transport.NewBearerAuthRoundTripper("token-x", rt)
+					}, c.WrapTransport)
+				}
+				r.check(t, pair, &observation{CN: "alice", Token: "token-x", Proto: h2, Gzip: true, Via: "direct"})
+			})
+		})
+	}
+}
+
+// TestAdversaryProxyPerPath: http.Transport asks Proxy for every request, and
+// client-go hands it the config's Proxy; the pool remembers one answer per
+// scheme and host. A Proxy that sends some paths through an (auditing)
+// proxy is bypassed once another path to the same host went direct, for the
+// wrapped config itself and for copies that set such a Proxy.
+func TestAdversaryProxyPerPath(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	r := newCopyRig(t, testserver.Options{CA: f.ca})
+	proxied, _ := url.Parse(r.proxies[0].url())
+	nodesProxied := func(req *http.Request) (*url.URL, error) {
+		if strings.HasSuffix(req.URL.Path, "/nodes") {
+			return proxied, nil
+		}
+		return nil, nil
+	}
+	want := observation{CN: "alice", Proto: "HTTP/2.0", Gzip: true, Via: "proxy 1"}
+	run := func(t *testing.T, pair copyPair) {
+		t.Helper()
+		var got [2]observation
+		for i, cfg := range []*rest.Config{pair.wrapped, pair.control} {
+			c := r.client(cfg)
+			if c.err != nil {
+				t.Fatal(c.err)
+			}
+			// Another path first: direct, by the same function.
+			if _, err := c.cs.Discovery().ServerVersion(); err != nil {
+				t.Fatal(err)
+			}
+			got[i] = c.observe()
+		}
+		if got[0] != got[1] {
+			t.Errorf("GET .../nodes after GET /version: through the pool %+v, through client-go alone %+v", got[0], got[1])
+		}
+		if got[1] != want {
+			t.Errorf("control saw %+v, want %+v (the test's premise is wrong)", got[1], want)
+		}
+	}
+	t.Run("the wrapped config's own Proxy", func(t *testing.T) {
+		run(t, wrapPair(t, newPool(t), func() *rest.Config {
+			c := r.srv.RestConfig(f.alice)
+			c.Proxy = nodesProxied
+			return c
+		}))
+	})
+	t.Run("a copy's Proxy", func(t *testing.T) {
+		pair := wrapPair(t, newPool(t), func() *rest.Config { return r.srv.RestConfig(f.alice) })
+		run(t, pair.copies(func(c *rest.Config) { c.Proxy = nodesProxied }))
+	})
+}
+
+// TestAdversaryExecPluginAtConstruction: client-go runs a copy's exec plugin
+// at the first handshake. The hook runs it when the client is built (to read
+// the certificate client-go's transport would present), holding the
+// identity's check lock, so building an unrelated client of the same
+// identity waits for another config's plugin (an interactive login, a slow
+// credential service).
+func TestAdversaryExecPluginAtConstruction(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	r := newCopyRig(t, testserver.Options{CA: f.ca})
+	kp, err := f.ca.IssueClient("exec-slow")
+	if err != nil {
+		t.Fatal(err)
+	}
+	exec := writeExecPlugin(t, f.dir, "adv-fast", f.alice)
+	slow := writeExecPlugin(t, f.dir, "adv-slow", kp)
+	started, release := filepath.Join(f.dir, "adv-slow.started"), filepath.Join(f.dir, "adv-slow.release")
+	// The slow plugin says it started, then waits (at most 10 s) for release.
+	script := "#!/bin/sh\n: > '" + started + "'\nfor i in $(seq 100); do [ -f '" + release + "' ] && break; sleep 0.1; done\nexec cat '" + filepath.Join(f.dir, "adv-slow.json") + "'\n"
+	if err := os.WriteFile(slow.Command, []byte(script), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.WriteFile(release, nil, 0o600) })
+
+	for _, wrapped := range []bool{false, true} {
+		name := map[bool]string{false: "client-go alone", true: "through the pool"}[wrapped]
+		t.Run(name, func(t *testing.T) {
+			os.Remove(started)
+			os.Remove(release)
+			orig := r.srv.RestConfig(nil)
+			e := *exec
+			orig.ExecProvider = &e
+			if wrapped {
+				if err := newPool(t).Wrap(orig); err != nil {
+					t.Fatal(err)
+				}
+			}
+			slowCopy := rest.CopyConfig(orig)
+			s := *slow
+			slowCopy.ExecProvider = &s
+			slowBuilt := make(chan error, 1)
+			go func() {
+				_, err := kubernetes.NewForConfig(slowCopy)
+				slowBuilt <- err
+			}()
+			slowDone := false
+			select {
+			case err := <-slowBuilt:
+				if err != nil {
+					t.Fatal(err)
+				}
+				slowDone = true
+			case <-time.After(2 * time.Second):
+			}
+			if _, err := os.Stat(started); err == nil {
+				t.Errorf("building a client (no request sent) ran its exec plugin; client-go runs it at the first handshake")
+			}
+			// Another copy of the same identity (a token) is built while the
+			// slow plugin is held.
+			tokenCopy := rest.CopyConfig(orig)
+			tokenCopy.BearerToken = "token-x"
+			built := make(chan error, 1)
+			go func() {
+				_, err := kubernetes.NewForConfig(tokenCopy)
+				built <- err
+			}()
+			tokenDone := false
+			select {
+			case err := <-built:
+				if err != nil {
+					t.Fatal(err)
+				}
+				tokenDone = true
+			case <-time.After(3 * time.Second):
+				t.Errorf("building a client of another copy waited for the slow copy's exec plugin")
+			}
+			os.WriteFile(release, nil, 0o600)
+			for ch, done := range map[chan error]bool{slowBuilt: slowDone, built: tokenDone} {
+				if done {
+					continue
+				}
+				select {
+				case <-ch:
+				case <-time.After(15 * time.Second):
+					t.Fatal("a client was never built")
+				}
+			}
+		})
+	}
+}
