@@ -11,6 +11,7 @@ import (
 	"net/url"
 	"os"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"testing"
 	"time"
@@ -18,6 +19,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/transport"
+	"k8s.io/klog/v2"
 
 	"github.com/sharedtransport/sharedtransport/internal/testserver"
 )
@@ -295,5 +297,99 @@ func TestAdversaryExecPluginAtConstruction(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// TestAdversaryProxyErrorPassword: a config whose Proxy fails passes
+// through, and Wrap logs the function's error verbatim (V(2)). A Proxy that
+// parses a configured proxy address (url.Parse of a flag or a setting) fails
+// with a *url.Error that quotes the whole address, password included.
+// client-go alone logs nothing then: it returns the error to the caller of
+// the request.
+func TestAdversaryProxyErrorPassword(t *testing.T) {
+	logs := captureKlog(t, 10)
+	const password = "pr0xy-S3cret"
+	configured := "http://user:" + password + "@proxy.example:port" // a typo in the port
+	cfg := &rest.Config{Host: "https://api.example:6443", Proxy: func(*http.Request) (*url.URL, error) { return url.Parse(configured) }}
+	cfg.Insecure = true
+	if _, err := cfg.Proxy(&http.Request{URL: &url.URL{Scheme: "https", Host: "api.example:6443"}}); err == nil {
+		t.Fatal("the Proxy function does not fail (the test's premise is wrong)")
+	}
+	if err := newPool(t).Wrap(cfg); err != nil && strings.Contains(err.Error(), password) {
+		t.Errorf("Wrap's error holds the proxy password: %v", err)
+	}
+	klog.Flush()
+	if strings.Contains(logs.String(), password) {
+		t.Errorf("a log line holds the proxy password:\n%s", logs)
+	}
+}
+
+// TestAdversaryDisableHTTP2AfterWrap: the ALPN a client-go transport must
+// offer is fixed at Wrap (identity.alpn), while each new generation is built
+// with utilnet.SetTransportDefaults, which reads DISABLE_HTTP2 again. After
+// the variable changes and the files rotate, clients whose client-go
+// transport speaks HTTP/2 are moved to a generation that speaks HTTP/1.1.
+func TestAdversaryDisableHTTP2AfterWrap(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	r := newCopyRig(t, testserver.Options{CA: f.ca})
+	p := newPool(t, WithPollInterval(0))
+	d := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
+	pair := wrapPair(t, p, func() *rest.Config { return d.config(r.srv.URL()) })
+	before := [2]*rigClient{r.client(pair.wrapped), r.client(pair.control)}
+	for _, c := range before {
+		if o := c.observe(); o.Proto != "HTTP/2.0" || o.CN != "alice" {
+			t.Fatalf("before: %+v", o)
+		}
+	}
+	t.Setenv("DISABLE_HTTP2", "true")
+	d.write(t, f.bob, f.ca.CertPEM())
+	waitFor(t, "rotation to bob", func() bool { return p.Stats().Rotations == 1 })
+	time.Sleep(certFileSettle)
+	if got, control := before[0].observe(), before[1].observe(); got != control {
+		t.Errorf("client built before: through the pool %+v, through client-go alone %+v", got, control)
+	}
+	r.check(t, pair, nil)
+}
+
+// TestAdversaryClientGoTransportCreated: isClientGoTransportFor asks
+// client-go's cache with transport.New, which builds (and, before v0.36,
+// keeps for good) a transport for the original's certificate files when no
+// client of the original exists, with a certificate-refresher goroutine that
+// never stops. A process that only builds clients of copies client-go
+// cannot cache (a Proxy) gets one more of them than client-go alone starts.
+func TestAdversaryClientGoTransportCreated(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	r := newCopyRig(t, testserver.Options{CA: f.ca})
+	refreshers := func() int {
+		buf := make([]byte, 1<<22)
+		n := 0
+		for _, g := range strings.Split(string(buf[:runtime.Stack(buf, true)]), "\n\n") {
+			if strings.Contains(g, "transport.(*dynamicClientCert).Run(") {
+				n++
+			}
+		}
+		return n
+	}
+	var started [2]int
+	for i, wrapped := range []bool{false, true} {
+		d := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
+		orig := d.config(r.srv.URL())
+		if wrapped {
+			if err := newPool(t).Wrap(orig); err != nil {
+				t.Fatal(err)
+			}
+		}
+		n := refreshers()
+		cp := rest.CopyConfig(orig)
+		cp.Proxy = proxyTo(r.proxies[0])
+		c := r.client(cp)
+		if o := c.observe(); o.CN != "alice" || o.Via != "proxy 1" {
+			t.Fatalf("wrapped %v: %+v", wrapped, o)
+		}
+		time.Sleep(100 * time.Millisecond) // let started goroutines show in the dump
+		started[i] = refreshers() - n
+	}
+	if started[1] != started[0] {
+		t.Errorf("a client of a copy with Proxy started %d certificate refreshers through the pool, %d through client-go alone", started[1], started[0])
 	}
 }
