@@ -7,12 +7,15 @@ package sharedtransport
 // alone. Every case runs a control through client-go alone.
 
 import (
+	"context"
+	"net"
 	"net/http"
 	"net/url"
 	"os"
 	"path/filepath"
 	"runtime"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -391,5 +394,89 @@ func TestAdversaryClientGoTransportCreated(t *testing.T) {
 	}
 	if started[1] != started[0] {
 		t.Errorf("a client of a copy with Proxy started %d certificate refreshers through the pool, %d through client-go alone", started[1], started[0])
+	}
+}
+
+// TestAdversaryFirstRequestGate: until a generation knows whether the server
+// speaks HTTP/2, its first request goes alone and every other request waits
+// for that request's response. A generation serves every host its clients
+// talk to (the host is not identity), so a copy pointed at a host that does
+// not answer holds up the original's requests to a healthy server, for up to
+// the TLS handshake timeout, at Wrap and again after every rotation.
+// client-go alone never makes one client wait for another's response.
+func TestAdversaryFirstRequestGate(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	r := newCopyRig(t, testserver.Options{CA: f.ca})
+	// A host that accepts connections and never answers.
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var mu sync.Mutex
+	var held []net.Conn
+	accepted := make(chan struct{}, 16)
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			mu.Lock()
+			held = append(held, c)
+			mu.Unlock()
+			accepted <- struct{}{}
+		}
+	}()
+	release := func() {
+		mu.Lock()
+		defer mu.Unlock()
+		for _, c := range held {
+			c.Close()
+		}
+		held = nil
+	}
+	t.Cleanup(func() { ln.Close(); release() })
+
+	for _, wrapped := range []bool{false, true} {
+		name := map[bool]string{false: "client-go alone", true: "through the pool"}[wrapped]
+		t.Run(name, func(t *testing.T) {
+			orig := r.srv.RestConfig(f.alice)
+			if wrapped {
+				if err := newPool(t).Wrap(orig); err != nil {
+					t.Fatal(err)
+				}
+			}
+			dead := rest.CopyConfig(orig)
+			dead.Host = "https://" + ln.Addr().String()
+			deadCS, err := kubernetes.NewForConfig(dead)
+			if err != nil {
+				t.Fatal(err)
+			}
+			deadCtx, stopDead := context.WithCancel(context.Background())
+			defer stopDead()
+			deadDone := make(chan struct{})
+			go func() {
+				defer close(deadDone)
+				deadCS.Discovery().RESTClient().Get().AbsPath("/version").Do(deadCtx) // ends when cancelled
+			}()
+			select {
+			case <-accepted:
+			case <-time.After(10 * time.Second):
+				t.Fatal("the copy never dialed its host")
+			}
+			c := r.client(orig)
+			if c.err != nil {
+				t.Fatal(c.err)
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+			defer cancel()
+			_, err = c.cs.Discovery().RESTClient().Get().AbsPath("/version").Do(ctx).Raw()
+			if err != nil {
+				t.Errorf("the original's request to a healthy server, while a copy's first request to a host that does not answer is in flight: %v", err)
+			}
+			stopDead()
+			release()
+			<-deadDone
+		})
 	}
 }
