@@ -1,0 +1,482 @@
+package sharedtransport
+
+// Adversarial review of the copy-safety rewrite (issue 11): each test is an
+// attack on the promise that a client of a copy of a wrapped config, of the
+// config changed in place, or of the config itself, is seen by the server,
+// the proxies and the dialers exactly as the same config through client-go
+// alone. Every case runs a control through client-go alone.
+
+import (
+	"context"
+	"net"
+	"net/http"
+	"net/url"
+	"os"
+	"path/filepath"
+	"runtime"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/transport"
+	"k8s.io/klog/v2"
+
+	"github.com/sharedtransport/sharedtransport/internal/testserver"
+)
+
+// TestAdversaryCopyFilesRotate: a copy names other certificate files that
+// hold the original's bytes. The match is remembered for the pool's
+// generation; when the COPY's files change (the original's do not), the pool
+// has no new generation, re-checks nothing, and the copy keeps presenting the
+// original's certificate.
+func TestAdversaryCopyFilesRotate(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	r := newCopyRig(t, testserver.Options{CA: f.ca})
+	h2 := "HTTP/2.0"
+	for _, layout := range []string{renameOver, secretVolume} {
+		t.Run(layout, func(t *testing.T) {
+			p := newPool(t, WithPollInterval(0))
+			d := newCertDir(t, layout, f.alice, f.ca.CertPEM())
+			other := newCertDir(t, layout, f.alice, f.ca.CertPEM())
+			pair := wrapPair(t, p, func() *rest.Config { return d.config(r.srv.URL()) })
+			cp := pair.copies(func(c *rest.Config) { c.CertFile, c.KeyFile = other.cert, other.key })
+			before := [2]*rigClient{r.client(cp.wrapped), r.client(cp.control)}
+			aliceSeen := observation{CN: "alice", Proto: h2, Gzip: true, Via: "direct"}
+			for _, c := range before {
+				if o := c.observe(); o != aliceSeen {
+					t.Fatalf("before the copy's files changed: %+v, want %+v", o, aliceSeen)
+				}
+			}
+			other.write(t, f.bob, f.ca.CertPEM())
+			time.Sleep(certFileSettle) // past client-go's one-second cache of the files
+			bobSeen := observation{CN: "bob", Proto: h2, Gzip: true, Via: "direct"}
+			if got, control := before[0].observe(), before[1].observe(); got != control {
+				t.Errorf("client of the copy built before its files changed: through the pool %+v, through client-go alone %+v", got, control)
+			}
+			r.check(t, cp, &bobSeen)
+		})
+	}
+}
+
+// TestAdversaryExecRotationRemembered: an exec-plugin identity has one
+// generation for good (its certificate changes without a rotation of the
+// pool), so a client found to agree with the plugin's certificate once rides
+// the shared transport after the plugin hands out another one.
+func TestAdversaryExecRotationRemembered(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	r := newCopyRig(t, testserver.Options{CA: f.ca})
+	issue := func(cn string) *testserver.KeyPair {
+		kp, err := f.ca.IssueClient(cn)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return kp
+	}
+	h2 := "HTTP/2.0"
+
+	t.Run("copy with the plugin's certificate inline, plugin rotates", func(t *testing.T) {
+		first, next := issue("exec-first"), issue("exec-next")
+		exec := writeExecPlugin(t, f.dir, "adv-inline", first)
+		expiry := time.Now().Add(2 * time.Second).Truncate(time.Second)
+		writeExecCredential(t, f.dir, "adv-inline", first, expiry)
+		pair := wrapPair(t, newPool(t), func() *rest.Config {
+			c := r.srv.RestConfig(nil)
+			e := *exec
+			c.ExecProvider = &e
+			return c
+		})
+		// A config that holds exec-first's certificate and key itself
+		// (client-go's exec authenticator steps aside for it).
+		cp := pair.copies(func(c *rest.Config) { c.CertData, c.KeyData = first.CertPEM, first.KeyPEM })
+		firstSeen := observation{CN: "exec-first", Proto: h2, Gzip: true, Via: "direct"}
+		r.check(t, cp, &firstSeen)
+		before := [2]*rigClient{r.client(cp.wrapped), r.client(cp.control)}
+		writeExecCredential(t, f.dir, "adv-inline", next, time.Time{})
+		time.Sleep(time.Until(expiry) + 200*time.Millisecond)
+		// The original's own client runs the plugin again and moves on.
+		waitFor(t, "the original presents exec-next", func() bool { return r.observe(pair.wrapped).CN == "exec-next" })
+		if got, control := before[0].observe(), before[1].observe(); got != control {
+			t.Errorf("client of the copy built before the plugin's change: through the pool %+v, through client-go alone %+v", got, control)
+		}
+		r.check(t, cp, &firstSeen)
+	})
+
+	t.Run("copy with its own plugin, the copy's plugin rotates", func(t *testing.T) {
+		shared, own := issue("exec-shared"), issue("exec-own")
+		exec := writeExecPlugin(t, f.dir, "adv-orig", shared)
+		// The copy's plugin is another program that starts out printing the
+		// same credential, and later another one.
+		copyExec := writeExecPlugin(t, f.dir, "adv-copy", shared)
+		expiry := time.Now().Add(2 * time.Second).Truncate(time.Second)
+		writeExecCredential(t, f.dir, "adv-copy", shared, expiry)
+		pair := wrapPair(t, newPool(t), func() *rest.Config {
+			c := r.srv.RestConfig(nil)
+			e := *exec
+			c.ExecProvider = &e
+			return c
+		})
+		cp := pair.copies(func(c *rest.Config) { e := *copyExec; c.ExecProvider = &e })
+		r.check(t, cp, &observation{CN: "exec-shared", Proto: h2, Gzip: true, Via: "direct"})
+		writeExecCredential(t, f.dir, "adv-copy", own, time.Time{})
+		time.Sleep(time.Until(expiry) + 200*time.Millisecond)
+		ownSeen := observation{CN: "exec-own", Proto: h2, Gzip: true, Via: "direct"}
+		// The first request after expiry runs the copy's plugin again.
+		for range 2 {
+			r.check(t, cp, &ownSeen)
+		}
+	})
+}
+
+// TestAdversaryInnerWrapperDropped: a wrapper that lands inside the hook (a
+// copy that prepends it: transport.Wrappers(mine, cfg.WrapTransport)) and
+// implements utilnet.RoundTripperWrapper, as client-go's own bearer-token and
+// impersonation wrappers do, is unwrapped to client-go's *http.Transport and
+// then replaced together with it: its headers never reach the server.
+func TestAdversaryInnerWrapperDropped(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	r := newCopyRig(t, testserver.Options{CA: f.ca})
+	h2 := "HTTP/2.0"
+	for name, newOriginal := range map[string]func() *rest.Config{
+		"inline certificate": func() *rest.Config { return r.srv.RestConfig(f.alice) },
+		"certificate files":  func() *rest.Config { return newCertDir(t, inPlace, f.alice, f.ca.CertPEM()).config(r.srv.URL()) },
+	} {
+		t.Run(name, func(t *testing.T) {
+			pair := wrapPair(t, newPool(t), newOriginal)
+			cp := pair.copies(func(c *rest.Config) {
+				c.WrapTransport = transport.Wrappers(func(rt http.RoundTripper) http.RoundTripper {
+					return transport.NewBearerAuthRoundTripper("token-y", rt)
+				}, c.WrapTransport)
+			})
+			r.check(t, cp, &observation{CN: "alice", Token: "token-y", Proto: h2, Gzip: true, Via: "direct"})
+			t.Run("set in place after Wrap", func(t *testing.T) {
+				for _, c := range []*rest.Config{pair.wrapped, pair.control} {
+					c.WrapTransport = transport.Wrappers(func(rt http.RoundTripper) http.RoundTripper {
+						return transport.NewBearerAuthRoundTripper("token-x", rt)
+					}, c.WrapTransport)
+				}
+				r.check(t, pair, &observation{CN: "alice", Token: "token-x", Proto: h2, Gzip: true, Via: "direct"})
+			})
+		})
+	}
+}
+
+// TestAdversaryProxyPerPath: http.Transport asks Proxy for every request, and
+// client-go hands it the config's Proxy; the pool remembers one answer per
+// scheme and host. A Proxy that sends some paths through an (auditing)
+// proxy is bypassed once another path to the same host went direct, for the
+// wrapped config itself and for copies that set such a Proxy.
+func TestAdversaryProxyPerPath(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	r := newCopyRig(t, testserver.Options{CA: f.ca})
+	proxied, _ := url.Parse(r.proxies[0].url())
+	nodesProxied := func(req *http.Request) (*url.URL, error) {
+		if strings.HasSuffix(req.URL.Path, "/nodes") {
+			return proxied, nil
+		}
+		return nil, nil
+	}
+	want := observation{CN: "alice", Proto: "HTTP/2.0", Gzip: true, Via: "proxy 1"}
+	run := func(t *testing.T, pair copyPair) {
+		t.Helper()
+		var got [2]observation
+		for i, cfg := range []*rest.Config{pair.wrapped, pair.control} {
+			c := r.client(cfg)
+			if c.err != nil {
+				t.Fatal(c.err)
+			}
+			// Another path first: direct, by the same function.
+			if _, err := c.cs.Discovery().ServerVersion(); err != nil {
+				t.Fatal(err)
+			}
+			got[i] = c.observe()
+		}
+		if got[0] != got[1] {
+			t.Errorf("GET .../nodes after GET /version: through the pool %+v, through client-go alone %+v", got[0], got[1])
+		}
+		if got[1] != want {
+			t.Errorf("control saw %+v, want %+v (the test's premise is wrong)", got[1], want)
+		}
+	}
+	t.Run("the wrapped config's own Proxy", func(t *testing.T) {
+		run(t, wrapPair(t, newPool(t), func() *rest.Config {
+			c := r.srv.RestConfig(f.alice)
+			c.Proxy = nodesProxied
+			return c
+		}))
+	})
+	t.Run("a copy's Proxy", func(t *testing.T) {
+		pair := wrapPair(t, newPool(t), func() *rest.Config { return r.srv.RestConfig(f.alice) })
+		run(t, pair.copies(func(c *rest.Config) { c.Proxy = nodesProxied }))
+	})
+}
+
+// TestAdversaryExecPluginAtConstruction: client-go runs a copy's exec plugin
+// at the first handshake. The hook runs it when the client is built (to read
+// the certificate client-go's transport would present), holding the
+// identity's check lock, so building an unrelated client of the same
+// identity waits for another config's plugin (an interactive login, a slow
+// credential service).
+func TestAdversaryExecPluginAtConstruction(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	r := newCopyRig(t, testserver.Options{CA: f.ca})
+	kp, err := f.ca.IssueClient("exec-slow")
+	if err != nil {
+		t.Fatal(err)
+	}
+	exec := writeExecPlugin(t, f.dir, "adv-fast", f.alice)
+	slow := writeExecPlugin(t, f.dir, "adv-slow", kp)
+	started, release := filepath.Join(f.dir, "adv-slow.started"), filepath.Join(f.dir, "adv-slow.release")
+	// The slow plugin says it started, then waits (at most 10 s) for release.
+	script := "#!/bin/sh\n: > '" + started + "'\nfor i in $(seq 100); do [ -f '" + release + "' ] && break; sleep 0.1; done\nexec cat '" + filepath.Join(f.dir, "adv-slow.json") + "'\n"
+	if err := os.WriteFile(slow.Command, []byte(script), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.WriteFile(release, nil, 0o600) })
+
+	for _, wrapped := range []bool{false, true} {
+		name := map[bool]string{false: "client-go alone", true: "through the pool"}[wrapped]
+		t.Run(name, func(t *testing.T) {
+			os.Remove(started)
+			os.Remove(release)
+			orig := r.srv.RestConfig(nil)
+			e := *exec
+			orig.ExecProvider = &e
+			if wrapped {
+				if err := newPool(t).Wrap(orig); err != nil {
+					t.Fatal(err)
+				}
+			}
+			slowCopy := rest.CopyConfig(orig)
+			s := *slow
+			slowCopy.ExecProvider = &s
+			slowBuilt := make(chan error, 1)
+			go func() {
+				_, err := kubernetes.NewForConfig(slowCopy)
+				slowBuilt <- err
+			}()
+			slowDone := false
+			select {
+			case err := <-slowBuilt:
+				if err != nil {
+					t.Fatal(err)
+				}
+				slowDone = true
+			case <-time.After(2 * time.Second):
+			}
+			if _, err := os.Stat(started); err == nil {
+				t.Errorf("building a client (no request sent) ran its exec plugin; client-go runs it at the first handshake")
+			}
+			// Another copy of the same identity (a token) is built while the
+			// slow plugin is held.
+			tokenCopy := rest.CopyConfig(orig)
+			tokenCopy.BearerToken = "token-x"
+			built := make(chan error, 1)
+			go func() {
+				_, err := kubernetes.NewForConfig(tokenCopy)
+				built <- err
+			}()
+			tokenDone := false
+			select {
+			case err := <-built:
+				if err != nil {
+					t.Fatal(err)
+				}
+				tokenDone = true
+			case <-time.After(3 * time.Second):
+				t.Errorf("building a client of another copy waited for the slow copy's exec plugin")
+			}
+			os.WriteFile(release, nil, 0o600)
+			for ch, done := range map[chan error]bool{slowBuilt: slowDone, built: tokenDone} {
+				if done {
+					continue
+				}
+				select {
+				case <-ch:
+				case <-time.After(15 * time.Second):
+					t.Fatal("a client was never built")
+				}
+			}
+		})
+	}
+}
+
+// TestAdversaryProxyErrorPassword: a config whose Proxy fails passes
+// through, and Wrap logs the function's error verbatim (V(2)). A Proxy that
+// parses a configured proxy address (url.Parse of a flag or a setting) fails
+// with a *url.Error that quotes the whole address, password included.
+// client-go alone logs nothing then: it returns the error to the caller of
+// the request.
+func TestAdversaryProxyErrorPassword(t *testing.T) {
+	logs := captureKlog(t, 10)
+	const password = "pr0xy-S3cret"
+	configured := "http://user:" + password + "@proxy.example:port" // a typo in the port
+	cfg := &rest.Config{Host: "https://api.example:6443", Proxy: func(*http.Request) (*url.URL, error) { return url.Parse(configured) }}
+	cfg.Insecure = true
+	if _, err := cfg.Proxy(&http.Request{URL: &url.URL{Scheme: "https", Host: "api.example:6443"}}); err == nil {
+		t.Fatal("the Proxy function does not fail (the test's premise is wrong)")
+	}
+	if err := newPool(t).Wrap(cfg); err != nil && strings.Contains(err.Error(), password) {
+		t.Errorf("Wrap's error holds the proxy password: %v", err)
+	}
+	klog.Flush()
+	if strings.Contains(logs.String(), password) {
+		t.Errorf("a log line holds the proxy password:\n%s", logs)
+	}
+}
+
+// TestAdversaryDisableHTTP2AfterWrap: the ALPN a client-go transport must
+// offer is fixed at Wrap (identity.alpn), while each new generation is built
+// with utilnet.SetTransportDefaults, which reads DISABLE_HTTP2 again. After
+// the variable changes and the files rotate, clients whose client-go
+// transport speaks HTTP/2 are moved to a generation that speaks HTTP/1.1.
+func TestAdversaryDisableHTTP2AfterWrap(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	r := newCopyRig(t, testserver.Options{CA: f.ca})
+	p := newPool(t, WithPollInterval(0))
+	d := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
+	pair := wrapPair(t, p, func() *rest.Config { return d.config(r.srv.URL()) })
+	before := [2]*rigClient{r.client(pair.wrapped), r.client(pair.control)}
+	for _, c := range before {
+		if o := c.observe(); o.Proto != "HTTP/2.0" || o.CN != "alice" {
+			t.Fatalf("before: %+v", o)
+		}
+	}
+	t.Setenv("DISABLE_HTTP2", "true")
+	d.write(t, f.bob, f.ca.CertPEM())
+	waitFor(t, "rotation to bob", func() bool { return p.Stats().Rotations == 1 })
+	time.Sleep(certFileSettle)
+	if got, control := before[0].observe(), before[1].observe(); got != control {
+		t.Errorf("client built before: through the pool %+v, through client-go alone %+v", got, control)
+	}
+	r.check(t, pair, nil)
+}
+
+// TestAdversaryClientGoTransportCreated: isClientGoTransportFor asks
+// client-go's cache with transport.New, which builds (and, before v0.36,
+// keeps for good) a transport for the original's certificate files when no
+// client of the original exists, with a certificate-refresher goroutine that
+// never stops. A process that only builds clients of copies client-go
+// cannot cache (a Proxy) gets one more of them than client-go alone starts.
+func TestAdversaryClientGoTransportCreated(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	r := newCopyRig(t, testserver.Options{CA: f.ca})
+	refreshers := func() int {
+		buf := make([]byte, 1<<22)
+		n := 0
+		for _, g := range strings.Split(string(buf[:runtime.Stack(buf, true)]), "\n\n") {
+			if strings.Contains(g, "transport.(*dynamicClientCert).Run(") {
+				n++
+			}
+		}
+		return n
+	}
+	var started [2]int
+	for i, wrapped := range []bool{false, true} {
+		d := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
+		orig := d.config(r.srv.URL())
+		if wrapped {
+			if err := newPool(t).Wrap(orig); err != nil {
+				t.Fatal(err)
+			}
+		}
+		n := refreshers()
+		cp := rest.CopyConfig(orig)
+		cp.Proxy = proxyTo(r.proxies[0])
+		c := r.client(cp)
+		if o := c.observe(); o.CN != "alice" || o.Via != "proxy 1" {
+			t.Fatalf("wrapped %v: %+v", wrapped, o)
+		}
+		time.Sleep(100 * time.Millisecond) // let started goroutines show in the dump
+		started[i] = refreshers() - n
+	}
+	if started[1] != started[0] {
+		t.Errorf("a client of a copy with Proxy started %d certificate refreshers through the pool, %d through client-go alone", started[1], started[0])
+	}
+}
+
+// TestAdversaryFirstRequestGate: until a generation knows whether the server
+// speaks HTTP/2, its first request goes alone and every other request waits
+// for that request's response. A generation serves every host its clients
+// talk to (the host is not identity), so a copy pointed at a host that does
+// not answer holds up the original's requests to a healthy server, for up to
+// the TLS handshake timeout, at Wrap and again after every rotation.
+// client-go alone never makes one client wait for another's response.
+func TestAdversaryFirstRequestGate(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	r := newCopyRig(t, testserver.Options{CA: f.ca})
+	// A host that accepts connections and never answers.
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var mu sync.Mutex
+	var held []net.Conn
+	accepted := make(chan struct{}, 16)
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			mu.Lock()
+			held = append(held, c)
+			mu.Unlock()
+			accepted <- struct{}{}
+		}
+	}()
+	release := func() {
+		mu.Lock()
+		defer mu.Unlock()
+		for _, c := range held {
+			c.Close()
+		}
+		held = nil
+	}
+	t.Cleanup(func() { ln.Close(); release() })
+
+	for _, wrapped := range []bool{false, true} {
+		name := map[bool]string{false: "client-go alone", true: "through the pool"}[wrapped]
+		t.Run(name, func(t *testing.T) {
+			orig := r.srv.RestConfig(f.alice)
+			if wrapped {
+				if err := newPool(t).Wrap(orig); err != nil {
+					t.Fatal(err)
+				}
+			}
+			dead := rest.CopyConfig(orig)
+			dead.Host = "https://" + ln.Addr().String()
+			deadCS, err := kubernetes.NewForConfig(dead)
+			if err != nil {
+				t.Fatal(err)
+			}
+			deadCtx, stopDead := context.WithCancel(context.Background())
+			defer stopDead()
+			deadDone := make(chan struct{})
+			go func() {
+				defer close(deadDone)
+				deadCS.Discovery().RESTClient().Get().AbsPath("/version").Do(deadCtx) // ends when cancelled
+			}()
+			select {
+			case <-accepted:
+			case <-time.After(10 * time.Second):
+				t.Fatal("the copy never dialed its host")
+			}
+			c := r.client(orig)
+			if c.err != nil {
+				t.Fatal(c.err)
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+			defer cancel()
+			_, err = c.cs.Discovery().RESTClient().Get().AbsPath("/version").Do(ctx).Raw()
+			if err != nil {
+				t.Errorf("the original's request to a healthy server, while a copy's first request to a host that does not answer is in flight: %v", err)
+			}
+			stopDead()
+			release()
+			<-deadDone
+		})
+	}
+}
