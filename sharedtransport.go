@@ -15,6 +15,7 @@ import (
 	"net/url"
 	"os"
 	"path/filepath"
+	"regexp"
 	"runtime"
 	"slices"
 	"strings"
@@ -351,7 +352,7 @@ func (p *Pool) identityFor(cfg *rest.Config) (id *identity, share bool, err erro
 	if cfg.Proxy != nil {
 		r, err := proxyRoute(cfg)
 		if err != nil {
-			p.opts.logger.V(2).Info("Config passes through: its Proxy function failed", "host", redactHost(cfg.Host), "err", err)
+			p.opts.logger.V(2).Info("Config passes through: its Proxy function failed", "host", redactHost(cfg.Host), "err", redactURLs(err.Error()))
 			return nil, false, nil
 		}
 		if !r.env {
@@ -529,6 +530,13 @@ func redactHost(host string) string {
 	}
 	return host
 }
+
+// userInfo matches what may be a password in a URL inside free text.
+var userInfo = regexp.MustCompile(`//[^/@\s"]*@`)
+
+// redactURLs hides user info of URLs in s (a Proxy function's error may quote
+// the URL it failed to parse).
+func redactURLs(s string) string { return userInfo.ReplaceAllString(s, "//xxxxx@") }
 
 func urlString(u *url.URL) string {
 	if u == nil {

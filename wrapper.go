@@ -14,7 +14,9 @@ import (
 	"net/url"
 	"path/filepath"
 	"reflect"
+	"runtime"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -102,7 +104,7 @@ func (h *hook) wrap(rt http.RoundTripper) http.RoundTripper {
 	if l.e.closed.Load() {
 		return closedRoundTripper{} // fails every request with ErrClosed, rather than silently leaving the pool
 	}
-	got := httpTransport(rt)
+	got := clientGoTransport(rt)
 	if got == nil {
 		h.pool.stats.passThrough.Add(1)
 		return rt // SPDY, websocket, a caller's own transport: never replaced
@@ -174,14 +176,11 @@ type verdict struct {
 	// it reads from certificate files for a second). Such a finding is made
 	// again once that window has passed.
 	provisional bool
-	// routes records, per scheme and host, whether client-go's Proxy and the
-	// shared transport's send requests the same way. Copied on write.
-	routes map[string]bool
+	// expires, when set, ends a finding made by comparing the certificate
+	// client-go's transport reads from files the pool does not watch: those
+	// files may change without the pool's own material changing.
+	expires time.Time
 }
-
-// maxRoutes bounds the hosts a verdict remembers; beyond it routes are
-// compared per request.
-const maxRoutes = 32
 
 func (c *clientTransport) RoundTrip(req *http.Request) (*http.Response, error) {
 	if c.onlyHost != "" && req.URL.Host != c.onlyHost {
@@ -191,7 +190,7 @@ func (c *clientTransport) RoundTrip(req *http.Request) (*http.Response, error) {
 		return c.lease.RoundTrip(req) // ErrClosed, as for every client of a closed pool
 	}
 	v := c.verdict()
-	if !v.shared || !c.sameRoute(v, req) {
+	if !v.shared || !sameProxy(c.got.Proxy, v.g.transport.Proxy, req) {
 		return c.clientGo.RoundTrip(req)
 	}
 	return c.lease.roundTripOn(v.g, req)
@@ -203,11 +202,15 @@ func (c *clientTransport) verdict() *verdict {
 	e := c.lease.e
 	g := e.current.Load()
 	v := c.state.Load()
-	if v != nil && v.g == g && (!v.provisional || !e.settled(g)) {
+	if v != nil && v.g == g && (!v.provisional || !e.settled(g)) && (v.expires.IsZero() || time.Now().Before(v.expires)) {
 		return v
 	}
 	settled := e.settled(g)
-	v = &verdict{g: g, shared: c.check(g)}
+	shared, byContent := c.check(g)
+	v = &verdict{g: g, shared: shared}
+	if shared && byContent {
+		v.expires = time.Now().Add(certFileSettle)
+	}
 	v.provisional = !v.shared && !settled && e.id.certFile != ""
 	c.state.Store(v)
 	if !v.shared && !v.provisional && c.passedOnce.CompareAndSwap(false, true) {
@@ -218,61 +221,86 @@ func (c *clientTransport) verdict() *verdict {
 
 // check reports whether client-go's transport for this client authenticates,
 // trusts, dials, negotiates and compresses exactly as g does.
-func (c *clientTransport) check(g *generation) bool {
+// byContent reports a match made by comparing the certificate of a
+// client-go transport that reads it from files, which holds only as long as
+// those files do not change.
+func (c *clientTransport) check(g *generation) (shared, byContent bool) {
 	e := c.lease.e
 	if e.agrees(c.got, g, c.dial) {
-		return true
+		return true, false
 	}
-	// One first look at a time per identity: client-go's certificate-file
-	// refresher returns its certificate outside its lock, so concurrent
-	// askers (the first clients of a new config, built at once) race inside
-	// client-go.
-	e.checkMu.Lock()
-	defer e.checkMu.Unlock()
-	if e.agrees(c.got, g, c.dial) {
-		return true
+	fromFiles := readsCertFiles(c.got.TLSClientConfig)
+	if fromFiles {
+		// One look at a time per identity: client-go's certificate-file
+		// refresher returns its certificate outside its lock, so concurrent
+		// askers race inside client-go.
+		e.checkMu.Lock()
+		defer e.checkMu.Unlock()
 	}
-	if !sameTransport(c.clientGo, c.got, g, e.id, c.dial) {
-		return false
+	shared, proven := sameTransport(c.clientGo, c.got, g, e.id, c.dial)
+	if !shared {
+		return false, false
+	}
+	if fromFiles && !proven {
+		return true, true
 	}
 	e.rememberAgreement(c.got, g, c.dial)
-	return true
+	return true, false
 }
 
 // sameTransport compares, field by field, what client-go's transport got does
 // with what the generation g does. Material the pool used before g never makes
 // a match: a client holding it is not this identity's any more.
-func sameTransport(rt http.RoundTripper, got *http.Transport, g *generation, id *identity, dial dialFingerprint) bool {
+// proven reports that got is shown to be the identity's by what it is
+// (client-go's cached transport for the identity's files, the exec plugin's
+// own authenticator), not by what it presents now.
+func sameTransport(rt http.RoundTripper, got *http.Transport, g *generation, id *identity, dial dialFingerprint) (same, proven bool) {
 	if !sameShape(rt, got, g, id, dial) {
-		return false
+		return false, false
 	}
 	gotTLS := got.TLSClientConfig
 	if gotTLS == nil {
-		return true // and so is g's: sameShape compared
+		return true, true // and so is g's: sameShape compared
+	}
+	if id.getCert != nil {
+		// sameShape found client-go's transport dialing through the exec
+		// authenticator's own dialer: the same authenticator, so the same
+		// certificate, now and after the plugin hands out another.
+		return true, true
 	}
 	if isClientGoTransportFor(got, id) {
 		// client-go's own transport for the identity's certificate files:
 		// it presents what those files hold, as the pool does, even while
 		// its cache of them is a second behind the pool's.
-		return true
+		return true, true
 	}
 	// Roots before the certificate: asking client-go for it is not free.
 	gotLeaf, err := clientLeaf(gotTLS)
 	if err != nil {
+		return false, false
+	}
+	return bytes.Equal(gotLeaf, g.leaf) && (gotLeaf == nil) == (g.leaf == nil), false
+}
+
+// generationALPN is what a client-go transport built when g was must offer:
+// g's own list, which HTTP/2's configuration (DISABLE_HTTP2 included) set when
+// g was built, or, when g speaks HTTP/1.1 by the pool's choice (keep-alive
+// off), the list client-go offers for the identity.
+func generationALPN(g *generation, id *identity) []string {
+	if g.transport != g.http1 && g.transport.TLSClientConfig != nil {
+		return g.transport.TLSClientConfig.NextProtos
+	}
+	return id.alpn
+}
+
+// readsCertFiles reports whether c's client certificate comes from client-go's
+// certificate-file reloader, which re-reads files the pool may not watch.
+func readsCertFiles(c *tls.Config) bool {
+	if c == nil || c.GetClientCertificate == nil {
 		return false
 	}
-	wantLeaf := g.leaf
-	if id.getCert != nil {
-		// The exec plugin's certificate, as a handshake would get it now. A
-		// client-go transport presenting none (a copy with a token, for which
-		// client-go's exec authenticator steps aside) is not this identity's.
-		cert, err := id.getCert.GetCert()
-		if err != nil || cert == nil || len(cert.Certificate) == 0 {
-			return false
-		}
-		wantLeaf = cert.Certificate[0]
-	}
-	return bytes.Equal(gotLeaf, wantLeaf) && (gotLeaf == nil) == (wantLeaf == nil)
+	fn := runtime.FuncForPC(reflect.ValueOf(c.GetClientCertificate).Pointer())
+	return fn == nil || strings.Contains(fn.Name(), "dynamicClientCert")
 }
 
 // sameShape is sameTransport but for the client certificate: everything that
@@ -289,37 +317,27 @@ func sameShape(rt http.RoundTripper, got *http.Transport, g *generation, id *ide
 	if fp := fingerprintDial(got.DialContext); !fp.known() || fp != dial {
 		return false
 	}
+	if id.getCert != nil {
+		// An exec identity's client-go transports dial through a dialer
+		// tracked by the authenticator's connection tracker, one per
+		// authenticator: anything else (a copy with a token, its own
+		// plugin, inline material) holds other credentials, or the same
+		// ones only for now.
+		if t := execTracker(got.DialContext); t == nil || t != execTracker(id.dial) {
+			return false
+		}
+	}
 	gotTLS, wantTLS := got.TLSClientConfig, g.transport.TLSClientConfig
 	if gotTLS == nil || wantTLS == nil {
 		return gotTLS == wantTLS
 	}
 	if gotTLS.ServerName != wantTLS.ServerName || gotTLS.InsecureSkipVerify != wantTLS.InsecureSkipVerify ||
 		gotTLS.MinVersion != wantTLS.MinVersion || gotTLS.MaxVersion != wantTLS.MaxVersion ||
-		!slices.Equal(gotTLS.NextProtos, id.alpn) ||
+		!slices.Equal(gotTLS.NextProtos, generationALPN(g, id)) ||
 		gotTLS.VerifyPeerCertificate != nil || gotTLS.VerifyConnection != nil || len(gotTLS.Certificates) > 0 {
 		return false
 	}
 	return samePool(gotTLS.RootCAs, g.roots) || readsCAFile(rt, id.caFile)
-}
-
-// sameRoute reports whether client-go's transport would send req the way the
-// shared transport does: through the same proxy, or direct. Proxy functions
-// cannot be compared, so both are asked, once per scheme and host.
-func (c *clientTransport) sameRoute(v *verdict, req *http.Request) bool {
-	k := req.URL.Scheme + "://" + req.URL.Host
-	if ok, seen := v.routes[k]; seen {
-		return ok
-	}
-	ok := sameProxy(c.got.Proxy, v.g.transport.Proxy, req)
-	if len(v.routes) < maxRoutes {
-		routes := make(map[string]bool, len(v.routes)+1)
-		maps.Copy(routes, v.routes)
-		routes[k] = ok
-		// Only this verdict's successor sees the new map; a lost race costs
-		// one more comparison.
-		c.state.CompareAndSwap(v, &verdict{g: v.g, shared: v.shared, routes: routes})
-	}
-	return ok
 }
 
 // CloseIdleConnections closes idle connections of both transports the client
@@ -338,6 +356,30 @@ func (c *clientTransport) WrappedRoundTripper() http.RoundTripper {
 }
 
 var _ utilnet.RoundTripperWrapper = &clientTransport{}
+
+// clientGoTransport unwraps rt to the *http.Transport client-go built, through
+// client-go's own holders (its cache's garbage-collection and CA-reload
+// holders) only: a wrapper of anyone else's between client-go and the hook
+// (inserted with transport.Wrappers before the hook) is a layer the pool must
+// not replace, so such a round tripper passes through.
+func clientGoTransport(rt http.RoundTripper) *http.Transport {
+	for range 4 {
+		if t, ok := rt.(*http.Transport); ok {
+			return t
+		}
+		w, ok := rt.(utilnet.RoundTripperWrapper)
+		if !ok {
+			return nil
+		}
+		typ := reflect.TypeOf(rt)
+		if typ.Kind() != reflect.Pointer || typ.Elem().PkgPath() != "k8s.io/client-go/transport" ||
+			typ.Elem().Name() != "trackedTransport" && typ.Elem().Name() != "atomicTransportHolder" {
+			return nil
+		}
+		rt = w.WrappedRoundTripper()
+	}
+	return nil
+}
 
 // httpTransport unwraps rt to the *http.Transport client-go built, or nil.
 // client-go hands WrapTransport its TLS transport wrapped (the cache's
@@ -388,18 +430,25 @@ func readsCAFile(rt http.RoundTripper, caFile string) bool {
 	return false
 }
 
+// envProxierCode is the code of the proxy function client-go's transports use
+// for configs without Proxy.
+var envProxierCode = reflect.ValueOf(utilnet.NewProxierWithNoProxyCIDR(http.ProxyFromEnvironment)).Pointer()
+
 // isClientGoTransportFor reports whether got is the transport client-go's cache
 // holds for id's certificate files: the proof that got reads the same files,
 // which no comparison of what it presents can give (a copy naming other files
 // with the same bytes presents the same certificate until the files diverge).
 func isClientGoTransportFor(got *http.Transport, id *identity) bool {
-	if id.clientGoKey == nil {
+	if id.clientGoKey == nil || got.Proxy == nil || reflect.ValueOf(got.Proxy).Pointer() != envProxierCode {
+		// Only a transport client-go built for a config without Proxy can
+		// be in its cache; asking the cache about another would build the
+		// identity's transport, and its certificate refresher, for nothing.
 		return false
 	}
 	key := *id.clientGoKey // client-go fills in what it reads from the files
 	key.NextProtos = slices.Clone(key.NextProtos)
 	rt, err := transport.New(&transport.Config{TLS: key, DisableCompression: id.disableCompression})
-	return err == nil && httpTransport(rt) == got
+	return err == nil && clientGoTransport(rt) == got
 }
 
 // clientLeaf returns the DER of the client certificate c presents, or nil.
@@ -427,7 +476,15 @@ func sameProxy(got, want func(*http.Request) (*url.URL, error), req *http.Reques
 	}
 	g, err1 := got(req)
 	w, err2 := want(req)
-	return err1 == nil && err2 == nil && urlString(g) == urlString(w)
+	return err1 == nil && err2 == nil && sameURL(g, w)
+}
+
+func sameURL(a, b *url.URL) bool {
+	if a == nil || b == nil || a == b {
+		return a == b
+	}
+	return a.Scheme == b.Scheme && a.Host == b.Host && a.Opaque == b.Opaque && a.Path == b.Path &&
+		a.RawQuery == b.RawQuery && (a.User == b.User || a.User != nil && b.User != nil && a.User.String() == b.User.String())
 }
 
 // RoundTrip sends req through the identity's current transport.
@@ -561,6 +618,16 @@ func wrappedDial(rd *connrotation.Dialer) (dialFn, bool) {
 		return nil, false
 	}
 	return *(*dialFn)(unsafe.Pointer(f.UnsafeAddr())), true
+}
+
+// execTracker returns the connection tracker of a connrotation dialer (the one
+// client-go's exec authenticator closes when the plugin's certificate
+// changes), or nil.
+func execTracker(f dialFn) *connrotation.ConnectionTracker {
+	if f == nil || !dialInspection() || reflect.ValueOf(f).Pointer() != rotDialerCode {
+		return nil
+	}
+	return receiverOf[connrotation.Dialer](f).ConnectionTracker
 }
 
 func fingerprintDial(f dialFn) dialFingerprint {
