@@ -293,7 +293,7 @@ func TestCANotACA(t *testing.T) {
 
 	// Whether the loader rejects such a bundle decides what must happen.
 	leaf := f.bob.CertPEM
-	rejects := checkCABundle(leaf) != nil
+	rejects := checkCABundle(leaf, time.Now()) != nil
 	t.Logf("the CA loader rejects a bundle that can verify no server: %v", rejects)
 
 	c := writeCredFiles(t, filepath.Join(f.dir, "not-a-ca"), leaf, f.alice)
