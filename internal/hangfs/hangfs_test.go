@@ -1,0 +1,57 @@
+//go:build linux
+
+package hangfs
+
+import (
+	"os"
+	"testing"
+	"time"
+)
+
+func TestHungRead(t *testing.T) {
+	fs, err := Mount(t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	fi, err := os.Stat(fs.Path())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !fi.Mode().IsRegular() || fi.Size() != fileSize {
+		t.Fatalf("%s: mode %v, size %d; want a regular file of %d bytes", fs.Path(), fi.Mode(), fi.Size(), fileSize)
+	}
+	f, err := os.Open(fs.Path())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	read := make(chan error, 1)
+	go func() {
+		_, err := f.Read(make([]byte, 10))
+		read <- err
+	}()
+	deadline := time.Now().Add(10 * time.Second)
+	for fs.HungReads() == 0 {
+		if time.Now().After(deadline) {
+			t.Fatal("the read never reached the file system")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	select {
+	case err := <-read:
+		t.Fatalf("the read returned: %v", err)
+	case <-time.After(200 * time.Millisecond):
+	}
+	if err := fs.Close(); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-read:
+		if err == nil {
+			t.Fatal("the read succeeded after Close")
+		}
+		t.Logf("after Close the read returned: %v", err)
+	case <-time.After(10 * time.Second):
+		t.Fatal("the read still hangs after Close")
+	}
+}
