@@ -420,6 +420,92 @@ func TestRotationSharedWatch(t *testing.T) {
 	}
 }
 
+const (
+	busyBeside = "busy: file beside appended"
+	busyCA     = "busy: CA file rewritten unchanged"
+)
+
+// busy keeps d's directory busy until the returned function is called: every
+// period it appends a line to a file beside the certificate (busyBeside), or
+// renames an unchanged copy of the CA over the CA file (busyCA).
+func busy(t testing.TB, d *certDir, kind string, ca []byte, period time.Duration) (stop func()) {
+	done, exited := make(chan struct{}), make(chan struct{})
+	var noiseErr error
+	go func() {
+		defer close(exited)
+		tick := time.NewTicker(period)
+		defer tick.Stop()
+		for n := 0; ; n++ {
+			select {
+			case <-done:
+				return
+			case <-tick.C:
+			}
+			var err error
+			switch kind {
+			case busyBeside:
+				var f *os.File
+				if f, err = os.OpenFile(filepath.Join(d.dir, "audit.log"), os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o600); err == nil {
+					_, err = fmt.Fprintf(f, "line %d\n", n)
+					f.Close()
+				}
+			case busyCA:
+				tmp := d.ca + ".busy"
+				if err = os.WriteFile(tmp, ca, 0o644); err == nil {
+					err = os.Rename(tmp, d.ca)
+				}
+			}
+			if err != nil && noiseErr == nil {
+				noiseErr = err
+			}
+		}
+	}()
+	return func() {
+		close(done)
+		<-exited
+		if noiseErr != nil {
+			t.Errorf("keeping the directory busy: %v", noiseErr)
+		}
+	}
+}
+
+// TestRotationBusyDirectory: with polling off, a certificate change is taken
+// in a directory that never goes quiet. Events for a file the pool does not
+// read do not put the reload off; events for one it reads (the CA, rewritten
+// unchanged every 30 ms, less than the debounce) put it off no longer than
+// the debounce's maximum wait.
+func TestRotationBusyDirectory(t *testing.T) {
+	rec := &cnRecorder{}
+	f := newFixture(t, testserver.Options{OnRequest: rec.record})
+	dave, err := f.ca.IssueClient("dave")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, kind := range []string{busyBeside, busyCA} {
+		t.Run(kind, func(t *testing.T) {
+			p := newPool(t, WithPollInterval(0))
+			d := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
+			cfg := d.config(f.srv.URL())
+			if err := p.Wrap(cfg); err != nil {
+				t.Fatal(err)
+			}
+			stop := busy(t, d, kind, f.ca.CertPEM(), 30*time.Millisecond)
+			defer stop()
+			time.Sleep(300 * time.Millisecond) // the noise is under way
+			d.write(t, dave, f.ca.CertPEM())
+			written := time.Now()
+			waitFor(t, "the rotation, the directory still busy", func() bool { return p.Stats().Rotations == 1 })
+			t.Logf("rotation taken %v after the write", time.Since(written).Round(time.Millisecond))
+			if err := listNodes(context.Background(), cfg); err != nil {
+				t.Fatal(err)
+			}
+			if _, ok := rec.firstSince("dave", written); !ok {
+				t.Error("the server did not see the new certificate")
+			}
+		})
+	}
+}
+
 // TestRotationDrain: a watch running when the certificate changes keeps
 // running on the old connection until the drain timeout, then ends; idle
 // connections of the old material close at once.
