@@ -12,16 +12,13 @@ import (
 	"runtime"
 	"strconv"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
 
-	"github.com/go-logr/logr/funcr"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
-	"k8s.io/klog/v2"
 
 	"github.com/sharedtransport/sharedtransport/internal/hangfs"
 	"github.com/sharedtransport/sharedtransport/internal/testserver"
@@ -286,32 +283,6 @@ func newInotifyFD(t testing.TB, before map[int]int) int {
 		}
 	}
 	return -1
-}
-
-// logLines collects a pool's log messages.
-type logLines struct {
-	mu    sync.Mutex
-	lines []string
-}
-
-func (l *logLines) logger() klog.Logger {
-	return funcr.New(func(prefix, args string) {
-		l.mu.Lock()
-		l.lines = append(l.lines, args)
-		l.mu.Unlock()
-	}, funcr.Options{})
-}
-
-func (l *logLines) count(msg string) int {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	n := 0
-	for _, line := range l.lines {
-		if strings.Contains(line, msg) {
-			n++
-		}
-	}
-	return n
 }
 
 const (

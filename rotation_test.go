@@ -6,16 +6,20 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"sort"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/go-logr/logr/funcr"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/watch"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
+	"k8s.io/klog/v2"
 
 	"github.com/sharedtransport/sharedtransport/internal/testserver"
 )
@@ -377,6 +381,30 @@ func TestRotationByPollOnly(t *testing.T) {
 	}
 }
 
+// TestRotationRejectedOnce: files that stay bad are rejected and counted
+// once, however often the poll reads them (unchanged bytes are compared, not
+// parsed again); the same bad files written again after good ones count
+// again.
+func TestRotationRejectedOnce(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	const poll = 20 * time.Millisecond
+	p := newPool(t, WithPollInterval(poll))
+	c := writeCredFiles(t, filepath.Join(f.dir, "files"), f.ca.CertPEM(), f.alice)
+	if err := p.Wrap(c.config(f.srv.URL())); err != nil {
+		t.Fatal(err)
+	}
+	for round := 1; round <= 2; round++ {
+		writeAtomic(t, c.key, f.bob.KeyPEM) // the key of another certificate
+		waitFor(t, "the bad key rejected", func() bool { return p.Stats().RotationErrors == uint64(round) })
+		time.Sleep(15 * poll)
+		if st := p.Stats(); st.RotationErrors != uint64(round) || st.Rotations != 0 {
+			t.Fatalf("round %d, after 15 polls of unchanged bad files: %d rejected, %d rotations; want %d and 0", round, st.RotationErrors, st.Rotations, round)
+		}
+		writeAtomic(t, c.key, f.alice.KeyPEM)
+		time.Sleep(5 * poll) // the good files seen again
+	}
+}
+
 // TestRotationSharedWatch: identities with files in one directory share one
 // watch, and the directory is unwatched when the last of them goes.
 func TestRotationSharedWatch(t *testing.T) {
@@ -684,3 +712,51 @@ func openFDs(t testing.TB) int {
 }
 
 var runtime_GC = runtime.GC
+
+// logLines collects a pool's log messages.
+type logLines struct {
+	mu    sync.Mutex
+	lines []string
+}
+
+func (l *logLines) logger() klog.Logger {
+	return funcr.New(func(prefix, args string) {
+		l.mu.Lock()
+		l.lines = append(l.lines, args)
+		l.mu.Unlock()
+	}, funcr.Options{})
+}
+
+func (l *logLines) count(msg string) int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	n := 0
+	for _, line := range l.lines {
+		if strings.Contains(line, msg) {
+			n++
+		}
+	}
+	return n
+}
+
+// has reports whether one line holds every one of parts.
+func (l *logLines) has(parts ...string) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for _, line := range l.lines {
+		all := true
+		for _, p := range parts {
+			all = all && strings.Contains(line, p)
+		}
+		if all {
+			return true
+		}
+	}
+	return false
+}
+
+func (l *logLines) all() []string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return slices.Clone(l.lines)
+}
