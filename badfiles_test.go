@@ -13,6 +13,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -513,5 +514,70 @@ func TestCertificateValidity(t *testing.T) {
 		}
 		ahead.Store(int64(time.Hour))
 		waitFor(t, "the certificate taken once valid", func() bool { return p.Stats().Rotations > before.Rotations })
+	})
+}
+
+// TestCABundleText: a CA file with text around its PEM blocks (comments, a
+// trailing "# end of bundle", openssl's description of each certificate, a
+// key block) is accepted as client-go accepts it, at Wrap and on rotation;
+// only a torn block, a "-----BEGIN" without its "-----END", is refused.
+func TestCABundleText(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	other, err := testserver.NewCA("other-ca")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ca, otherPEM := string(f.ca.CertPEM()), string(other.CertPEM())
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	p := newPool(t, withDebounce(10*time.Millisecond))
+	for i, tc := range []struct{ name, bundle string }{
+		{"comment first", "# cluster CA, rotated yearly\n" + ca},
+		{"trailing comment", ca + "# end of bundle\n"},
+		{"trailing comment without a newline", ca + "# end of bundle"},
+		{"text between blocks", otherPEM + "\nthe cluster's CA follows\n\n" + ca + "\n"},
+		{"openssl's description before each block", "Certificate:\n    Data:\n        Version: 3 (0x2)\n" + otherPEM + "Certificate:\n    Data:\n" + ca},
+		{"a key block beside the CA", ca + string(f.alice.KeyPEM)},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c := writeCredFiles(t, filepath.Join(f.dir, "text", strconv.Itoa(i)), []byte(tc.bundle), f.alice)
+			if err := listNodes(ctx, c.config(f.srv.URL())); err != nil {
+				t.Fatalf("client-go alone refuses the bundle: %v", err)
+			}
+			if err := p.Wrap(c.config(f.srv.URL())); err != nil {
+				t.Fatalf("Wrap: %v", err)
+			}
+			// On rotation: from a plain bundle to this one.
+			r := writeCredFiles(t, filepath.Join(f.dir, "text-rotation", strconv.Itoa(i)), f.ca.CertPEM(), f.alice)
+			cfg := r.config(f.srv.URL())
+			if err := p.Wrap(cfg); err != nil {
+				t.Fatal(err)
+			}
+			before := p.Stats()
+			writeAtomic(t, r.ca, []byte(tc.bundle))
+			waitFor(t, "the reload", func() bool {
+				st := p.Stats()
+				return st.Rotations > before.Rotations || st.RotationErrors > before.RotationErrors
+			})
+			if st := p.Stats(); st.RotationErrors != before.RotationErrors {
+				t.Fatalf("the rotation to the bundle was rejected: %+v", st)
+			}
+			if err := listNodes(ctx, cfg); err != nil {
+				t.Fatal(err)
+			}
+		})
+	}
+	t.Run("torn block", func(t *testing.T) {
+		for _, bundle := range []string{
+			ca + otherPEM[:len(otherPEM)/2],                   // cut inside the body
+			ca + otherPEM[:len(otherPEM)-10],                  // cut inside the END line
+			otherPEM[:len(otherPEM)/2] + "\n# comment\n" + ca, // a block without its END, then more
+		} {
+			c := writeCredFiles(t, filepath.Join(f.dir, "torn", strconv.Itoa(len(bundle))), []byte(bundle), f.alice)
+			err := p.Wrap(c.config(f.srv.URL()))
+			if err == nil || !strings.Contains(err.Error(), "incomplete PEM block") || !strings.Contains(err.Error(), c.ca) {
+				t.Errorf("Wrap of a torn bundle: %v", err)
+			}
+		}
 	})
 }
