@@ -14,6 +14,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -548,7 +549,7 @@ type fileWatcher struct {
 	pool   *Pool
 	done   chan struct{}
 	exited chan struct{}
-	wake   chan struct{}       // a directory may be missing its watch: arm the fallback poll
+	wake   chan struct{}       // look again: a directory may miss its watch, or file events became available
 	loaded chan *identityWatch // a reload finished
 	loads  sync.WaitGroup      // reloads in flight
 
@@ -581,6 +582,8 @@ type identityWatch struct {
 	// Guarded by w.mu.
 	paths, dirs []string
 	stopped     bool
+
+	lookingUp atomic.Bool // a relook is running
 
 	// Owned by the run goroutine.
 	first, last time.Time // first and latest event of a pending reload
@@ -654,20 +657,33 @@ func (iw *identityWatch) stop() {
 	w.setPathsLocked(iw, nil)
 }
 
-// relook looks up the paths iw's files resolve through again: after a
-// kubelet ..data swap they lie in another directory.
+// relook looks up again, on a goroutine of its own, the paths iw's files
+// resolve through: after a kubelet ..data swap they lie in another
+// directory. It does not wait: looking a path up on a network file system
+// that stopped answering does not return, and a reload must end. One look
+// at a time per identity.
 func (iw *identityWatch) relook() {
-	paths := identityPaths(iw.e.id)
-	w := iw.w
-	w.mu.Lock()
-	if !iw.stopped && !slices.Equal(paths, iw.paths) {
-		w.setPathsLocked(iw, paths)
+	if !iw.lookingUp.CompareAndSwap(false, true) {
+		return
 	}
-	missing := w.unwatched > 0
-	w.mu.Unlock()
-	if missing {
-		w.poke()
-	}
+	go func() {
+		defer iw.lookingUp.Store(false)
+		paths := identityPaths(iw.e.id)
+		w := iw.w
+		w.mu.Lock()
+		defer w.mu.Unlock()
+		select {
+		case <-w.done:
+			return // closed: no new watches
+		default:
+		}
+		if !iw.stopped && !slices.Equal(paths, iw.paths) {
+			w.setPathsLocked(iw, paths)
+		}
+		if w.unwatched > 0 {
+			w.poke()
+		}
+	}()
 }
 
 func (w *fileWatcher) setPathsLocked(iw *identityWatch, paths []string) {
