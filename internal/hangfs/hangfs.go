@@ -5,16 +5,29 @@
 // mount or an unresponsive FUSE daemon looks like to a reader. It speaks the
 // kernel's FUSE protocol directly, as much of it as that takes, and needs the
 // privilege to mount (root, or CAP_SYS_ADMIN) and /dev/fuse.
+//
+// The file system is served by a child process (the same binary, started
+// again: see init). A reader waiting on a FUSE answer cannot be killed, and a
+// process waiting on itself could never finish exiting: if the process that
+// mounted the file system dies without Close (a test timeout, a panic), the
+// child sees it and exits, which fails the held reads, and the dying process
+// can end.
 package hangfs
 
 import (
+	"bufio"
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"io"
 	"os"
+	"os/exec"
 	"path/filepath"
+	"strconv"
+	"strings"
 	"sync"
 	"syscall"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -22,12 +35,15 @@ import (
 // Name is the file whose reads never return.
 const Name = "hung"
 
+// daemonEnv marks the child process that serves a mount.
+const daemonEnv = "HANGFS_DAEMON"
+
 // FS is a mounted hangfs.
 type FS struct {
-	Dir  string
-	fd   int
-	stop chan struct{}
-	done chan struct{}
+	Dir    string
+	daemon *exec.Cmd
+	stdin  io.WriteCloser // closed: the daemon stops
+	done   chan struct{}  // the daemon's reports are read to their end
 
 	mu    sync.Mutex // guards reads
 	reads int        // reads waiting for an answer that does not come
@@ -63,18 +79,57 @@ const (
 
 // Mount mounts a hangfs on dir, which must exist.
 func Mount(dir string) (*FS, error) {
-	fd, err := syscall.Open("/dev/fuse", syscall.O_RDWR|syscall.O_CLOEXEC|syscall.O_NONBLOCK, 0)
+	fd, err := syscall.Open("/dev/fuse", syscall.O_RDWR|syscall.O_CLOEXEC, 0)
 	if err != nil {
 		return nil, fmt.Errorf("hangfs: open /dev/fuse: %w", err)
 	}
+	dev := os.NewFile(uintptr(fd), "/dev/fuse")
+	// Closed once the daemon holds its own copy: the daemon's is then the
+	// last, and its exit aborts the connection.
+	defer dev.Close()
 	opts := fmt.Sprintf("fd=%d,rootmode=40000,user_id=%d,group_id=%d", fd, os.Getuid(), os.Getgid())
 	if err := syscall.Mount("hangfs", dir, "fuse", syscall.MS_NOSUID|syscall.MS_NODEV, opts); err != nil {
-		syscall.Close(fd)
 		return nil, fmt.Errorf("hangfs: mount on %s: %w", dir, err)
 	}
-	fs := &FS{Dir: dir, fd: fd, stop: make(chan struct{}), done: make(chan struct{})}
-	go fs.serve()
+	self, err := os.Executable()
+	if err != nil {
+		_ = syscall.Unmount(dir, syscall.MNT_DETACH)
+		return nil, err
+	}
+	cmd := exec.Command(self)
+	cmd.Env = append(os.Environ(), daemonEnv+"=1")
+	cmd.ExtraFiles = []*os.File{dev} // fd 3 in the daemon
+	cmd.Stderr = os.Stderr
+	stdin, err := cmd.StdinPipe()
+	if err != nil {
+		_ = syscall.Unmount(dir, syscall.MNT_DETACH)
+		return nil, err
+	}
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		_ = syscall.Unmount(dir, syscall.MNT_DETACH)
+		return nil, err
+	}
+	if err := cmd.Start(); err != nil {
+		_ = syscall.Unmount(dir, syscall.MNT_DETACH)
+		return nil, fmt.Errorf("hangfs: start the daemon: %w", err)
+	}
+	fs := &FS{Dir: dir, daemon: cmd, stdin: stdin, done: make(chan struct{})}
+	go fs.count(stdout)
 	return fs, nil
+}
+
+// count reads the daemon's reports: a line per read it holds.
+func (fs *FS) count(r io.Reader) {
+	defer close(fs.done)
+	sc := bufio.NewScanner(r)
+	for sc.Scan() {
+		if strings.TrimSpace(sc.Text()) == "read" {
+			fs.mu.Lock()
+			fs.reads++
+			fs.mu.Unlock()
+		}
+	}
 }
 
 // Path is the path of the file whose reads never return.
@@ -87,30 +142,95 @@ func (fs *FS) HungReads() int {
 	return fs.reads
 }
 
-// Close aborts the connection, so every read held fails (ENOTCONN), and
-// unmounts the file system.
+// Close stops the daemon, which aborts the connection, so every read held
+// fails (ENOTCONN), and unmounts the file system.
 func (fs *FS) Close() error {
-	close(fs.stop)
+	fs.stdin.Close()
 	<-fs.done
-	// Closing the last descriptor of the device aborts the connection.
-	err := syscall.Close(fs.fd)
+	err := fs.daemon.Wait()
 	if uerr := syscall.Unmount(fs.Dir, syscall.MNT_DETACH); uerr != nil && err == nil {
 		err = fmt.Errorf("hangfs: unmount %s: %w", fs.Dir, uerr)
 	}
 	return err
 }
 
-// serve answers requests until Close. It polls the device with a timeout
-// rather than through Go's poller: here the device's readiness did not reach
-// an edge-triggered epoll (the poller's mode), and a blocking read could not
-// be interrupted by Close.
-func (fs *FS) serve() {
-	defer close(fs.done)
+func init() {
+	if os.Getenv(daemonEnv) == "1" {
+		os.Exit(daemon())
+	}
+}
+
+// daemon serves the mount whose device is fd 3 until its stdin closes or its
+// parent dies, reporting each read it holds on stdout.
+func daemon() int {
+	stop := make(chan struct{})
+	var once sync.Once
+	halt := func() { once.Do(func() { close(stop) }) }
+	go func() {
+		_, _ = io.Copy(io.Discard, os.Stdin) // EOF: Close
+		halt()
+	}()
+	go func() {
+		// A parent that dies with a thread waiting on this file system
+		// keeps its files, stdin's pipe included, open until that thread
+		// ends.
+		parent := os.Getppid()
+		for range time.Tick(100 * time.Millisecond) {
+			if os.Getppid() != parent || dying(parent) {
+				halt()
+				return
+			}
+		}
+	}()
+	srv := &server{fd: 3, report: func() { fmt.Println("read") }}
+	if err := syscall.SetNonblock(srv.fd, true); err != nil {
+		return 1
+	}
+	srv.serve(stop)
+	return 0
+}
+
+// dying reports whether process pid is ending: exited (a zombie), or with
+// SIGKILL pending, which is how exit reaches a thread that waits on a FUSE
+// answer and cannot take it.
+func dying(pid int) bool {
+	status, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		return true
+	}
+	const sigkill = 1 << (9 - 1)
+	for _, line := range strings.Split(string(status), "\n") {
+		key, value, _ := strings.Cut(line, ":")
+		value = strings.TrimSpace(value)
+		switch key {
+		case "State":
+			if strings.HasPrefix(value, "Z") || strings.HasPrefix(value, "X") {
+				return true
+			}
+		case "SigPnd", "ShdPnd":
+			if mask, err := strconv.ParseUint(value, 16, 64); err == nil && mask&sigkill != 0 {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// server answers the kernel's requests on a FUSE device.
+type server struct {
+	fd     int
+	report func() // a read is held
+}
+
+// serve answers requests until stop closes. It polls the device with a
+// timeout rather than through Go's poller: here the device's readiness did
+// not reach an edge-triggered epoll (the poller's mode).
+func (srv *server) serve(stop <-chan struct{}) {
 	buf := make([]byte, 1<<17) // the kernel wants room for a request of max_write bytes
-	pfd := []unix.PollFd{{Fd: int32(fs.fd), Events: unix.POLLIN}}
+	pfd := []unix.PollFd{{Fd: int32(srv.fd), Events: unix.POLLIN}}
 	for {
 		select {
-		case <-fs.stop:
+		case <-stop:
 			return
 		default:
 		}
@@ -118,7 +238,7 @@ func (fs *FS) serve() {
 			return
 		}
 		for {
-			n, err := syscall.Read(fs.fd, buf)
+			n, err := syscall.Read(srv.fd, buf)
 			if errors.Is(err, syscall.EAGAIN) {
 				break
 			}
@@ -129,13 +249,13 @@ func (fs *FS) serve() {
 				return // the connection was aborted
 			}
 			if n >= inHeaderSize {
-				fs.handle(buf[:n])
+				srv.handle(buf[:n])
 			}
 		}
 	}
 }
 
-func (fs *FS) handle(req []byte) {
+func (srv *server) handle(req []byte) {
 	le := binary.LittleEndian
 	opcode := le.Uint32(req[4:])
 	unique := le.Uint64(req[8:])
@@ -153,48 +273,45 @@ func (fs *FS) handle(req []byte) {
 		le.PutUint16(out[18:], 12)   // congestion_threshold
 		le.PutUint32(out[20:], 4096) // max_write
 		le.PutUint32(out[24:], 1)    // time_gran
-		fs.reply(unique, 0, out)
+		srv.reply(unique, 0, out)
 	case opLookup:
 		name := string(body)
 		if i := indexNUL(body); i >= 0 {
 			name = string(body[:i])
 		}
 		if node != rootID || name != Name {
-			fs.reply(unique, -int32(syscall.ENOENT), nil)
+			srv.reply(unique, -int32(syscall.ENOENT), nil)
 			return
 		}
 		out := make([]byte, 40+attrSize)
 		le.PutUint64(out[0:], fileID)
 		putAttr(out[40:], fileID)
-		fs.reply(unique, 0, out)
+		srv.reply(unique, 0, out)
 	case opGetattr:
 		if node != rootID && node != fileID {
-			fs.reply(unique, -int32(syscall.ENOENT), nil)
+			srv.reply(unique, -int32(syscall.ENOENT), nil)
 			return
 		}
 		out := make([]byte, 16+attrSize)
 		putAttr(out[16:], node)
-		fs.reply(unique, 0, out)
+		srv.reply(unique, 0, out)
 	case opOpen, opOpendir:
 		out := make([]byte, 16)
 		le.PutUint64(out[0:], node)
 		if opcode == opOpen {
 			le.PutUint32(out[8:], directIO)
 		}
-		fs.reply(unique, 0, out)
+		srv.reply(unique, 0, out)
 	case opRead:
-		// The point of the file system: no answer.
-		fs.mu.Lock()
-		fs.reads++
-		fs.mu.Unlock()
+		srv.report() // the point of the file system: no answer
 	case opReaddir:
-		fs.reply(unique, 0, nil) // an empty directory listing
+		srv.reply(unique, 0, nil) // an empty directory listing
 	case opRelease, opReleasedir, opFlush:
-		fs.reply(unique, 0, nil)
+		srv.reply(unique, 0, nil)
 	case opForget, opBatchForget, opInterrupt:
 		// No answer expected; an interrupted read stays unanswered.
 	default:
-		fs.reply(unique, -int32(syscall.ENOSYS), nil)
+		srv.reply(unique, -int32(syscall.ENOSYS), nil)
 	}
 }
 
@@ -214,14 +331,14 @@ func putAttr(b []byte, node uint64) {
 	le.PutUint32(b[80:], 4096) // blksize
 }
 
-func (fs *FS) reply(unique uint64, errno int32, body []byte) {
+func (srv *server) reply(unique uint64, errno int32, body []byte) {
 	out := make([]byte, outHeaderSize+len(body))
 	le := binary.LittleEndian
 	le.PutUint32(out[0:], uint32(len(out)))
 	le.PutUint32(out[4:], uint32(errno))
 	le.PutUint64(out[8:], unique)
 	copy(out[outHeaderSize:], body)
-	_, _ = syscall.Write(fs.fd, out) // fails only once the connection is gone
+	_, _ = syscall.Write(srv.fd, out) // fails only once the connection is gone
 }
 
 func indexNUL(b []byte) int {
