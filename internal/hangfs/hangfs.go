@@ -228,16 +228,19 @@ type server struct {
 func (srv *server) serve(stop <-chan struct{}) {
 	buf := make([]byte, 1<<17) // the kernel wants room for a request of max_write bytes
 	pfd := []unix.PollFd{{Fd: int32(srv.fd), Events: unix.POLLIN}}
-	for {
+	stopped := func() bool {
 		select {
 		case <-stop:
-			return
+			return true
 		default:
+			return false
 		}
+	}
+	for !stopped() {
 		if _, err := unix.Poll(pfd, 50); err != nil && !errors.Is(err, syscall.EINTR) {
 			return
 		}
-		for {
+		for !stopped() {
 			n, err := syscall.Read(srv.fd, buf)
 			if errors.Is(err, syscall.EAGAIN) {
 				break
