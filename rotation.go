@@ -917,44 +917,57 @@ func (w *fileWatcher) run() {
 			}
 			// Typically a queue overflow: events were lost, so look at everything.
 			opts.logger.Info("File watch error; re-reading every watched file", "err", err)
-			for _, iw := range w.all() {
-				w.enqueue(iw, true)
-			}
+			w.enqueueAll(true)
 		case <-debounce.C:
-			now := time.Now()
-			for iw := range w.pending {
-				if !w.due(iw).After(now) {
-					delete(w.pending, iw)
-					iw.first, iw.last = time.Time{}, time.Time{}
-					w.enqueue(iw, true)
-				}
-			}
+			w.onDebounce()
 			w.armDebounce(debounce)
 		case iw := <-w.loaded:
-			w.running--
-			iw.loading = false
-			if iw.again {
-				iw.again = false
-				w.enqueue(iw, false)
-			}
+			w.onLoaded(iw)
 		case <-poll:
 			w.mu.Lock()
 			w.checkLocked()
 			w.mu.Unlock()
-			for _, iw := range w.all() {
-				w.enqueue(iw, false)
-			}
+			w.enqueueAll(false)
 		case <-fallback.C:
 			fallbackArmed = false
-			w.mu.Lock()
-			w.checkLocked()
-			missed := w.retryLocked()
-			w.mu.Unlock()
-			for _, iw := range missed {
-				w.enqueue(iw, false)
-			}
+			w.onFallback()
 		}
 		w.dispatch()
+	}
+}
+
+// onDebounce queues the pending reloads that are due.
+func (w *fileWatcher) onDebounce() {
+	now := time.Now()
+	for iw := range w.pending {
+		if !w.due(iw).After(now) {
+			delete(w.pending, iw)
+			iw.first, iw.last = time.Time{}, time.Time{}
+			w.enqueue(iw, true)
+		}
+	}
+}
+
+// onLoaded frees the slot of a reload that ended, and queues it again if
+// something changed while it ran.
+func (w *fileWatcher) onLoaded(iw *identityWatch) {
+	w.running--
+	iw.loading = false
+	if iw.again {
+		iw.again = false
+		w.enqueue(iw, false)
+	}
+}
+
+// onFallback tries again to watch the directories without a watch, and
+// queues a reload of the identities with files in them.
+func (w *fileWatcher) onFallback() {
+	w.mu.Lock()
+	w.checkLocked()
+	missed := w.retryLocked()
+	w.mu.Unlock()
+	for _, iw := range missed {
+		w.enqueue(iw, false)
 	}
 }
 
@@ -1026,6 +1039,12 @@ func (w *fileWatcher) all() []*identityWatch {
 		out = append(out, iw)
 	}
 	return out
+}
+
+func (w *fileWatcher) enqueueAll(resolve bool) {
+	for _, iw := range w.all() {
+		w.enqueue(iw, resolve)
+	}
 }
 
 // enqueue asks for a reload of iw; resolve asks it to look up its paths again.
