@@ -13,6 +13,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -100,7 +101,57 @@ func badFiles(f *fixture, otherCA *testserver.CA) []badFile {
 				t.Fatal(err)
 			}
 		}, cert, "no such file or directory"},
+		{"expired certificate", writePair(f.ca, -48*time.Hour, -24*time.Hour), cert, "has expired"},
+		{"certificate valid an hour from now", writePair(f.ca, time.Hour, 25*time.Hour), cert, "is not valid yet"},
+		{"CA bundle whose every certificate expired", func(t testing.TB, c credFiles) {
+			t.Helper()
+			write(ca, append(expiredCA(t, "old-ca-1"), expiredCA(t, "old-ca-2")...))(t, c)
+		}, ca, "every one has expired"},
 	}
+}
+
+// writePair returns a badFile apply that writes a client certificate (and
+// its key) valid from now+from to now+until.
+func writePair(ca *testserver.CA, from, until time.Duration) func(testing.TB, credFiles) {
+	return func(t testing.TB, c credFiles) {
+		t.Helper()
+		kp := issueValid(t, ca, "dated", from, until)
+		writeAtomic(t, c.key, kp.KeyPEM)
+		writeAtomic(t, c.cert, kp.CertPEM)
+	}
+}
+
+func issueValid(t testing.TB, ca *testserver.CA, cn string, from, until time.Duration) *testserver.KeyPair {
+	t.Helper()
+	now := time.Now()
+	kp, err := ca.Issue(testserver.CertSpec{CommonName: cn, Client: true, NotBefore: now.Add(from), NotAfter: now.Add(until)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return kp
+}
+
+// expiredCA is a self-signed CA certificate that expired a day ago.
+func expiredCA(t testing.TB, cn string) []byte {
+	t.Helper()
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tmpl := &x509.Certificate{
+		SerialNumber:          big.NewInt(7),
+		Subject:               pkix.Name{CommonName: cn},
+		NotBefore:             time.Now().Add(-365 * 24 * time.Hour),
+		NotAfter:              time.Now().Add(-24 * time.Hour),
+		KeyUsage:              x509.KeyUsageCertSign,
+		BasicConstraintsValid: true,
+		IsCA:                  true,
+	}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der})
 }
 
 // restore puts the good files back, whatever apply did.
@@ -293,7 +344,7 @@ func TestCANotACA(t *testing.T) {
 
 	// Whether the loader rejects such a bundle decides what must happen.
 	leaf := f.bob.CertPEM
-	rejects := checkCABundle(leaf) != nil
+	rejects := checkCABundle(leaf, time.Now()) != nil
 	t.Logf("the CA loader rejects a bundle that can verify no server: %v", rejects)
 
 	c := writeCredFiles(t, filepath.Join(f.dir, "not-a-ca"), leaf, f.alice)
@@ -393,4 +444,140 @@ func selfSignedServing(t testing.TB) *testserver.KeyPair {
 		KeyPEM:  pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: keyDER}),
 		Cert:    cert,
 	}
+}
+
+// TestCertificateValidity: at Wrap a certificate outside its validity
+// window, or a CA bundle whose every certificate expired, is refused with
+// what is wrong and the dates (a NotBefore within the clock-skew allowance is
+// taken). After good material, a certificate not valid yet is rejected and
+// counted once however often the poll sees it, logged with its file and
+// dates, and taken once the pool's clock reaches it.
+func TestCertificateValidity(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	var ahead atomic.Int64 // how far the pool's clock runs ahead
+	logs := &logLines{}
+	p := newPool(t, WithPollInterval(50*time.Millisecond), withDebounce(10*time.Millisecond), WithLogger(logs.logger()),
+		func(o *options) { o.now = func() time.Time { return time.Now().Add(time.Duration(ahead.Load())) } })
+
+	t.Run("at Wrap", func(t *testing.T) {
+		for _, tc := range []struct {
+			name        string
+			from, until time.Duration
+			want        string
+		}{
+			{"expired", -48 * time.Hour, -24 * time.Hour, "has expired"},
+			{"an hour ahead", time.Hour, 25 * time.Hour, "is not valid yet"},
+		} {
+			kp := issueValid(t, f.ca, tc.name, tc.from, tc.until)
+			c := writeCredFiles(t, filepath.Join(f.dir, "wrap", tc.name), f.ca.CertPEM(), kp)
+			err := p.Wrap(c.config(f.srv.URL()))
+			if err == nil {
+				t.Fatalf("%s: Wrap succeeded", tc.name)
+			}
+			t.Logf("%s: %v", tc.name, err)
+			for _, want := range []string{c.cert, tc.want, stamp(kp.Cert.NotBefore), stamp(kp.Cert.NotAfter)} {
+				if !strings.Contains(err.Error(), want) {
+					t.Errorf("%s: the error does not say %q", tc.name, want)
+				}
+			}
+		}
+		skewed := issueValid(t, f.ca, "a minute ahead", time.Minute, 24*time.Hour)
+		c := writeCredFiles(t, filepath.Join(f.dir, "wrap", "skewed"), f.ca.CertPEM(), skewed)
+		if err := p.Wrap(c.config(f.srv.URL())); err != nil {
+			t.Errorf("a certificate valid a minute from now, within the %v of clock skew allowed: %v", clockSkew, err)
+		}
+		c = writeCredFiles(t, filepath.Join(f.dir, "wrap", "expired CA"), expiredCA(t, "old-ca"), f.alice)
+		err := p.Wrap(c.config(f.srv.URL()))
+		if err == nil || !strings.Contains(err.Error(), c.ca) || !strings.Contains(err.Error(), "every one has expired") {
+			t.Errorf("a CA bundle whose every certificate expired: %v", err)
+		}
+	})
+
+	t.Run("after good material", func(t *testing.T) {
+		c := writeCredFiles(t, filepath.Join(f.dir, "rotate"), f.ca.CertPEM(), f.alice)
+		cfg := c.config(f.srv.URL())
+		if err := p.Wrap(cfg); err != nil {
+			t.Fatal(err)
+		}
+		before := p.Stats()
+		kp := issueValid(t, f.ca, "ahead", time.Hour, 25*time.Hour)
+		writeAtomic(t, c.key, kp.KeyPEM)
+		writeAtomic(t, c.cert, kp.CertPEM)
+		waitFor(t, "the reload rejected", func() bool { return p.Stats().RotationErrors > before.RotationErrors })
+		time.Sleep(300 * time.Millisecond) // polls of the unchanged files
+		if st := p.Stats(); st.RotationErrors != before.RotationErrors+1 || st.Rotations != before.Rotations {
+			t.Errorf("after polls of an unchanged certificate not valid yet: %d rejected, %d rotations; want 1 and 0",
+				st.RotationErrors-before.RotationErrors, st.Rotations-before.Rotations)
+		}
+		if logs.count("Keeping the last good TLS material") == 0 || !logs.has(c.cert, "is not valid yet", stamp(kp.Cert.NotBefore), stamp(kp.Cert.NotAfter)) {
+			t.Errorf("no log line names the file and the validity dates: %q", logs.all())
+		}
+		ahead.Store(int64(time.Hour))
+		waitFor(t, "the certificate taken once valid", func() bool { return p.Stats().Rotations > before.Rotations })
+	})
+}
+
+// TestCABundleText: a CA file with text around its PEM blocks (comments, a
+// trailing "# end of bundle", openssl's description of each certificate, a
+// key block) is accepted as client-go accepts it, at Wrap and on rotation;
+// only a torn block, a "-----BEGIN" without its "-----END", is refused.
+func TestCABundleText(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	other, err := testserver.NewCA("other-ca")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ca, otherPEM := string(f.ca.CertPEM()), string(other.CertPEM())
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	p := newPool(t, withDebounce(10*time.Millisecond))
+	for i, tc := range []struct{ name, bundle string }{
+		{"comment first", "# cluster CA, rotated yearly\n" + ca},
+		{"trailing comment", ca + "# end of bundle\n"},
+		{"trailing comment without a newline", ca + "# end of bundle"},
+		{"text between blocks", otherPEM + "\nthe cluster's CA follows\n\n" + ca + "\n"},
+		{"openssl's description before each block", "Certificate:\n    Data:\n        Version: 3 (0x2)\n" + otherPEM + "Certificate:\n    Data:\n" + ca},
+		{"a key block beside the CA", ca + string(f.alice.KeyPEM)},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c := writeCredFiles(t, filepath.Join(f.dir, "text", strconv.Itoa(i)), []byte(tc.bundle), f.alice)
+			if err := listNodes(ctx, c.config(f.srv.URL())); err != nil {
+				t.Fatalf("client-go alone refuses the bundle: %v", err)
+			}
+			if err := p.Wrap(c.config(f.srv.URL())); err != nil {
+				t.Fatalf("Wrap: %v", err)
+			}
+			// On rotation: from a plain bundle to this one.
+			r := writeCredFiles(t, filepath.Join(f.dir, "text-rotation", strconv.Itoa(i)), f.ca.CertPEM(), f.alice)
+			cfg := r.config(f.srv.URL())
+			if err := p.Wrap(cfg); err != nil {
+				t.Fatal(err)
+			}
+			before := p.Stats()
+			writeAtomic(t, r.ca, []byte(tc.bundle))
+			waitFor(t, "the reload", func() bool {
+				st := p.Stats()
+				return st.Rotations > before.Rotations || st.RotationErrors > before.RotationErrors
+			})
+			if st := p.Stats(); st.RotationErrors != before.RotationErrors {
+				t.Fatalf("the rotation to the bundle was rejected: %+v", st)
+			}
+			if err := listNodes(ctx, cfg); err != nil {
+				t.Fatal(err)
+			}
+		})
+	}
+	t.Run("torn block", func(t *testing.T) {
+		for _, bundle := range []string{
+			ca + otherPEM[:len(otherPEM)/2],                   // cut inside the body
+			ca + otherPEM[:len(otherPEM)-10],                  // cut inside the END line
+			otherPEM[:len(otherPEM)/2] + "\n# comment\n" + ca, // a block without its END, then more
+		} {
+			c := writeCredFiles(t, filepath.Join(f.dir, "torn", strconv.Itoa(len(bundle))), []byte(bundle), f.alice)
+			err := p.Wrap(c.config(f.srv.URL()))
+			if err == nil || !strings.Contains(err.Error(), "incomplete PEM block") || !strings.Contains(err.Error(), c.ca) {
+				t.Errorf("Wrap of a torn bundle: %v", err)
+			}
+		}
+	})
 }

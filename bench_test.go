@@ -210,7 +210,10 @@ func BenchmarkSeedLoad(b *testing.B) {
 // BenchmarkRotationLatency measures, for each way files really change, the
 // time from the write completing to the first request the server sees with
 // the new certificate, over 20 rotations (b.N is ignored: run it with
-// -benchtime 1x). The "poll only" row turns file events off.
+// -benchtime 1x). The "poll only" row turns file events off. The "busy" rows
+// rename files over (as "temp file renamed over") in a directory that never
+// goes quiet: a file beside the certificate appended to every 30 ms, or the
+// CA file rewritten unchanged every 30 ms.
 func BenchmarkRotationLatency(b *testing.B) {
 	rec := &cnRecorder{}
 	f := newFixture(b, testserver.Options{OnRequest: rec.record})
@@ -223,16 +226,23 @@ func BenchmarkRotationLatency(b *testing.B) {
 		}
 		pairs = append(pairs, kp)
 	}
-	for _, kind := range []string{inPlace, renameOver, secretVolume, deleteCreate, certThenKey, "poll only"} {
+	for _, kind := range []string{inPlace, renameOver, secretVolume, deleteCreate, certThenKey, "poll only", busyBeside, busyCA} {
 		b.Run(strings.ReplaceAll(kind, " ", "_"), func(b *testing.B) {
 			opts := []Option{WithPollInterval(0), WithDrainTimeout(time.Second)}
 			layout := kind
-			if kind == "poll only" {
+			switch kind {
+			case "poll only":
 				layout = secretVolume
 				opts = []Option{WithPollInterval(time.Second), func(o *options) { o.disableNotify = true }}
+			case busyBeside, busyCA:
+				layout = renameOver
 			}
 			p := newPool(b, opts...)
 			d := newCertDir(b, layout, f.alice, f.ca.CertPEM())
+			if kind == busyBeside || kind == busyCA {
+				stopNoise := busy(b, d, kind, f.ca.CertPEM(), 30*time.Millisecond)
+				defer stopNoise()
+			}
 			cfg := d.config(f.srv.URL())
 			cfg.QPS = -1
 			if err := p.Wrap(cfg); err != nil {

@@ -60,9 +60,26 @@
 //
 // When a config names certificate, key or CA files, the pool watches their
 // directories (kubelet's "..data" symlink swap, rename-over, rewrite in place,
-// delete and create again) and polls as a fallback ([WithPollInterval]). A
-// valid change is used by the next handshake at once; idle connections close;
-// active ones (watches) are closed after [WithDrainTimeout]. Torn, empty or
-// mismatched files are rejected and the last good material kept, so a failed
-// reload never fails a request.
+// delete and create again) and polls as a fallback ([WithPollInterval]).
+// Events for other files in those directories are ignored, and a reload
+// starts at most half a second after the first event however busy the files
+// are. A valid change is used by the next handshake at once; idle connections
+// close; active ones (watches) are closed after [WithDrainTimeout]. Torn,
+// empty or mismatched files, anything but a regular file, and a certificate
+// outside its validity window (a NotBefore up to 5 minutes ahead is allowed
+// for clock skew) are rejected and the last good material kept, so a failed
+// reload never fails a request. A CA bundle may hold text around its PEM
+// blocks, as client-go allows.
+//
+// # Limits of the platform
+//
+// inotify instances and watches are limited per user on a machine
+// (fs.inotify.max_user_instances and max_user_watches). When the kernel
+// refuses them, [Pool.Wrap] still works: the directories concerned are polled
+// every 10 seconds, the refusal is logged once and counted in
+// [Stats].UnwatchedDirs, and file events are taken again once the kernel
+// allows them. Network file systems report no events for changes made by
+// other machines; the poll finds those. A read of a hung mount is abandoned
+// after 5 seconds, holds up no other identity, and does not delay
+// [Pool.Close].
 package sharedtransport

@@ -16,6 +16,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	utilnet "k8s.io/apimachinery/pkg/util/net"
 	"k8s.io/client-go/rest"
@@ -391,34 +392,30 @@ func FuzzCABundle(f *testing.F) {
 	} {
 		f.Add(seed)
 	}
+	p := New()
 	f.Fuzz(func(t *testing.T, b []byte) {
-		err := checkCABundle(b)
+		err := checkCABundle(b, time.Now())
 		if err == nil {
-			n := 0
-			rest := b
-			for {
-				block, r := pem.Decode(rest)
-				if block == nil {
-					break
-				}
-				if block.Type != "CERTIFICATE" {
-					t.Fatalf("accepted a %q block", block.Type)
-				}
-				if _, err := x509.ParseCertificate(block.Bytes); err != nil {
-					t.Fatalf("accepted a certificate that does not parse: %v", err)
-				}
-				n++
-				rest = r
-			}
-			if n == 0 || len(bytes.TrimSpace(rest)) != 0 {
-				t.Fatalf("accepted %d certificates followed by %q", n, rest)
-			}
+			// What client-go accepts, and no block torn: every BEGIN has
+			// its END, and the last block decodes.
 			if !x509.NewCertPool().AppendCertsFromPEM(b) {
 				t.Fatal("accepted a bundle crypto/x509 cannot use")
 			}
+			begins := bytes.Split(b, []byte("-----BEGIN"))
+			for i, part := range begins[1:] {
+				if !bytes.Contains(part, []byte("-----END")) {
+					t.Fatalf("accepted BEGIN number %d without an END", i+1)
+				}
+			}
+			if len(begins) > 1 {
+				last := b[bytes.LastIndex(b, []byte("-----BEGIN")):]
+				if block, _ := pem.Decode(last); block == nil {
+					t.Fatalf("accepted a bundle whose last block is cut short: %q", last)
+				}
+			}
 		}
 		// Through the whole loader, as inline CA data.
-		if _, lerr := loadMaterial(&identity{caData: b}); (lerr == nil) != (err == nil || len(b) == 0) {
+		if _, lerr := p.loadMaterial(&identity{caData: b}); (lerr == nil) != (err == nil || len(b) == 0) {
 			t.Fatalf("loadMaterial: %v, checkCABundle: %v", lerr, err)
 		}
 	})
@@ -456,10 +453,14 @@ func FuzzKeyPair(f *testing.F) {
 	} {
 		f.Add(seed[0], seed[1])
 	}
+	p := New()
 	f.Fuzz(func(t *testing.T, cert, key []byte) {
-		_, err := loadMaterial(&identity{certData: cert, keyData: key})
-		_, tlsErr := tls.X509KeyPair(cert, key)
-		want := tlsErr == nil || (len(cert) == 0 && len(key) == 0)
+		now := time.Now()
+		_, err := p.loadMaterial(&identity{certData: cert, keyData: key})
+		pair, tlsErr := tls.X509KeyPair(cert, key)
+		// crypto/tls accepts the pair, and its certificate is valid now.
+		valid := tlsErr == nil && !now.After(pair.Leaf.NotAfter) && !now.Add(clockSkew).Before(pair.Leaf.NotBefore)
+		want := valid || (len(cert) == 0 && len(key) == 0)
 		if (err == nil) != want {
 			t.Fatalf("loader error %v, crypto/tls error %v", err, tlsErr)
 		}

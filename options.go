@@ -24,10 +24,17 @@ type options struct {
 	logger            klog.Logger
 
 	// Test seams, never exported: how long file events settle before a
-	// reload, and whether fsnotify is used at all (so a test can prove the
-	// poll alone finds a change).
+	// reload and how long a busy file may put it off, whether fsnotify is
+	// used at all (so a test can prove the poll alone finds a change), how
+	// often directories the kernel refused to watch are polled, how long a
+	// read of a certificate file may take, and the clock certificates are
+	// checked against.
 	debounce       time.Duration
+	maxWait        time.Duration
 	disableNotify  bool
+	fallbackPoll   time.Duration
+	readTimeout    time.Duration
+	now            func() time.Time
 	sessionCacheSz int
 }
 
@@ -40,6 +47,10 @@ func defaultOptions() options {
 		drainTimeout:      2 * time.Minute,
 		logger:            klog.Background().WithName("sharedtransport"),
 		debounce:          100 * time.Millisecond,
+		maxWait:           500 * time.Millisecond,
+		fallbackPoll:      10 * time.Second,
+		readTimeout:       5 * time.Second,
+		now:               time.Now,
 		sessionCacheSz:    64,
 	}
 }
@@ -112,8 +123,10 @@ func WithProxyConnectHeader(fn func(cfg *rest.Config) http.Header) Option {
 
 // WithPollInterval sets how often watched certificate and CA files are
 // re-read even when no file-system event arrived (network and overlay file
-// systems, bind mounts, a lost watch). The default is 30 seconds; zero turns
-// polling off.
+// systems, bind mounts, a lost watch). A file that did not change costs a
+// read and a comparison. The default is 30 seconds; zero turns polling off.
+// Directories the kernel refuses to watch (its inotify limits) are polled
+// every 10 seconds whatever the interval, until their watch can be set.
 func WithPollInterval(d time.Duration) Option {
 	return func(o *options) {
 		if d >= 0 {

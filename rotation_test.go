@@ -6,16 +6,20 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"sort"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/go-logr/logr/funcr"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/watch"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
+	"k8s.io/klog/v2"
 
 	"github.com/sharedtransport/sharedtransport/internal/testserver"
 )
@@ -377,6 +381,30 @@ func TestRotationByPollOnly(t *testing.T) {
 	}
 }
 
+// TestRotationRejectedOnce: files that stay bad are rejected and counted
+// once, however often the poll reads them (unchanged bytes are compared, not
+// parsed again); the same bad files written again after good ones count
+// again.
+func TestRotationRejectedOnce(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	const poll = 20 * time.Millisecond
+	p := newPool(t, WithPollInterval(poll))
+	c := writeCredFiles(t, filepath.Join(f.dir, "files"), f.ca.CertPEM(), f.alice)
+	if err := p.Wrap(c.config(f.srv.URL())); err != nil {
+		t.Fatal(err)
+	}
+	for round := 1; round <= 2; round++ {
+		writeAtomic(t, c.key, f.bob.KeyPEM) // the key of another certificate
+		waitFor(t, "the bad key rejected", func() bool { return p.Stats().RotationErrors == uint64(round) })
+		time.Sleep(15 * poll)
+		if st := p.Stats(); st.RotationErrors != uint64(round) || st.Rotations != 0 {
+			t.Fatalf("round %d, after 15 polls of unchanged bad files: %d rejected, %d rotations; want %d and 0", round, st.RotationErrors, st.Rotations, round)
+		}
+		writeAtomic(t, c.key, f.alice.KeyPEM)
+		time.Sleep(5 * poll) // the good files seen again
+	}
+}
+
 // TestRotationSharedWatch: identities with files in one directory share one
 // watch, and the directory is unwatched when the last of them goes.
 func TestRotationSharedWatch(t *testing.T) {
@@ -405,7 +433,7 @@ func TestRotationSharedWatch(t *testing.T) {
 		t.Errorf("fsnotify watches %v, want only %s", got, dir)
 	}
 	w.mu.Lock()
-	refs := w.dirs[dir]
+	refs := w.dirs[dir].refs
 	w.mu.Unlock()
 	if refs != 2 {
 		t.Errorf("directory used by %d identities, want 2", refs)
@@ -417,6 +445,92 @@ func TestRotationSharedWatch(t *testing.T) {
 	})
 	if got := w.notify.WatchList(); len(got) != 0 {
 		t.Errorf("fsnotify still watches %v after every identity was released", got)
+	}
+}
+
+const (
+	busyBeside = "busy: file beside appended"
+	busyCA     = "busy: CA file rewritten unchanged"
+)
+
+// busy keeps d's directory busy until the returned function is called: every
+// period it appends a line to a file beside the certificate (busyBeside), or
+// renames an unchanged copy of the CA over the CA file (busyCA).
+func busy(t testing.TB, d *certDir, kind string, ca []byte, period time.Duration) (stop func()) {
+	done, exited := make(chan struct{}), make(chan struct{})
+	var noiseErr error
+	go func() {
+		defer close(exited)
+		tick := time.NewTicker(period)
+		defer tick.Stop()
+		for n := 0; ; n++ {
+			select {
+			case <-done:
+				return
+			case <-tick.C:
+			}
+			var err error
+			switch kind {
+			case busyBeside:
+				var f *os.File
+				if f, err = os.OpenFile(filepath.Join(d.dir, "audit.log"), os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o600); err == nil {
+					_, err = fmt.Fprintf(f, "line %d\n", n)
+					f.Close()
+				}
+			case busyCA:
+				tmp := d.ca + ".busy"
+				if err = os.WriteFile(tmp, ca, 0o644); err == nil {
+					err = os.Rename(tmp, d.ca)
+				}
+			}
+			if err != nil && noiseErr == nil {
+				noiseErr = err
+			}
+		}
+	}()
+	return func() {
+		close(done)
+		<-exited
+		if noiseErr != nil {
+			t.Errorf("keeping the directory busy: %v", noiseErr)
+		}
+	}
+}
+
+// TestRotationBusyDirectory: with polling off, a certificate change is taken
+// in a directory that never goes quiet. Events for a file the pool does not
+// read do not put the reload off; events for one it reads (the CA, rewritten
+// unchanged every 30 ms, less than the debounce) put it off no longer than
+// the debounce's maximum wait.
+func TestRotationBusyDirectory(t *testing.T) {
+	rec := &cnRecorder{}
+	f := newFixture(t, testserver.Options{OnRequest: rec.record})
+	dave, err := f.ca.IssueClient("dave")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, kind := range []string{busyBeside, busyCA} {
+		t.Run(kind, func(t *testing.T) {
+			p := newPool(t, WithPollInterval(0))
+			d := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
+			cfg := d.config(f.srv.URL())
+			if err := p.Wrap(cfg); err != nil {
+				t.Fatal(err)
+			}
+			stop := busy(t, d, kind, f.ca.CertPEM(), 30*time.Millisecond)
+			defer stop()
+			time.Sleep(300 * time.Millisecond) // the noise is under way
+			d.write(t, dave, f.ca.CertPEM())
+			written := time.Now()
+			waitFor(t, "the rotation, the directory still busy", func() bool { return p.Stats().Rotations == 1 })
+			t.Logf("rotation taken %v after the write", time.Since(written).Round(time.Millisecond))
+			if err := listNodes(context.Background(), cfg); err != nil {
+				t.Fatal(err)
+			}
+			if _, ok := rec.firstSince("dave", written); !ok {
+				t.Error("the server did not see the new certificate")
+			}
+		})
 	}
 }
 
@@ -598,3 +712,51 @@ func openFDs(t testing.TB) int {
 }
 
 var runtime_GC = runtime.GC
+
+// logLines collects a pool's log messages.
+type logLines struct {
+	mu    sync.Mutex
+	lines []string
+}
+
+func (l *logLines) logger() klog.Logger {
+	return funcr.New(func(prefix, args string) {
+		l.mu.Lock()
+		l.lines = append(l.lines, args)
+		l.mu.Unlock()
+	}, funcr.Options{})
+}
+
+func (l *logLines) count(msg string) int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	n := 0
+	for _, line := range l.lines {
+		if strings.Contains(line, msg) {
+			n++
+		}
+	}
+	return n
+}
+
+// has reports whether one line holds every one of parts.
+func (l *logLines) has(parts ...string) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for _, line := range l.lines {
+		all := true
+		for _, p := range parts {
+			all = all && strings.Contains(line, p)
+		}
+		if all {
+			return true
+		}
+	}
+	return false
+}
+
+func (l *logLines) all() []string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return slices.Clone(l.lines)
+}

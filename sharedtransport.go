@@ -42,6 +42,7 @@ type Pool struct {
 	opts    options
 	group   singleflight.Group // one build per identity under concurrent first use
 	watcher *fileWatcher       // nil until a config names certificate files
+	reader  fileReader         // bounds reads of certificate files
 	stats   counters
 
 	mu      sync.Mutex // guards entries, closed and watcher creation
@@ -170,6 +171,12 @@ type Stats struct {
 	Resumptions    uint64 // resumed TLS handshakes
 	Rotations      uint64 // certificate or CA changes taken into use
 	RotationErrors uint64 // reloads rejected (the last good material was kept)
+	// UnwatchedDirs counts the directories of certificate files watched by
+	// polling alone because the kernel refused an inotify instance or watch
+	// (fs.inotify.max_user_instances, max_user_watches) or the directory is
+	// gone; see [WithPollInterval]. It returns to zero when their watches
+	// can be set again.
+	UnwatchedDirs int
 }
 
 type counters struct {
@@ -196,7 +203,18 @@ func (p *Pool) Stats() Stats {
 		Resumptions:    p.stats.resumptions.Load(),
 		Rotations:      p.stats.rotations.Load(),
 		RotationErrors: p.stats.rotationErrors.Load(),
+		UnwatchedDirs:  p.unwatchedDirs(),
 	}
+}
+
+func (p *Pool) unwatchedDirs() int {
+	p.mu.Lock()
+	w := p.watcher
+	p.mu.Unlock()
+	if w == nil {
+		return 0
+	}
+	return w.unwatchedDirs()
 }
 
 // identityKey is what two configs must agree on to share a transport. It is
@@ -657,7 +675,7 @@ func (p *Pool) acquire(id *identity) (*lease, error) {
 }
 
 func (p *Pool) build(id *identity) (*entry, error) {
-	m, err := loadMaterial(id)
+	m, err := p.loadMaterial(id)
 	if err != nil {
 		return nil, err
 	}
@@ -674,10 +692,7 @@ func (p *Pool) build(id *identity) (*entry, error) {
 			g.close()
 			return nil, err
 		}
-		if e.watch, err = w.add(e); err != nil {
-			g.close()
-			return nil, err
-		}
+		e.watch = w.add(e)
 	}
 	return e, nil
 }
