@@ -188,22 +188,35 @@ func sameProxy(got, want func(*http.Request) (*url.URL, error), probe *http.Requ
 	return err1 == nil && err2 == nil && urlString(g) == urlString(w)
 }
 
-// RoundTrip sends req through the identity's current transport.
+// RoundTrip sends req through the identity's current transport. A request
+// whose generation was retired by a rotation before it was sent is sent on
+// the current one; ErrClosed means the pool (or the identity) was closed.
 func (l *lease) RoundTrip(req *http.Request) (*http.Response, error) {
-	if l.e.closed.Load() {
-		return nil, fmt.Errorf("%w: build the client from a config wrapped by an open pool", ErrClosed)
+	for resends := 0; ; resends++ {
+		if l.e.closed.Load() {
+			return nil, fmt.Errorf("%w: build the client from a config wrapped by an open pool", ErrClosed)
+		}
+		resp, err := l.e.current.Load().roundTrip(l, req)
+		switch {
+		case err == nil:
+			return resp, nil
+		case l.e.closed.Load():
+			// Closed while the request ran: say so, rather than whatever
+			// the connection that Close cut reported.
+			return nil, fmt.Errorf("%w while the request ran: %v", ErrClosed, err)
+		case !errors.Is(err, errRetired) || resends == maxResends:
+			return nil, err
+		}
+		if req, err = resendable(req, err); err != nil {
+			return nil, err
+		}
 	}
-	resp, err := l.e.current.Load().roundTrip(req)
-	if err != nil && l.e.closed.Load() {
-		// Closed while the request ran: say so, rather than whatever the
-		// connection that Close cut reported.
-		return nil, fmt.Errorf("%w while the request ran: %v", ErrClosed, err)
-	}
-	return resp, err
 }
 
-// WrappedRoundTripper lets client-go helpers (utilnet.CloseIdleConnectionsFor,
-// utilnet.TLSClientConfig) see the shared transport.
+// WrappedRoundTripper lets client-go helpers (utilnet.TLSClientConfig) see
+// the shared transport: the one that carries every request but upgrades and
+// what an HTTP/1.1 server gets beyond its connections. CloseIdleConnections
+// (keepalive.go) reaches both.
 func (l *lease) WrappedRoundTripper() http.RoundTripper { return l.e.current.Load().transport }
 
 var _ utilnet.RoundTripperWrapper = &lease{}
