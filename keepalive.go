@@ -41,8 +41,11 @@ const (
 	// an HTTP/2 stream shortly after its body ends, so a connection may turn
 	// idle just after the request that used it let go.
 	retiredSettle = 50 * time.Millisecond
+	// eofSettle is how long a body read to EOF and not closed keeps its
+	// stream slot: about the time Go takes to free the stream.
+	eofSettle = 10 * time.Millisecond
 	// maxResends bounds how often a request is moved to a newer generation
-	// because its own retired before it was sent.
+	// because its own closed before it was sent.
 	maxResends = 3
 )
 
@@ -52,8 +55,9 @@ const (
 // streams). Nothing was sent; the request goes back to the pool's gate.
 var errNoDial = errors.New("sharedtransport: no free stream where one was counted")
 
-// errRetired is returned by a generation that was replaced (a rotation)
-// before a request was sent on it; the request is sent on the current one.
+// errRetired is returned by a generation that a rotation closed (drain
+// timeout over, or zero) before a request was sent on it; the lease sends the
+// request on the current one.
 var errRetired = errors.New("sharedtransport: the TLS material this request was to be sent with was rotated away before it was sent")
 
 // generation is one identity's transports for one version of its TLS
@@ -92,11 +96,16 @@ type generation struct {
 	hosts    map[hostKey]*hostConns
 	lastHost atomic.Pointer[hostConns] // the host used last: most identities talk to one
 
-	retired    atomic.Bool
-	retiredCh  chan struct{} // closed when retired, to move waiting requests on
-	retireOnce sync.Once
-	settleMu   sync.Mutex  // guards settle
-	settle     *time.Timer // closes idle connections after the last request of a retired generation
+	// A retired generation (a newer one took over) still serves what it
+	// was given, with the material it had, and closes connections as they
+	// become idle; a closed one (drain over, or the pool closed) dials no
+	// more and sends the requests waiting for a place back to the lease.
+	retired  atomic.Bool
+	shut     atomic.Bool
+	shutCh   chan struct{}
+	shutOnce sync.Once
+	settleMu sync.Mutex  // guards settle
+	settle   *time.Timer // closes idle connections after the last request of a retired generation
 
 	connsMu sync.Mutex // guards conns and closed
 	conns   map[*countedConn]struct{}
@@ -124,14 +133,14 @@ func (p *Pool) newGeneration(e *entry, m *material) (*generation, error) {
 		return nil, err
 	}
 	g := &generation{
-		maxConns:  p.opts.maxConnsPerHost,
-		owner:     e,
-		known:     &e.hosts,
-		material:  m,
-		stats:     &p.stats,
-		hosts:     map[hostKey]*hostConns{},
-		retiredCh: make(chan struct{}),
-		conns:     map[*countedConn]struct{}{},
+		maxConns: p.opts.maxConnsPerHost,
+		owner:    e,
+		known:    &e.hosts,
+		material: m,
+		stats:    &p.stats,
+		hosts:    map[hostKey]*hostConns{},
+		shutCh:   make(chan struct{}),
+		conns:    map[*countedConn]struct{}{},
 	}
 	var http1TLS *tls.Config
 	if tlsConfig != nil {
@@ -183,7 +192,13 @@ func (p *Pool) newGeneration(e *entry, m *material) (*generation, error) {
 		g.transport = build(tlsConfig, true)
 		// SetTransportDefaults leaves HTTP/2 off under DISABLE_HTTP2 and
 		// for ALPN lists without h2, as client-go does.
-		_, g.http2 = g.transport.TLSNextProto["h2"]
+		if next := g.transport.TLSNextProto["h2"]; next != nil {
+			g.http2 = true
+			g.transport.TLSNextProto["h2"] = func(authority string, c *tls.Conn) http.RoundTripper {
+				g.newHTTP2Conn(c)
+				return next(authority, c)
+			}
+		}
 	}
 	if g.http2 {
 		g.http1 = build(http1TLS, false)
@@ -205,14 +220,14 @@ func (g *generation) countHandshake(cs tls.ConnectionState) error {
 
 // dialer wraps dial: it counts dials and open connections, keeps every
 // connection the generation opened so close can close them, and refuses to
-// dial for a generation that was retired. With onlyLooked (the HTTP/2
+// dial for a generation that was closed. With onlyLooked (the HTTP/2
 // transport) it dials only for a request the pool sent to get a connection
 // (see hostConns): Go would otherwise dial for every request that finds no
 // free stream, and on a server that stopped speaking HTTP/2 queue the others
 // behind the one HTTP/1.1 connection it got.
 func (g *generation) dialer(dial func(context.Context, string, string) (net.Conn, error), onlyLooked bool) func(context.Context, string, string) (net.Conn, error) {
 	return func(ctx context.Context, network, address string) (net.Conn, error) {
-		if g.retired.Load() {
+		if g.shut.Load() {
 			return nil, g.refusal(address)
 		}
 		if onlyLooked && ctx.Value(lookKey{}) == nil {
@@ -225,6 +240,9 @@ func (g *generation) dialer(dial func(context.Context, string, string) (net.Conn
 		g.stats.dials.Add(1)
 		g.stats.openConns.Add(1)
 		c := &countedConn{Conn: conn, g: g}
+		if lk, ok := ctx.Value(lookKey{}).(*look); ok {
+			c.dialedFor = lk.hc
+		}
 		g.connsMu.Lock()
 		closed := g.closed
 		if !closed {
@@ -253,24 +271,58 @@ func (g *generation) refusal(address string) error {
 // countedConn is a connection the generation dialed.
 type countedConn struct {
 	net.Conn
-	g    *generation
-	once sync.Once
-	// host is set when a request that was waited for got this connection
-	// over HTTP/2: the host's count of connections it can rely on.
-	host atomic.Pointer[hostConns]
+	g *generation
+	// dialedFor is the host a request sent to get a connection dialed it
+	// for.
+	dialedFor *hostConns
+
+	mu     sync.Mutex // guards closed and host
+	closed bool
+	// host is set when the connection speaks HTTP/2 and counts among the
+	// host's connections, once dialed for it or got by a request that was.
+	host *hostConns
+}
+
+// newHTTP2Conn counts a connection that speaks HTTP/2 among its host's as
+// soon as its handshake ends: Go hands a request the first connection with a
+// free stream, not necessarily the one dialed for it.
+func (g *generation) newHTTP2Conn(c *tls.Conn) {
+	if cc, ok := c.NetConn().(*countedConn); ok && cc.dialedFor != nil {
+		hc := cc.dialedFor
+		hc.mu.Lock()
+		hc.trackLocked(cc)
+		hc.mu.Unlock()
+	}
 }
 
 func (c *countedConn) Close() error {
-	c.once.Do(func() {
+	c.mu.Lock()
+	first := !c.closed
+	c.closed = true
+	hc := c.host
+	c.mu.Unlock()
+	if first {
 		c.g.stats.openConns.Add(-1)
 		c.g.connsMu.Lock()
 		delete(c.g.conns, c)
 		c.g.connsMu.Unlock()
-		if hc := c.host.Load(); hc != nil {
+		if hc != nil {
 			hc.connClosed()
 		}
-	})
+	}
 	return c.Conn.Close()
+}
+
+// countFor makes c one of hc's connections, unless it is closed or counted
+// already.
+func (c *countedConn) countFor(hc *hostConns) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.closed || c.host != nil {
+		return false
+	}
+	c.host = hc
+	return true
 }
 
 // What an identity knows about a host: the protocol its server spoke on the
@@ -373,7 +425,7 @@ func (hc *hostConns) protocol() int32 {
 }
 
 // admit returns where req goes, waiting (bounded by its context) while it
-// must. It returns errRetired when the generation was retired meanwhile.
+// must. It returns errRetired when the generation was closed meanwhile.
 // A request that bounced (errNoDial) goes to get a connection itself if it
 // may, and otherwise waits for the next connection or stream before it is
 // admitted again.
@@ -398,7 +450,7 @@ func (hc *hostConns) admit(ctx context.Context, bounced bool) (admission, error)
 		case <-ready:
 		case <-ctx.Done():
 			err = ctx.Err()
-		case <-hc.g.retiredCh:
+		case <-hc.g.shutCh:
 			err = errRetired
 		}
 		hc.mu.Lock()
@@ -416,7 +468,7 @@ func (hc *hostConns) admit(ctx context.Context, bounced bool) (admission, error)
 
 func (hc *hostConns) tryAdmitLocked() (admission, bool) {
 	g := hc.g
-	if g.retired.Load() {
+	if g.shut.Load() {
 		return admission{}, false // the caller's wait returns errRetired at once
 	}
 	switch hc.protocol() {
@@ -472,7 +524,7 @@ func (hc *hostConns) tryAdmitLocked() (admission, bool) {
 // another.
 func (hc *hostConns) tryLeadLocked() (admission, bool) {
 	g := hc.g
-	if g.retired.Load() || hc.leading || hc.protocol() != protoHTTP2 || g.maxConns > 0 && hc.conns >= g.maxConns {
+	if g.shut.Load() || hc.leading || hc.protocol() != protoHTTP2 || g.maxConns > 0 && hc.conns >= g.maxConns {
 		return admission{}, false
 	}
 	hc.leading = true
@@ -502,6 +554,14 @@ func (hc *hostConns) release() {
 	hc.mu.Unlock()
 	if hc.g.retired.Load() {
 		hc.g.closeIdleSoon()
+	}
+}
+
+// trackLocked counts c, an HTTP/2 connection, among the host's.
+func (hc *hostConns) trackLocked(c *countedConn) {
+	if c.countFor(hc) {
+		hc.conns++
+		hc.wakeAllLocked()
 	}
 }
 
@@ -555,8 +615,8 @@ func (l *look) gotConn(info httptrace.GotConnInfo) {
 	defer hc.mu.Unlock()
 	switch {
 	case proto == protoHTTP2:
-		if conn != nil && conn.host.CompareAndSwap(nil, hc) {
-			hc.conns++
+		if conn != nil {
+			hc.trackLocked(conn)
 		}
 		hc.setProtocolLocked(proto)
 	case !info.Reused || hc.proto.Load() == protoUnknown:
@@ -709,11 +769,17 @@ type leasedBody struct {
 	lease *lease // held, never used: it is what keeps the identity alive
 	hc    *hostConns
 	ended atomic.Bool
+	eof   atomic.Bool
+	timer atomic.Pointer[time.Timer] // ends the hold of a body read to EOF and not closed
 }
 
 func (b *leasedBody) Read(p []byte) (int, error) {
 	n, err := b.ReadCloser.Read(p)
-	if err != nil {
+	switch {
+	case err == nil || b.hc == nil:
+	case err == io.EOF:
+		b.endSoon()
+	default:
 		b.end()
 	}
 	return n, err
@@ -721,8 +787,23 @@ func (b *leasedBody) Read(p []byte) (int, error) {
 
 func (b *leasedBody) Close() error {
 	err := b.ReadCloser.Close()
+	if t := b.timer.Load(); t != nil {
+		t.Stop()
+	}
 	b.end()
 	return err
+}
+
+// endSoon ends the hold of a body read to EOF once Go has freed its stream:
+// x/net frees it just after the EOF, in another goroutine, and Close waits
+// for that. A body that is not closed at once ends its hold a moment later;
+// a slot freed before the stream would send the next request to a
+// connection that is still full.
+func (b *leasedBody) endSoon() {
+	if b.ended.Load() || b.eof.Swap(true) {
+		return
+	}
+	b.timer.Store(time.AfterFunc(eofSettle, b.end))
 }
 
 func (b *leasedBody) end() {
@@ -752,14 +833,10 @@ func (b *upgradedBodyCloseWrite) CloseWrite() error {
 	return b.ReadCloser.(closeWriter).CloseWrite()
 }
 
-// retire takes the generation out of use: requests waiting for a place move
-// to the current generation, no new connection is dialed, idle connections
+// retire takes the generation out of use for new requests: idle connections
 // close now and busy ones as soon as they become idle.
 func (g *generation) retire() {
-	g.retireOnce.Do(func() {
-		g.retired.Store(true)
-		close(g.retiredCh)
-	})
+	g.retired.Store(true)
 	g.closeIdle()
 }
 
@@ -785,6 +862,10 @@ func (g *generation) close() {
 		conns = append(conns, c)
 	}
 	g.connsMu.Unlock()
+	g.shutOnce.Do(func() {
+		g.shut.Store(true)
+		close(g.shutCh)
+	})
 	g.retire()
 	g.settleMu.Lock()
 	if g.settle != nil {

@@ -59,11 +59,14 @@ func WithSessionResumption(enabled bool) Option {
 	return func(o *options) { o.sessionResumption = enabled }
 }
 
-// WithMaxConnsPerHost caps the connections one identity keeps to one host.
+// WithMaxConnsPerHost caps the connections one identity keeps to each host.
 // Requests beyond what the cap can carry wait (bounded by their context)
 // instead of dialing or failing: over HTTP/2, n connections carry n x 90
 // requests at once (kube-apiserver allows 100 streams per connection); over HTTP/1.1,
-// n. A watch holds its stream while it runs. Zero, the default, means no
+// n. A request holds its place until its response body is read to the end
+// or closed, so a watch holds its stream while it runs. Upgrades (exec,
+// attach, port-forward sent through the pool's transport) run on
+// connections of their own and are not counted. Zero, the default, means no
 // cap; bursts still open no more connections than their concurrency needs.
 func WithMaxConnsPerHost(n int) Option {
 	return func(o *options) {

@@ -189,8 +189,9 @@ func sameProxy(got, want func(*http.Request) (*url.URL, error), probe *http.Requ
 }
 
 // RoundTrip sends req through the identity's current transport. A request
-// whose generation was retired by a rotation before it was sent is sent on
-// the current one; ErrClosed means the pool (or the identity) was closed.
+// whose generation a rotation closed before it was sent (WithDrainTimeout
+// over, or zero) is sent on the current one; ErrClosed means the pool (or
+// the identity) was closed.
 func (l *lease) RoundTrip(req *http.Request) (*http.Response, error) {
 	for resends := 0; ; resends++ {
 		if l.e.closed.Load() {
