@@ -192,13 +192,7 @@ func (p *Pool) newGeneration(e *entry, m *material) (*generation, error) {
 		g.transport = build(tlsConfig, true)
 		// SetTransportDefaults leaves HTTP/2 off under DISABLE_HTTP2 and
 		// for ALPN lists without h2, as client-go does.
-		if next := g.transport.TLSNextProto["h2"]; next != nil {
-			g.http2 = true
-			g.transport.TLSNextProto["h2"] = func(authority string, c *tls.Conn) http.RoundTripper {
-				g.newHTTP2Conn(c)
-				return next(authority, c)
-			}
-		}
+		_, g.http2 = g.transport.TLSNextProto["h2"]
 	}
 	if g.http2 {
 		g.http1 = build(http1TLS, false)
@@ -240,9 +234,6 @@ func (g *generation) dialer(dial func(context.Context, string, string) (net.Conn
 		g.stats.dials.Add(1)
 		g.stats.openConns.Add(1)
 		c := &countedConn{Conn: conn, g: g}
-		if lk, ok := ctx.Value(lookKey{}).(*look); ok {
-			c.dialedFor = lk.hc
-		}
 		g.connsMu.Lock()
 		closed := g.closed
 		if !closed {
@@ -272,27 +263,15 @@ func (g *generation) refusal(address string) error {
 type countedConn struct {
 	net.Conn
 	g *generation
-	// dialedFor is the host a request sent to get a connection dialed it
-	// for.
-	dialedFor *hostConns
 
 	mu     sync.Mutex // guards closed and host
 	closed bool
-	// host is set when the connection speaks HTTP/2 and counts among the
-	// host's connections, once dialed for it or got by a request that was.
+	// host is set when the connection speaks HTTP/2 and a request sent to
+	// get a connection got it: it counts among that host's connections.
+	// Go hands such a request the first connection with a free stream, not
+	// necessarily the one dialed for it, so a connection is counted when it
+	// is seen in use: a new one that turned out surplus is never counted.
 	host *hostConns
-}
-
-// newHTTP2Conn counts a connection that speaks HTTP/2 among its host's as
-// soon as its handshake ends: Go hands a request the first connection with a
-// free stream, not necessarily the one dialed for it.
-func (g *generation) newHTTP2Conn(c *tls.Conn) {
-	if cc, ok := c.NetConn().(*countedConn); ok && cc.dialedFor != nil {
-		hc := cc.dialedFor
-		hc.mu.Lock()
-		hc.trackLocked(cc)
-		hc.mu.Unlock()
-	}
 }
 
 func (c *countedConn) Close() error {
