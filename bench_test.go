@@ -294,14 +294,22 @@ func BenchmarkRotationLatency(b *testing.B) {
 }
 
 // BenchmarkColdStartBurst: 300 concurrent first requests through a new
-// client (server latency 20 ms), client-go alone beside the pool. Reported:
-// connections the server accepted and held open at once per burst, and the
-// 99th percentile latency of the burst's requests.
+// client (server latency 20 ms), client-go alone beside the pool; and, for
+// the pool, the same burst sent while the identity's first request is a list
+// the server takes 500 ms over. Reported: connections the server accepted and
+// held open at once per burst, and the 99th percentile latency of the burst's
+// requests.
 func BenchmarkColdStartBurst(b *testing.B) {
 	const n = 300
-	f := newFixture(b, testserver.Options{Latency: 20 * time.Millisecond})
-	for _, mode := range []string{"client-go", "pool"} {
-		b.Run(mode, func(b *testing.B) {
+	var slowSeen atomic.Int64
+	f := newFixture(b, testserver.Options{Latency: 20 * time.Millisecond, OnRequest: func(ri testserver.RequestInfo) {
+		if strings.Contains(ri.UserAgent, "slow") {
+			slowSeen.Add(1)
+			time.Sleep(500 * time.Millisecond)
+		}
+	}})
+	for _, mode := range []string{"client-go", "pool", "pool, first list slow"} {
+		b.Run(strings.ReplaceAll(mode, " ", "_"), func(b *testing.B) {
 			var accepted, peak uint64
 			var p99 time.Duration
 			for b.Loop() {
@@ -311,7 +319,7 @@ func BenchmarkColdStartBurst(b *testing.B) {
 				cfg := f.srv.RestConfig(f.alice)
 				cfg.QPS = -1
 				cfg.Proxy = nilProxy // client-go: a transport of its own, cold
-				if mode == "pool" {
+				if mode != "client-go" {
 					if err := newPool(b).Wrap(cfg); err != nil {
 						b.Fatal(err)
 					}
@@ -319,6 +327,22 @@ func BenchmarkColdStartBurst(b *testing.B) {
 				cs, err := kubernetes.NewForConfig(cfg)
 				if err != nil {
 					b.Fatal(err)
+				}
+				var slow chan error
+				if mode == "pool, first list slow" {
+					slowCfg := rest.CopyConfig(cfg) // same identity, its own user agent
+					slowCfg.UserAgent = "slow"
+					slowCS, err := kubernetes.NewForConfig(slowCfg)
+					if err != nil {
+						b.Fatal(err)
+					}
+					seen := slowSeen.Load()
+					slow = make(chan error, 1)
+					go func() {
+						_, err := slowCS.CoreV1().Nodes().List(context.Background(), metav1.ListOptions{})
+						slow <- err
+					}()
+					waitFor(b, "the slow list reaches the server", func() bool { return slowSeen.Load() > seen })
 				}
 				lat := make([]time.Duration, n)
 				start := make(chan struct{})
@@ -338,6 +362,11 @@ func BenchmarkColdStartBurst(b *testing.B) {
 				}
 				close(start)
 				wg.Wait()
+				if slow != nil {
+					if err := <-slow; err != nil {
+						b.Fatal(err)
+					}
+				}
 				if failed.Load() > 0 {
 					b.Fatalf("%d requests failed", failed.Load())
 				}

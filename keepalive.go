@@ -41,6 +41,10 @@ const (
 	// an HTTP/2 stream shortly after its body ends, so a connection may turn
 	// idle just after the request that used it let go.
 	retiredSettle = 50 * time.Millisecond
+	// growWait is how long a host's HTTP/2 connections stay full, with
+	// requests waiting, before one of them goes to get another connection:
+	// about a TLS handshake on a busy host.
+	growWait = 10 * time.Millisecond
 	// eofSettle is how long a body read to EOF and not closed keeps its
 	// stream slot: about the time Go takes to free the stream.
 	eofSettle = 10 * time.Millisecond
@@ -365,7 +369,10 @@ type hostConns struct {
 	inflight int        // requests on g.transport, from admission until their body ends
 	conns    int        // live HTTP/2 connections that requests that were waited for got
 	leading  bool       // a request is getting the connection the waiters wait for
-	waiters  []chan struct{}
+	// fullSince is when requests began to wait for a stream on the
+	// host's HTTP/2 connections; zero when none waits.
+	fullSince time.Time
+	waiters   []chan struct{}
 }
 
 // admission is where a request goes and what it holds.
@@ -423,26 +430,45 @@ func (hc *hostConns) admit(ctx context.Context, bounced bool) (admission, error)
 		}
 		ready := make(chan struct{}, 1)
 		hc.waiters = append(hc.waiters, ready)
+		var grow *time.Timer
+		var growC <-chan time.Time
+		if d := hc.growDelayLocked(); d > 0 {
+			grow = time.NewTimer(d)
+			growC = grow.C
+		}
 		hc.mu.Unlock()
 		var err error
 		select {
 		case <-ready:
+		case <-growC:
 		case <-ctx.Done():
 			err = ctx.Err()
 		case <-hc.g.shutCh:
 			err = errRetired
 		}
+		if grow != nil {
+			grow.Stop()
+		}
 		hc.mu.Lock()
+		if i := slices.Index(hc.waiters, ready); i >= 0 {
+			hc.waiters = slices.Delete(hc.waiters, i, i+1)
+		} else if err != nil {
+			hc.wakeOneLocked() // it was woken: pass it on
+		}
 		if err != nil {
-			if i := slices.Index(hc.waiters, ready); i >= 0 {
-				hc.waiters = slices.Delete(hc.waiters, i, i+1)
-			} else {
-				hc.wakeOneLocked() // it was woken: pass it on
-			}
 			hc.mu.Unlock()
 			return admission{}, err
 		}
 	}
+}
+
+// growDelayLocked is how long the host's connections have yet to stay full
+// before a request goes to get another one (see tryAdmitLocked), or 0.
+func (hc *hostConns) growDelayLocked() time.Duration {
+	if hc.fullSince.IsZero() || hc.leading {
+		return 0
+	}
+	return max(growWait-time.Since(hc.fullSince), time.Nanosecond)
 }
 
 func (hc *hostConns) tryAdmitLocked() (admission, bool) {
@@ -464,12 +490,29 @@ func (hc *hostConns) tryAdmitLocked() (admission, bool) {
 			perConn, conns = streamsInFlight, min(conns, g.maxConns)
 		}
 		if hc.inflight < conns*perConn {
+			if len(hc.waiters) == 0 {
+				hc.fullSince = time.Time{}
+			}
 			hc.inflight++
 			return admission{rt: g.transport, slot: true}, true
 		}
 		if g.maxConns > 0 && hc.conns >= g.maxConns || hc.leading {
 			return admission{}, false
 		}
+		if hc.conns > 0 {
+			// Full: streams often free up sooner than a handshake ends
+			// (a burst of short lists), and a connection that comes up
+			// after that is closed as surplus. Another one is got when
+			// the connections have stayed full for growWait.
+			now := time.Now()
+			if hc.fullSince.IsZero() {
+				hc.fullSince = now
+			}
+			if now.Sub(hc.fullSince) < growWait {
+				return admission{}, false
+			}
+		}
+		hc.fullSince = time.Time{}
 		hc.leading = true
 		hc.inflight++
 		return admission{rt: g.transport, slot: true, lead: true, look: true}, true
