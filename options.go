@@ -114,9 +114,10 @@ func WithPollInterval(d time.Duration) Option {
 
 // WithDrainTimeout sets how long connections that were active when a
 // certificate or CA changed (long watches) keep running on the old material
-// before they are closed. Idle connections close at once. The default is 2
-// minutes, so informers re-list once, spread out, instead of all at the
-// moment of rotation.
+// before they are closed. Idle connections close at once, and the others as
+// soon as their requests end; a request not sent yet when they close is sent
+// with the new material. The default is 2 minutes, so informers re-list
+// once, spread out, instead of all at the moment of rotation.
 func WithDrainTimeout(d time.Duration) Option {
 	return func(o *options) {
 		if d >= 0 {
