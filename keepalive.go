@@ -26,9 +26,9 @@ const (
 	// (--http2-max-streams-per-connection, 100 since v1.25).
 	streamsPerConn = 100
 	// streamsInFlight leaves a margin under it where the pool caps
-	// connections: a stream whose response body was closed is still counted
-	// by the connection for a moment, and a request arriving then would make
-	// Go dial a connection beyond the cap.
+	// connections: a stream whose response body ended is still counted by
+	// the connection for a moment, and a request arriving then finds no
+	// free stream and has to come back for one.
 	streamsInFlight = streamsPerConn * 9 / 10
 
 	idleConnsPerHost    = 25
@@ -254,8 +254,9 @@ func (g *generation) dialer(dial func(context.Context, string, string) (net.Conn
 }
 
 // refusal is the error of a dial the generation no longer makes: ErrClosed
-// when the pool (or the identity) is closed, errRetired when a newer
-// generation took over, which the lease answers by sending the request there.
+// when the pool (or the identity) is closed, errRetired when a rotation
+// closed the generation, which the lease answers by sending the request on
+// the current one.
 func (g *generation) refusal(address string) error {
 	if g.owner.closed.Load() {
 		return fmt.Errorf("%w: dial %s", ErrClosed, address)
@@ -367,7 +368,7 @@ type hostConns struct {
 
 	mu       sync.Mutex // guards the fields below
 	inflight int        // requests on g.transport, from admission until their body ends
-	conns    int        // live HTTP/2 connections that requests that were waited for got
+	conns    int        // live HTTP/2 connections seen in use by requests sent to get one
 	leading  bool       // a request is getting the connection the waiters wait for
 	// fullSince is when requests began to wait for a stream on the
 	// host's HTTP/2 connections; zero when none waits.
