@@ -406,7 +406,9 @@ func TestProtocolSwitch(t *testing.T) {
 	}
 
 	b.relay.switchTo(b.h1.Addr())
-	waitFor(t, "the pool sees its connection to the HTTP/2 backend closed", func() bool { return p.Stats().OpenConns == 0 })
+	// The failover cut every connection: wait until the pool saw it (a dial
+	// that raced the switch reached the new backend and stays).
+	waitFor(t, "the pool sees its connections to the HTTP/2 backend closed", func() bool { return p.Stats().OpenConns == b.relay.open() })
 	const watches = 5
 	started := make(chan watch.Interface, watches)
 	for range watches {
@@ -438,7 +440,7 @@ func TestProtocolSwitch(t *testing.T) {
 	}
 
 	b.relay.switchTo(b.h2.Addr())
-	waitFor(t, "the pool sees its connections to the HTTP/1.1 backend closed", func() bool { return p.Stats().OpenConns == 0 })
+	waitFor(t, "the pool sees its connections to the HTTP/1.1 backend closed", func() bool { return p.Stats().OpenConns == b.relay.open() })
 	b.h2.ResetStats()
 	protos, err = concurrentGets(ctx, client, b.url(), "after", 40)
 	st := b.h2.Stats()

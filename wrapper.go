@@ -215,8 +215,8 @@ func (l *lease) RoundTrip(req *http.Request) (*http.Response, error) {
 }
 
 // WrappedRoundTripper lets client-go helpers (utilnet.TLSClientConfig) see
-// the shared transport: the one that carries every request but upgrades and
-// what an HTTP/1.1 server gets beyond its connections. CloseIdleConnections
+// the shared transport: the one that carries every request but upgrades,
+// which go over an HTTP/1.1 transport of their own. CloseIdleConnections
 // (keepalive.go) reaches both.
 func (l *lease) WrappedRoundTripper() http.RoundTripper { return l.e.current.Load().transport }
 
