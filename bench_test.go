@@ -8,10 +8,12 @@ import (
 	"net/http"
 	"sort"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	utilnet "k8s.io/apimachinery/pkg/util/net"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
@@ -22,7 +24,8 @@ import (
 // BenchmarkRoundTrip: what the pool adds per request. "http.Transport" is
 // the baseline (a transport built as client-go builds one), "pool" the same
 // request through the pool's round tripper, "pool, no-op base" the pool's
-// layer alone over a round tripper that does nothing.
+// layer alone over an http.Transport that hands requests to a round tripper
+// that does nothing, and "http.Transport, no-op base" that base alone.
 func BenchmarkRoundTrip(b *testing.B) {
 	f := newFixture(b, testserver.Options{})
 	req := func() *http.Request {
@@ -61,10 +64,25 @@ func BenchmarkRoundTrip(b *testing.B) {
 		l := benchLease(b, p, rest.CopyConfig(cfg))
 		send(b, l)
 	})
+	b.Run("http.Transport, no-op base", func(b *testing.B) {
+		t := noopTransport()
+		r := req()
+		b.ReportAllocs()
+		b.ResetTimer()
+		for b.Loop() {
+			if _, err := t.RoundTrip(r); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
 	b.Run("pool, no-op base", func(b *testing.B) {
 		p := newPool(b)
 		l := benchLease(b, p, rest.CopyConfig(cfg))
-		l.e.current.Load().choice.Store(&choice{rt: noopRT{}})
+		g := l.e.current.Load()
+		g.transport = noopTransport()
+		hc := g.hostFor(req())
+		hc.proto.Store(protoHTTP2)
+		hc.conns = 1
 		r := req()
 		b.ReportAllocs()
 		b.ResetTimer()
@@ -77,6 +95,14 @@ func BenchmarkRoundTrip(b *testing.B) {
 }
 
 type noopRT struct{}
+
+// noopTransport is an http.Transport that hands every https request to
+// noopRT, as it hands requests to its HTTP/2 connections.
+func noopTransport() *http.Transport {
+	t := &http.Transport{}
+	t.RegisterProtocol("https", noopRT{})
+	return t
+}
 
 var noopResponse = &http.Response{StatusCode: http.StatusOK, Body: http.NoBody}
 
@@ -273,6 +299,96 @@ func BenchmarkRotationLatency(b *testing.B) {
 			b.ReportMetric(float64(lat[len(lat)/2].Milliseconds()), "median-ms")
 			b.ReportMetric(float64(lat[len(lat)-1].Milliseconds()), "worst-ms")
 			b.ReportMetric(float64(fails.Load()), "failed-requests")
+		})
+	}
+}
+
+// BenchmarkColdStartBurst: 300 concurrent first requests through a new
+// client (server latency 20 ms), client-go alone beside the pool; and, for
+// the pool, the same burst sent while the identity's first request is a list
+// the server takes 500 ms over. Reported: connections the server accepted and
+// held open at once per burst, and the 99th percentile latency of the burst's
+// requests.
+func BenchmarkColdStartBurst(b *testing.B) {
+	const n = 300
+	var slowSeen atomic.Int64
+	f := newFixture(b, testserver.Options{Latency: 20 * time.Millisecond, OnRequest: func(ri testserver.RequestInfo) {
+		if strings.Contains(ri.UserAgent, "slow") {
+			slowSeen.Add(1)
+			time.Sleep(500 * time.Millisecond)
+		}
+	}})
+	for _, mode := range []string{"client-go", "pool", "pool, first list slow"} {
+		b.Run(strings.ReplaceAll(mode, " ", "_"), func(b *testing.B) {
+			var accepted, peak uint64
+			var p99 time.Duration
+			for b.Loop() {
+				f.srv.CloseClientConnections()
+				waitFor(b, "connections closed", func() bool { return f.srv.OpenConns() == 0 })
+				f.srv.ResetStats()
+				cfg := f.srv.RestConfig(f.alice)
+				cfg.QPS = -1
+				cfg.Proxy = nilProxy // client-go: a transport of its own, cold
+				if mode != "client-go" {
+					if err := newPool(b).Wrap(cfg); err != nil {
+						b.Fatal(err)
+					}
+				}
+				cs, err := kubernetes.NewForConfig(cfg)
+				if err != nil {
+					b.Fatal(err)
+				}
+				var slow chan error
+				if mode == "pool, first list slow" {
+					slowCfg := rest.CopyConfig(cfg) // same identity, its own user agent
+					slowCfg.UserAgent = "slow"
+					slowCS, err := kubernetes.NewForConfig(slowCfg)
+					if err != nil {
+						b.Fatal(err)
+					}
+					seen := slowSeen.Load()
+					slow = make(chan error, 1)
+					go func() {
+						_, err := slowCS.CoreV1().Nodes().List(context.Background(), metav1.ListOptions{})
+						slow <- err
+					}()
+					waitFor(b, "the slow list reaches the server", func() bool { return slowSeen.Load() > seen })
+				}
+				lat := make([]time.Duration, n)
+				start := make(chan struct{})
+				var wg sync.WaitGroup
+				var failed atomic.Int64
+				for i := range n {
+					wg.Add(1)
+					go func() {
+						defer wg.Done()
+						<-start
+						t0 := time.Now()
+						if _, err := cs.CoreV1().Nodes().List(context.Background(), metav1.ListOptions{}); err != nil {
+							failed.Add(1)
+						}
+						lat[i] = time.Since(t0)
+					}()
+				}
+				close(start)
+				wg.Wait()
+				if slow != nil {
+					if err := <-slow; err != nil {
+						b.Fatal(err)
+					}
+				}
+				if failed.Load() > 0 {
+					b.Fatalf("%d requests failed", failed.Load())
+				}
+				sort.Slice(lat, func(i, j int) bool { return lat[i] < lat[j] })
+				st := f.srv.Stats()
+				accepted += st.Accepted
+				peak += uint64(st.PeakOpen)
+				p99 += lat[n*99/100]
+			}
+			b.ReportMetric(float64(accepted)/float64(b.N), "conns/op")
+			b.ReportMetric(float64(peak)/float64(b.N), "peak-open/op")
+			b.ReportMetric(float64(p99.Microseconds())/1000/float64(b.N), "p99-ms")
 		})
 	}
 }

@@ -486,3 +486,59 @@ func (l *connLedger) snapshot() (conns map[string]int, shared int, mismatches []
 	}
 	return conns, shared, append([]string(nil), l.mismatches...), l.requests
 }
+
+// switchRelay forwards each new connection to the backend chosen last. A
+// switch closes the connections open to the previous backend, as a failover
+// to another server on the same address does.
+type switchRelay struct {
+	*forwarder
+	target atomic.Value // string: host:port of the backend
+}
+
+func newSwitchRelay(t testing.TB, target string) *switchRelay {
+	t.Helper()
+	r := &switchRelay{}
+	r.target.Store(target)
+	r.forwarder = startForwarder(t, &forwarder{upstream: func() (net.Conn, error) {
+		return net.Dial("tcp", r.target.Load().(string))
+	}})
+	return r
+}
+
+func (r *switchRelay) switchTo(target string) {
+	r.target.Store(target)
+	r.mu.Lock()
+	pipes := r.pipes
+	r.pipes = map[*pipe]struct{}{}
+	r.mu.Unlock()
+	for p := range pipes {
+		p.client.Close()
+		p.upstream.Close()
+	}
+}
+
+// requestHold makes a test server hold every request whose User-Agent
+// contains "hold" until the test releases them: a slow list, a watch whose
+// headers come late, a hung server.
+type requestHold struct {
+	held    atomic.Int64
+	release chan struct{}
+	once    sync.Once
+}
+
+// newRequestHold returns a hold released when the test ends (before the
+// server closes, so no handler is left waiting).
+func newRequestHold(t testing.TB) *requestHold {
+	h := &requestHold{release: make(chan struct{})}
+	t.Cleanup(h.releaseAll)
+	return h
+}
+
+func (h *requestHold) onRequest(ri testserver.RequestInfo) {
+	if strings.Contains(ri.UserAgent, "hold") {
+		h.held.Add(1)
+		<-h.release
+	}
+}
+
+func (h *requestHold) releaseAll() { h.once.Do(func() { close(h.release) }) }

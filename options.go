@@ -72,11 +72,14 @@ func WithSessionResumption(enabled bool) Option {
 	return func(o *options) { o.sessionResumption = enabled }
 }
 
-// WithMaxConnsPerHost caps the connections one identity keeps to one host.
+// WithMaxConnsPerHost caps the connections one identity keeps to each host.
 // Requests beyond what the cap can carry wait (bounded by their context)
 // instead of dialing or failing: over HTTP/2, n connections carry n x 90
 // requests at once (kube-apiserver allows 100 streams per connection); over HTTP/1.1,
-// n. A watch holds its stream while it runs. Zero, the default, means no
+// n. A request holds its place until its response body is read to the end
+// or closed, so a watch holds its stream while it runs. Upgrades (exec,
+// attach, port-forward sent through the pool's transport) run on
+// connections of their own and are not counted. Zero, the default, means no
 // cap; bursts still open no more connections than their concurrency needs.
 func WithMaxConnsPerHost(n int) Option {
 	return func(o *options) {
@@ -137,9 +140,10 @@ func WithPollInterval(d time.Duration) Option {
 
 // WithDrainTimeout sets how long connections that were active when a
 // certificate or CA changed (long watches) keep running on the old material
-// before they are closed. Idle connections close at once. The default is 2
-// minutes, so informers re-list once, spread out, instead of all at the
-// moment of rotation.
+// before they are closed. Idle connections close at once, and the others as
+// soon as their requests end; a request not sent yet when they close is sent
+// with the new material. The default is 2 minutes, so informers re-list
+// once, spread out, instead of all at the moment of rotation.
 func WithDrainTimeout(d time.Duration) Option {
 	return func(o *options) {
 		if d >= 0 {

@@ -579,6 +579,11 @@ type entry struct {
 
 	checkMu sync.Mutex // serializes first looks at client-go transports (see clientTransport.check)
 
+	// hosts is what the identity learnt about the hosts it talks to (the
+	// protocol each speaks), kept across rotations: every generation of the
+	// entry shares it (keepalive.go).
+	hosts hostTable
+
 	mu       sync.Mutex // guards draining, agreed and agreedNext
 	draining map[*generation]*time.Timer
 	// client-go transports found to agree with a generation. client-go hands
@@ -731,8 +736,9 @@ func (p *Pool) expire(e *entry) {
 }
 
 // rotate takes g into use for new requests. The old generation closes its
-// idle connections at once and its active ones (long watches) after drain, so
-// informers re-list when the grace ends rather than all at the rotation.
+// connections as they become idle and the ones still active (long watches)
+// after drain, so informers re-list when the grace ends rather than all at
+// the rotation.
 func (e *entry) rotate(g *generation, drain time.Duration) bool {
 	e.mu.Lock()
 	if e.closed.Load() {
@@ -754,7 +760,7 @@ func (e *entry) rotate(g *generation, drain time.Duration) bool {
 		old.close()
 	})
 	e.mu.Unlock()
-	old.closeIdle()
+	old.retire()
 	return true
 }
 

@@ -283,14 +283,18 @@ func sameTransport(rt http.RoundTripper, got *http.Transport, g *generation, id 
 }
 
 // generationALPN is what a client-go transport built when g was must offer:
-// g's own list, which HTTP/2's configuration (DISABLE_HTTP2 included) set when
-// g was built, or, when g speaks HTTP/1.1 by the pool's choice (keep-alive
-// off), the list client-go offers for the identity.
+// g's own list when g speaks HTTP/2 (configured, DISABLE_HTTP2 included, when
+// g was built); the list as the config gives it when HTTP/2 was off then; and,
+// when g speaks HTTP/1.1 by the pool's choice (keep-alive off), the list
+// client-go offers for the identity.
 func generationALPN(g *generation, id *identity) []string {
-	if g.transport != g.http1 && g.transport.TLSClientConfig != nil {
+	switch {
+	case g.http2:
 		return g.transport.TLSClientConfig.NextProtos
+	case !g.owner.pool.opts.keepAlive:
+		return id.alpn
 	}
-	return id.alpn
+	return id.nextProtos
 }
 
 // readsCertFiles reports whether c's client certificate comes from client-go's
@@ -487,27 +491,43 @@ func sameURL(a, b *url.URL) bool {
 		a.RawQuery == b.RawQuery && (a.User == b.User || a.User != nil && b.User != nil && a.User.String() == b.User.String())
 }
 
-// RoundTrip sends req through the identity's current transport.
+// RoundTrip sends req through the identity's current transport. A request
+// whose generation a rotation closed before it was sent (WithDrainTimeout
+// over, or zero) is sent on the current one; ErrClosed means the pool (or
+// the identity) was closed.
 func (l *lease) RoundTrip(req *http.Request) (*http.Response, error) {
 	return l.roundTripOn(l.e.current.Load(), req)
 }
 
-// roundTripOn sends req through generation g of the identity's transport.
+// roundTripOn sends req through generation g of the identity's transport, or,
+// when g retired before req reached the server, through the current one.
 func (l *lease) roundTripOn(g *generation, req *http.Request) (*http.Response, error) {
-	if l.e.closed.Load() {
-		return nil, fmt.Errorf("%w: build the client from a config wrapped by an open pool", ErrClosed)
+	for resends := 0; ; resends++ {
+		if l.e.closed.Load() {
+			return nil, fmt.Errorf("%w: build the client from a config wrapped by an open pool", ErrClosed)
+		}
+		resp, err := g.roundTrip(l, req)
+		switch {
+		case err == nil:
+			return resp, nil
+		case l.e.closed.Load():
+			// Closed while the request ran: say so, rather than whatever
+			// the connection that Close cut reported.
+			return nil, fmt.Errorf("%w while the request ran: %v", ErrClosed, err)
+		case !errors.Is(err, errRetired) || resends == maxResends:
+			return nil, err
+		}
+		if req, err = resendable(req, err); err != nil {
+			return nil, err
+		}
+		g = l.e.current.Load()
 	}
-	resp, err := g.roundTrip(req)
-	if err != nil && l.e.closed.Load() {
-		// Closed while the request ran: say so, rather than whatever the
-		// connection that Close cut reported.
-		return nil, fmt.Errorf("%w while the request ran: %v", ErrClosed, err)
-	}
-	return resp, err
 }
 
-// WrappedRoundTripper lets client-go helpers (utilnet.CloseIdleConnectionsFor,
-// utilnet.TLSClientConfig) see the shared transport.
+// WrappedRoundTripper lets client-go helpers (utilnet.TLSClientConfig) see
+// the shared transport: the one that carries every request but upgrades,
+// which go over an HTTP/1.1 transport of their own. CloseIdleConnections
+// (keepalive.go) reaches both.
 func (l *lease) WrappedRoundTripper() http.RoundTripper { return l.e.current.Load().transport }
 
 var _ utilnet.RoundTripperWrapper = &lease{}

@@ -207,6 +207,9 @@ func (a *api) serve(w http.ResponseWriter, r *http.Request, user string, groups 
 	parts := strings.Split(strings.TrimPrefix(path, "/api/v1/"), "/")
 	var ns, resName, name string
 	switch {
+	case len(parts) == 5 && parts[0] == "namespaces" && parts[2] == "pods" && parts[4] == "log":
+		a.podLog(w, r, parts[1], parts[3], done)
+		return
 	case len(parts) >= 3 && parts[0] == "namespaces":
 		ns, resName = parts[1], parts[2]
 		if len(parts) == 4 {
@@ -384,6 +387,43 @@ func (a *api) watch(w http.ResponseWriter, r *http.Request, res *resource, items
 			if !bookmark(nil) {
 				return
 			}
+		}
+	}
+}
+
+// podLog serves a pod's log as kube-apiserver does: plain text, and with
+// follow=true a stream that writes a line every LogInterval until the client
+// goes or the server stops (kubectl logs -f).
+func (a *api) podLog(w http.ResponseWriter, r *http.Request, ns, name string, done <-chan struct{}) {
+	if len(a.resources["pods"].select_(ns, name, "")) == 0 {
+		writeStatus(w, http.StatusNotFound, "NotFound", fmt.Sprintf("pods %q not found", name), map[string]any{"name": name, "kind": "pods"})
+		return
+	}
+	w.Header().Set("Content-Type", "text/plain")
+	if r.URL.Query().Get("follow") != "true" {
+		_, _ = fmt.Fprintf(w, "%s: line 0\n", name)
+		return
+	}
+	if !a.s.addWatcher(done) {
+		return
+	}
+	defer a.s.watchers.Done()
+	ctx, cancel := watchContext(r, done)
+	defer cancel()
+	flusher, _ := w.(http.Flusher)
+	tick := time.NewTicker(a.s.opts.LogInterval)
+	defer tick.Stop()
+	for i := 0; ; i++ {
+		if _, err := fmt.Fprintf(w, "%s: line %d\n", name, i); err != nil {
+			return
+		}
+		if flusher != nil {
+			flusher.Flush()
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
 		}
 	}
 }

@@ -89,6 +89,9 @@ type Options struct {
 	// BookmarkInterval between watch bookmarks sent to clients that allow
 	// them; default 5s; negative disables bookmarks.
 	BookmarkInterval time.Duration
+	// LogInterval between the lines a followed pod log
+	// (/api/v1/namespaces/NS/pods/NAME/log?follow=true) writes; default 100ms.
+	LogInterval time.Duration
 	// Nodes is the number of nodes served; default 3.
 	Nodes int
 	// OnRequest, when set, is called for every request after authentication
@@ -140,6 +143,9 @@ type Stats struct {
 	FullHandshakes, ResumedHandshakes uint64
 	// Requests served (all paths), watches among them, and GOAWAYs sent.
 	Requests, Watches, Goaways uint64
+	// Upgrades answered 101 (websocket, SPDY), each then echoing what the
+	// client writes on a connection of its own.
+	Upgrades uint64
 	// Unauthorized (401) and Forbidden (403) answers.
 	Unauthorized, Forbidden uint64
 }
@@ -158,12 +164,14 @@ type Server struct {
 
 	accepted, full, resumed    atomic.Uint64
 	requests, watches, goaways atomic.Uint64
+	upgrades                   atomic.Uint64
 	unauthorized, forbidden    atomic.Uint64
 	open                       atomic.Int64
 
 	mu       sync.Mutex
 	peak     int
 	conns    map[net.Conn]struct{}
+	hijacked map[net.Conn]struct{} // upgraded connections, closed by Stop
 	srv      *http.Server
 	serveErr chan error
 	done     chan struct{} // closed when the current incarnation stops
@@ -182,6 +190,9 @@ func Start(opts Options) (*Server, error) {
 	}
 	if opts.BookmarkInterval == 0 {
 		opts.BookmarkInterval = 5 * time.Second
+	}
+	if opts.LogInterval == 0 {
+		opts.LogInterval = 100 * time.Millisecond
 	}
 	if opts.Nodes == 0 {
 		opts.Nodes = 3
@@ -215,9 +226,10 @@ func Start(opts Options) (*Server, error) {
 		clientCAs = ca.Pool()
 	}
 	s := &Server{
-		opts:  opts,
-		ca:    ca,
-		conns: map[net.Conn]struct{}{},
+		opts:     opts,
+		ca:       ca,
+		conns:    map[net.Conn]struct{}{},
+		hijacked: map[net.Conn]struct{}{},
 	}
 	s.SetGoawayChance(opts.GoawayChance)
 	s.SetLatency(opts.Latency)
@@ -329,6 +341,7 @@ func (s *Server) Stats() Stats {
 		Requests:          s.requests.Load(),
 		Watches:           s.watches.Load(),
 		Goaways:           s.goaways.Load(),
+		Upgrades:          s.upgrades.Load(),
 		Unauthorized:      s.unauthorized.Load(),
 		Forbidden:         s.forbidden.Load(),
 	}
@@ -337,7 +350,7 @@ func (s *Server) Stats() Stats {
 // ResetStats zeroes the counters; the peak restarts from the connections open
 // now, and the recent-request log is emptied.
 func (s *Server) ResetStats() {
-	for _, c := range []*atomic.Uint64{&s.accepted, &s.full, &s.resumed, &s.requests, &s.watches, &s.goaways, &s.unauthorized, &s.forbidden} {
+	for _, c := range []*atomic.Uint64{&s.accepted, &s.full, &s.resumed, &s.requests, &s.watches, &s.goaways, &s.upgrades, &s.unauthorized, &s.forbidden} {
 		c.Store(0)
 	}
 	s.mu.Lock()
@@ -425,6 +438,11 @@ func (s *Server) Stop() error {
 		err = serr
 	}
 	s.CloseClientConnections()
+	s.mu.Lock()
+	for c := range s.hijacked {
+		_ = c.Close()
+	}
+	s.mu.Unlock()
 	s.watchers.Wait()
 	// Connections closed under the server are reported StateClosed by
 	// their serving goroutines; wait briefly so OpenConns settles.
@@ -539,6 +557,10 @@ func (s *Server) serveHTTP(w http.ResponseWriter, r *http.Request) {
 		writeStatus(w, http.StatusUnauthorized, "Unauthorized", "Unauthorized", nil)
 		return
 	}
+	if isUpgrade(r) {
+		s.upgrade(w, r, done)
+		return
+	}
 	if ri.Watch {
 		s.watches.Add(1)
 	} else if r.ProtoMajor == 2 {
@@ -561,4 +583,65 @@ func watchContext(r *http.Request, done <-chan struct{}) (context.Context, conte
 		}
 	}()
 	return ctx, cancel
+}
+
+// isUpgrade reports whether r asks to switch protocols (websocket, SPDY).
+func isUpgrade(r *http.Request) bool {
+	if r.Header.Get("Upgrade") == "" {
+		return false
+	}
+	for _, v := range r.Header.Values("Connection") {
+		for _, tok := range strings.Split(v, ",") {
+			if strings.EqualFold(strings.TrimSpace(tok), "upgrade") {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// upgrade answers an upgrade request with 101 and the protocol asked for,
+// then echoes every byte the client writes until it closes its side, as an
+// exec session echoing stdin would. The connection is the client's own: it
+// is never reused for requests.
+func (s *Server) upgrade(w http.ResponseWriter, r *http.Request, done <-chan struct{}) {
+	hj, ok := w.(http.Hijacker)
+	if !ok { // HTTP/2 cannot switch protocols
+		writeStatus(w, http.StatusBadRequest, "BadRequest", "upgrade requests need HTTP/1.1", nil)
+		return
+	}
+	if !s.addWatcher(done) {
+		return
+	}
+	defer s.watchers.Done()
+	conn, brw, err := hj.Hijack()
+	if err != nil {
+		return
+	}
+	s.mu.Lock()
+	s.hijacked[conn] = struct{}{}
+	s.mu.Unlock()
+	defer func() {
+		s.mu.Lock()
+		delete(s.hijacked, conn)
+		s.mu.Unlock()
+		conn.Close()
+	}()
+	s.upgrades.Add(1)
+	fmt.Fprintf(brw, "HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: %s\r\n\r\n", r.Header.Get("Upgrade"))
+	if brw.Flush() != nil {
+		return
+	}
+	buf := make([]byte, 4096)
+	for {
+		n, err := brw.Read(buf)
+		if n > 0 {
+			if _, werr := conn.Write(buf[:n]); werr != nil {
+				return
+			}
+		}
+		if err != nil {
+			return
+		}
+	}
 }
