@@ -1111,6 +1111,7 @@ func (iw *identityWatch) reload(resolve bool) {
 	}
 	if m.equal(e.current.Load().material) {
 		iw.rejected = nil
+		e.filesBad.Store(false)
 		return
 	}
 	now := p.opts.now()
@@ -1144,6 +1145,7 @@ func (iw *identityWatch) reload(resolve bool) {
 		return
 	}
 	if e.rotate(g, p.opts.drainTimeout) {
+		e.filesBad.Store(false)
 		p.stats.rotations.Add(1)
 		p.opts.logger.V(2).Info("Rotated TLS material", "identity", e.id.key, "files", []string{e.id.caFile, e.id.certFile, e.id.keyFile})
 	}
@@ -1152,6 +1154,7 @@ func (iw *identityWatch) reload(resolve bool) {
 // keep counts and logs a rejected reload; the last good material stays.
 func (iw *identityWatch) keep(err error) {
 	p := iw.w.pool
+	iw.e.filesBad.Store(true)
 	p.stats.rotationErrors.Add(1)
 	p.opts.logger.Info("Keeping the last good TLS material", "identity", iw.e.id.key, "reason", err.Error())
 }

@@ -571,6 +571,10 @@ type entry struct {
 	current atomic.Pointer[generation]
 	since   atomic.Int64 // when current took effect, in Unix nanoseconds
 	closed  atomic.Bool
+	// filesBad is set while the identity's files fail to load (the last good
+	// material serves meanwhile): client-go's transports would read the same
+	// files, without the pool's bounds, so they are not asked.
+	filesBad atomic.Bool
 
 	// Guarded by pool.mu.
 	refs      int

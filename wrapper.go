@@ -117,9 +117,16 @@ func (h *hook) wrap(rt http.RoundTripper) http.RoundTripper {
 		t.ProxyConnectHeader = h.id.connectHeader.Clone()
 		c.clientGo = t
 	}
-	if !sameShape(rt, got, l.e.current.Load(), h.id, h.dial) {
+	g := l.e.current.Load()
+	if !sameShape(rt, got, g, h.id, h.dial) {
 		h.pool.stats.passThrough.Add(1)
 		return rt
+	}
+	if !l.e.filesBad.Load() && !l.e.agrees(got, g, h.dial) && isClientGoTransportFor(got, h.id) {
+		// client-go's own transport for the identity's files, proven now by
+		// asking client-go's cache (which reads the files while they are
+		// good), so no later request needs to ask.
+		l.e.rememberAgreement(got, g, h.dial)
 	}
 	// The first request checks the certificate, not the client's
 	// construction: client-go
@@ -202,7 +209,7 @@ func (c *clientTransport) verdict() *verdict {
 	e := c.lease.e
 	g := e.current.Load()
 	v := c.state.Load()
-	if v != nil && v.g == g && (!v.provisional || !e.settled(g)) && (v.expires.IsZero() || time.Now().Before(v.expires)) {
+	if v != nil && v.g == g && (!v.provisional || !e.settled(g)) && (v.expires.IsZero() || time.Now().Before(v.expires) || e.filesBad.Load()) {
 		return v
 	}
 	settled := e.settled(g)
@@ -230,6 +237,11 @@ func (c *clientTransport) check(g *generation) (shared, byContent bool) {
 		return true, false
 	}
 	fromFiles := readsCertFiles(c.got.TLSClientConfig)
+	if (fromFiles || e.id.watchesFiles()) && e.filesBad.Load() {
+		// Asking client-go would read files the pool just failed to read
+		// (a named pipe, a device, a hung mount), with no bound.
+		return false, false
+	}
 	if fromFiles {
 		// One look at a time per identity: client-go's certificate-file
 		// refresher returns its certificate outside its lock, so concurrent
