@@ -13,6 +13,7 @@ import (
 	"net"
 	"net/http"
 	"net/url"
+	"os"
 	"path/filepath"
 	"runtime"
 	"slices"
@@ -460,13 +461,36 @@ func (p *Pool) setDialer(id *identity, cfg *rest.Config, tc *transport.Config) (
 // clientGoALPN returns the protocols a transport client-go builds for
 // nextProtos offers once utilnet.SetTransportDefaults configured HTTP/2
 // (DISABLE_HTTP2 included).
+// Configuring HTTP/2 on a transport is most of what computing an identity
+// costs, and TransportFor computes one per config: the answer is kept per
+// protocol list and DISABLE_HTTP2 (callers do not modify it).
 func clientGoALPN(nextProtos []string, hasTLS bool) []string {
 	if !hasTLS {
 		return nil
 	}
+	k := alpnKey{nextProtos: lengthPrefixed(nextProtos), noHTTP2: os.Getenv("DISABLE_HTTP2") != ""}
+	if v, ok := alpnCache.Load(k); ok {
+		return v.([]string)
+	}
 	t := utilnet.SetTransportDefaults(&http.Transport{TLSClientConfig: &tls.Config{NextProtos: slices.Clone(nextProtos)}})
+	if alpnCached.Add(1) <= maxALPNCached {
+		alpnCache.Store(k, t.TLSClientConfig.NextProtos)
+	}
 	return t.TLSClientConfig.NextProtos
 }
+
+type alpnKey struct {
+	nextProtos string
+	noHTTP2    bool
+}
+
+// maxALPNCached bounds alpnCache; configs name a few protocol lists at most.
+const maxALPNCached = 64
+
+var (
+	alpnCache  sync.Map // alpnKey -> []string
+	alpnCached atomic.Int64
+)
 
 func lengthPrefixed(list []string) string {
 	var b []byte
