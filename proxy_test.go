@@ -923,7 +923,7 @@ func TestProxyManyIdentities(t *testing.T) {
 
 	perID := func(a, b uint64) int64 { return (int64(a) - int64(b)) / identities }
 	t.Logf("%d identities, one connection each (member accepted %d), per identity: heap %d bytes "+
-		"(%d for the pool's transport, %d for the connection and client-go's own cached transport), "+
+		"(%d for the pool's transport, %d for the connection and what the requests left), "+
 		"%d goroutine and %d bytes of stack; all released once unreferenced",
 		identities, st.Accepted, perID(live.heap, before.heap), perID(wrapped.heap, before.heap),
 		perID(live.heap, wrapped.heap), (live.goroutines-wrapped.goroutines)/identities, perID(live.stack, wrapped.stack))

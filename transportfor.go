@@ -28,8 +28,8 @@ func HTTPClientFor(cfg *rest.Config) (*http.Client, error) { return defaultPool(
 // costs it. Use it where the code asks for a round tripper or a client
 // itself; [Pool.Wrap] is for code that hands the config to client-go.
 //
-// The round tripper, and every response it returned until its body is
-// closed, keeps the identity alive. Later changes to cfg do not reach it.
+// The round tripper keeps the identity alive. Later changes to cfg do not
+// reach it.
 // For a config with a Proxy function, only requests to cfg's host use the
 // shared transport; requests to other hosts go through client-go's own
 // transport for cfg, built at the first of them, which asks the function

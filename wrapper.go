@@ -706,6 +706,9 @@ func sameButConnectHeader(a, b *http.Transport) bool {
 
 // canonicalHeader encodes h so that equal headers give equal bytes.
 func canonicalHeader(h http.Header) []byte {
+	if len(h) == 0 {
+		return nil
+	}
 	var b []byte
 	for _, k := range slices.Sorted(maps.Keys(h)) {
 		b = binary.AppendUvarint(b, uint64(len(k)))
