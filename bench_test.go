@@ -129,27 +129,41 @@ func benchLease(b *testing.B, p *Pool, cfg *rest.Config) *lease {
 	}
 }
 
-// BenchmarkWrap: the cost of Wrap per config, on a hit (the identity
-// exists), for inline and file material and a sampled Proxy.
-func BenchmarkWrap(b *testing.B) {
-	f := newFixture(b, testserver.Options{})
+// benchConfig is a config of one identity, built afresh for every operation.
+type benchConfig struct {
+	name string
+	cfg  func() *rest.Config
+}
+
+// benchConfigs are inline and file material, and file material with a
+// Proxy (which client-go cannot cache). Each carries a bearer token, as a
+// member config does.
+func benchConfigs(b *testing.B, f *fixture) []benchConfig {
 	paths := f.kubeconfig(b, "alice", f.alice)
-	for _, tc := range []struct {
-		name string
-		cfg  func() *rest.Config
-	}{
-		{"inline", func() *rest.Config { return f.srv.RestConfig(f.alice) }},
+	return []benchConfig{
+		{"inline", func() *rest.Config {
+			c := f.srv.RestConfig(f.alice)
+			c.BearerToken = "token"
+			return c
+		}},
 		{"files", func() *rest.Config {
-			c := &rest.Config{Host: f.srv.URL()}
+			c := &rest.Config{Host: f.srv.URL(), BearerToken: "token"}
 			c.CAFile, c.CertFile, c.KeyFile = paths.CA, paths.Cert, paths.Key
 			return c
 		}},
 		{"files+proxy", func() *rest.Config {
-			c := &rest.Config{Host: f.srv.URL(), Proxy: nilProxy}
+			c := &rest.Config{Host: f.srv.URL(), BearerToken: "token", Proxy: nilProxy}
 			c.CAFile, c.CertFile, c.KeyFile = paths.CA, paths.Cert, paths.Key
 			return c
 		}},
-	} {
+	}
+}
+
+// BenchmarkWrap: the cost of Wrap per config, on a hit (the identity
+// exists), for inline and file material and a sampled Proxy.
+func BenchmarkWrap(b *testing.B) {
+	f := newFixture(b, testserver.Options{})
+	for _, tc := range benchConfigs(b, f) {
 		b.Run(tc.name, func(b *testing.B) {
 			p := newPool(b)
 			b.ReportAllocs()
@@ -159,6 +173,43 @@ func BenchmarkWrap(b *testing.B) {
 				}
 			}
 		})
+	}
+}
+
+// BenchmarkTransportFor: a round tripper per config, the identity existing,
+// side by side in one run: client-go alone (rest.TransportFor; a cache hit
+// for inline and file material, a new transport with a Proxy), Wrap and then
+// rest.TransportFor (client-go builds its transport before the hook), and
+// the pool's TransportFor.
+func BenchmarkTransportFor(b *testing.B) {
+	f := newFixture(b, testserver.Options{})
+	for _, tc := range benchConfigs(b, f) {
+		for _, way := range []struct {
+			name string
+			rt   func(p *Pool, cfg *rest.Config) (http.RoundTripper, error)
+		}{
+			{"rest.TransportFor", func(_ *Pool, cfg *rest.Config) (http.RoundTripper, error) { return rest.TransportFor(cfg) }},
+			{"Wrap+rest.TransportFor", func(p *Pool, cfg *rest.Config) (http.RoundTripper, error) {
+				if err := p.Wrap(cfg); err != nil {
+					return nil, err
+				}
+				return rest.TransportFor(cfg)
+			}},
+			{"pool.TransportFor", func(p *Pool, cfg *rest.Config) (http.RoundTripper, error) { return p.TransportFor(cfg) }},
+		} {
+			b.Run(tc.name+"/"+way.name, func(b *testing.B) {
+				p := newPool(b)
+				if _, err := way.rt(p, tc.cfg()); err != nil {
+					b.Fatal(err)
+				}
+				b.ReportAllocs()
+				for b.Loop() {
+					if _, err := way.rt(p, tc.cfg()); err != nil {
+						b.Fatal(err)
+					}
+				}
+			})
+		}
 	}
 }
 

@@ -22,6 +22,18 @@
 // [Pool.WrapConfigFn] has the shape of cli-runtime's ConfigFlags.WrapConfigFn,
 // and [Pool.WrapClientConfig] wraps a clientcmd.ClientConfig.
 //
+// # A config per request
+//
+// Code that builds a config per request or per reconcile and asks for a
+// round tripper or a client itself (an aggregated apiserver's proxy, a
+// multi-cluster controller) calls [Pool.TransportFor] or [Pool.HTTPClientFor]
+// ([TransportFor] and [HTTPClientFor] on the default pool) in place of
+// rest.TransportFor and rest.HTTPClientFor, and passes the client to
+// kubernetes.NewForConfigAndClient. The identity is computed from the config,
+// so client-go builds no transport for it; client-go's own functions put the
+// per-request layers (credentials, impersonation, user agent, exec and auth
+// providers, WrapTransport) above the shared transport.
+//
 // # Identity
 //
 // Two configs share a transport when they agree on everything that changes

@@ -67,9 +67,11 @@ func memberConfig(endpoint string, s memberSecret) (*rest.Config, error) {
 }
 
 // memberProxy is the front: /clusters/{name}/proxy/{path...} goes to that
-// member cluster, through a config built from its Secret. pool.Wrap is the one
-// line the pool adds: every config of one identity (CA, client certificate,
-// proxy) then shares one transport, whatever token the request carries.
+// member cluster, through a config built from its Secret. pool.TransportFor in
+// place of rest.TransportFor is the one line the pool changes: every config of
+// one identity (CA, client certificate, proxy) then shares one transport,
+// whatever token the request carries, and client-go builds no transport per
+// request.
 func memberProxy(pool *sharedtransport.Pool, members *clusters) http.Handler {
 	mux := http.NewServeMux()
 	mux.HandleFunc("/clusters/{name}/proxy/{path...}", func(w http.ResponseWriter, r *http.Request) {
@@ -80,12 +82,9 @@ func memberProxy(pool *sharedtransport.Pool, members *clusters) http.Handler {
 			return
 		}
 		cfg, err := memberConfig(endpoint, secret)
-		if err == nil {
-			err = pool.Wrap(cfg)
-		}
 		var rt http.RoundTripper
 		if err == nil {
-			rt, err = rest.TransportFor(cfg)
+			rt, err = pool.TransportFor(cfg)
 		}
 		if err != nil {
 			http.Error(w, err.Error(), http.StatusInternalServerError)
@@ -131,8 +130,8 @@ func (name unreachable) Error(w http.ResponseWriter, _ *http.Request, err error)
 }
 
 // The pattern an aggregated apiserver such as Karmada's would adopt: a config
-// per request, built from the member's Secret, wrapped by one pool. Members
-// count the connections they accept.
+// per request, built from the member's Secret, and its round tripper from one
+// pool. Members count the connections they accept.
 func Example_memberClusterProxy() {
 	ca1, _ := testserver.NewCA("member-1-ca")
 	member1, _ := testserver.Start(testserver.Options{CA: ca1})

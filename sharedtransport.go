@@ -326,19 +326,35 @@ func (id *identity) watchesFiles() bool { return id.caFile != "" || id.certFile 
 // through to client-go untouched: their own Transport, no TLS at all, an
 // unnamed custom Dial, a Proxy function that fails.
 func (p *Pool) identityFor(cfg *rest.Config) (id *identity, share bool, err error) {
+	id, _, share, err = p.identityAndTransportConfig(cfg)
+	return id, share, err
+}
+
+// identityAndTransportConfig is identityFor, also returning the transport
+// config client-go derives from cfg (nil when cfg has its own Transport).
+// TransportFor builds client-go's per-request layers from the same one, so
+// that the exec plugin's certificate the identity holds and the exec
+// plugin's wrapper above it come from one authenticator.
+func (p *Pool) identityAndTransportConfig(cfg *rest.Config) (id *identity, tc *transport.Config, share bool, err error) {
 	if cfg == nil {
-		return nil, false, errors.New("sharedtransport: Wrap called with a nil *rest.Config")
+		return nil, nil, false, errors.New("sharedtransport: called with a nil *rest.Config")
 	}
 	if cfg.Transport != nil {
-		return nil, false, nil // the caller brought its own transport: never replaced
+		return nil, nil, false, nil // the caller brought its own transport: never replaced
 	}
 	if _, err := probeRequest(cfg); err != nil {
-		return nil, false, err
+		return nil, nil, false, err
 	}
-	tc, err := cfg.TransportConfig()
+	tc, err = cfg.TransportConfig()
 	if err != nil {
-		return nil, false, fmt.Errorf("sharedtransport: %w", err)
+		return nil, nil, false, fmt.Errorf("sharedtransport: %w", err)
 	}
+	id, share, err = p.identityOf(cfg, tc)
+	return id, tc, share, err
+}
+
+// identityOf computes the identity of cfg, whose transport config is tc.
+func (p *Pool) identityOf(cfg *rest.Config, tc *transport.Config) (id *identity, share bool, err error) {
 	hasTLS := tc.HasCA() || tc.HasCertAuth() || tc.HasCertCallback() || tc.TLS.Insecure ||
 		tc.TLS.ServerName != "" || len(tc.TLS.NextProtos) > 0
 	if !hasTLS && tc.DialHolder == nil && tc.Proxy == nil {
@@ -464,22 +480,36 @@ func (p *Pool) setDialer(id *identity, cfg *rest.Config, tc *transport.Config) (
 // clientGoALPN returns the protocols a transport client-go builds for
 // nextProtos offers once utilnet.SetTransportDefaults configured HTTP/2
 // (DISABLE_HTTP2 included).
+// Configuring HTTP/2 on a transport is most of what computing an identity
+// costs, and TransportFor computes one per config: the answer is kept per
+// protocol list and DISABLE_HTTP2 (callers do not modify it).
 func clientGoALPN(nextProtos []string, hasTLS bool) []string {
 	if !hasTLS {
 		return nil
 	}
-	key := os.Getenv("DISABLE_HTTP2") + "\x00" + lengthPrefixed(nextProtos)
-	if alpn, ok := alpnCache.Load(key); ok {
-		return alpn.([]string)
+	k := alpnKey{nextProtos: lengthPrefixed(nextProtos), noHTTP2: os.Getenv("DISABLE_HTTP2") != ""}
+	if v, ok := alpnCache.Load(k); ok {
+		return v.([]string)
 	}
 	t := utilnet.SetTransportDefaults(&http.Transport{TLSClientConfig: &tls.Config{NextProtos: slices.Clone(nextProtos)}})
-	alpnCache.Store(key, t.TLSClientConfig.NextProtos)
+	if alpnCached.Add(1) <= maxALPNCached {
+		alpnCache.Store(k, t.TLSClientConfig.NextProtos)
+	}
 	return t.TLSClientConfig.NextProtos
 }
 
-// alpnCache remembers clientGoALPN's answers: configuring HTTP/2 on a
-// transport to read them is not free, and configs carry few distinct lists.
-var alpnCache sync.Map // DISABLE_HTTP2 and the list -> []string
+type alpnKey struct {
+	nextProtos string
+	noHTTP2    bool
+}
+
+// maxALPNCached bounds alpnCache; configs name a few protocol lists at most.
+const maxALPNCached = 64
+
+var (
+	alpnCache  sync.Map // alpnKey -> []string
+	alpnCached atomic.Int64
+)
 
 func lengthPrefixed(list []string) string {
 	var b []byte

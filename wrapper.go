@@ -86,6 +86,10 @@ func (h *hook) wrap(rt http.RoundTripper) http.RoundTripper {
 		// A hook installed later (the config was wrapped again) already
 		// decided for this client.
 		return rt
+	case *configTransport:
+		// TransportFor of a wrapped config: the pool's round tripper, for
+		// the identity computed from the config itself.
+		return rt
 	}
 	if isProbe(rt) {
 		return rt // Wrap of this config again, finding out what its wrappers do
@@ -109,14 +113,7 @@ func (h *hook) wrap(rt http.RoundTripper) http.RoundTripper {
 		h.pool.stats.passThrough.Add(1)
 		return rt // SPDY, websocket, a caller's own transport: never replaced
 	}
-	c := &clientTransport{lease: l, clientGo: rt, got: got, dial: h.dial, onlyHost: h.onlyHost}
-	if t, ok := rt.(*http.Transport); ok && h.id.headerFromWrappers {
-		// What the config's header wrapper would have made of client-go's
-		// transport had the hook not been below it.
-		t = t.Clone()
-		t.ProxyConnectHeader = h.id.connectHeader.Clone()
-		c.clientGo = t
-	}
+	c := &clientTransport{lease: l, clientGo: h.id.withWrapperHeader(rt), got: got, dial: h.dial, onlyHost: h.onlyHost}
 	g := l.e.current.Load()
 	if !sameShape(rt, got, g, h.id, h.dial) {
 		h.pool.stats.passThrough.Add(1)
@@ -129,11 +126,24 @@ func (h *hook) wrap(rt http.RoundTripper) http.RoundTripper {
 		l.e.rememberAgreement(got, g, h.dial)
 	}
 	// The first request checks the certificate, not the client's
-	// construction: client-go
-	// starts a refresher for certificate files with every transport it
-	// builds, which asks for the certificate at once and, being unlocked
-	// where it returns it, must not be asked concurrently.
+	// construction: client-go starts a refresher for certificate files with
+	// every transport it builds, which asks for the certificate at once and,
+	// being unlocked where it returns it, must not be asked concurrently.
 	return c
+}
+
+// withWrapperHeader returns what the config's CONNECT-header wrapper would
+// have made of client-go's transport rt had the pool's round tripper not been
+// below it (see connectHeaderFor): a clone with the header, when rt is the
+// bare *http.Transport such a wrapper clones.
+func (id *identity) withWrapperHeader(rt http.RoundTripper) http.RoundTripper {
+	t, ok := rt.(*http.Transport)
+	if !ok || !id.headerFromWrappers {
+		return rt
+	}
+	t = t.Clone()
+	t.ProxyConnectHeader = id.connectHeader.Clone()
+	return t
 }
 
 // current returns the hook's lease, taking a new one when it was collected.
@@ -794,6 +804,9 @@ func sameButConnectHeader(a, b *http.Transport) bool {
 
 // canonicalHeader encodes h so that equal headers give equal bytes.
 func canonicalHeader(h http.Header) []byte {
+	if len(h) == 0 {
+		return nil
+	}
 	var b []byte
 	for _, k := range slices.Sorted(maps.Keys(h)) {
 		b = binary.AppendUvarint(b, uint64(len(k)))

@@ -110,6 +110,29 @@ func sharedTransportMode(keepAlive, resumption, withProxy bool) func(*clientSpec
 	}
 }
 
+// sharedTransportClientMode is the pool's entry point for a config per
+// request: the pool's HTTPClientFor and kubernetes.NewForConfigAndClient, so
+// client-go builds no transport of its own. Proxy set as in Karmada.
+func sharedTransportClientMode(o *clientSpec) *modeState {
+	st := sharedTransportMode(true, true, true)(o)
+	pool := st.pool
+	st.prepare = func(cfg *rest.Config) error {
+		cfg.Proxy = noProxy
+		if cfg.UserAgent == "" {
+			cfg.UserAgent = rest.DefaultKubernetesUserAgent() // what kubernetes.NewForConfig sends
+		}
+		return nil
+	}
+	st.clientset = func(cfg *rest.Config) (kubernetes.Interface, error) {
+		hc, err := pool.HTTPClientFor(cfg)
+		if err != nil {
+			return nil, err
+		}
+		return kubernetes.NewForConfigAndClient(cfg, hc)
+	}
+	return st
+}
+
 // allModes are the main command's modes. A new mode is one more entry: its
 // start builds what the mode keeps (a pool), its modeState says how a
 // request's config and clientset are made. Every column, the server's CPU
@@ -120,11 +143,12 @@ var allModes = []modeDef{
 	{"client-go-keepalive-off", "Karmada's fix: a new transport per request with DisableKeepAlives, built before HTTP/2 is configured", karmadaKeepAliveOff},
 	{"sharedtransport", "this library, keep-alive on, Proxy set as in Karmada", sharedTransportMode(true, true, true)},
 	{"sharedtransport-keepalive-off", "this library, keep-alive off (TLS session resumption on), Proxy set", sharedTransportMode(false, true, true)},
+	{"sharedtransport-httpclientfor", "this library's HTTPClientFor + kubernetes.NewForConfigAndClient per request: client-go builds no transport; Proxy set", sharedTransportClientMode},
 	{"sharedtransport-no-proxy", "this library, keep-alive on, no Proxy: client-go's own transport cache hits too (compare with client-go)", sharedTransportMode(true, true, false)},
 	{"sharedtransport-keepalive-off-no-resumption", "this library, keep-alive off and TLS session resumption off, Proxy set", sharedTransportMode(false, false, true)},
 }
 
-var defaultModes = []string{"client-go", "client-go-proxy", "client-go-keepalive-off", "sharedtransport", "sharedtransport-keepalive-off"}
+var defaultModes = []string{"client-go", "client-go-proxy", "client-go-keepalive-off", "sharedtransport", "sharedtransport-httpclientfor", "sharedtransport-keepalive-off"}
 
 func modeNames() []string {
 	var out []string

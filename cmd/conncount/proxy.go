@@ -27,6 +27,7 @@ import (
 	"github.com/sharedtransport/sharedtransport"
 	"github.com/sharedtransport/sharedtransport/internal/memberproxy"
 	"github.com/sharedtransport/sharedtransport/internal/testserver"
+	"k8s.io/client-go/rest"
 )
 
 // proxyModeDef is one way the front gets its round trippers.
@@ -39,15 +40,24 @@ type proxyModeDef struct {
 }
 
 // frontWith is a front in mode m, through a pool with opts when opts is
-// not nil.
-func frontWith(m memberproxy.Mode, opts []sharedtransport.Option) func(*memberproxy.Clusters) (*memberproxy.Front, *sharedtransport.Pool) {
+// not nil: the pool's TransportFor, or with wrap, the pool's Wrap and then
+// rest.TransportFor.
+func frontWith(m memberproxy.Mode, opts []sharedtransport.Option, wrap bool) func(*memberproxy.Clusters) (*memberproxy.Front, *sharedtransport.Pool) {
 	return func(clusters *memberproxy.Clusters) (*memberproxy.Front, *sharedtransport.Pool) {
 		f := &memberproxy.Front{Clusters: clusters, Mode: m}
 		if opts == nil {
 			return f, nil
 		}
 		pool := sharedtransport.New(opts...)
-		f.Wrap = pool.Wrap
+		f.TransportFor = pool.TransportFor
+		if wrap {
+			f.TransportFor = func(cfg *rest.Config) (http.RoundTripper, error) {
+				if err := pool.Wrap(cfg); err != nil {
+					return nil, err
+				}
+				return rest.TransportFor(cfg)
+			}
+		}
 		return f, pool
 	}
 }
@@ -55,10 +65,11 @@ func frontWith(m memberproxy.Mode, opts []sharedtransport.Option) func(*memberpr
 // proxyModes are the proxy subcommand's modes; a new way for the front to
 // get its round tripper is one more entry with a newFront of its own.
 var proxyModes = []proxyModeDef{
-	{"new-transport", "Karmada before PR 5610: a new transport per request (issue 5574)", frontWith(memberproxy.NewTransport, nil)},
-	{"new-transport-keepalive-off", "Karmada since PR 5610: a new transport per request, keep-alive off", frontWith(memberproxy.NewTransportNoKeepAlive, nil)},
-	{"sharedtransport", "rest.TransportFor on a config the pool wrapped (one line in the front)", frontWith(memberproxy.TransportFor, []sharedtransport.Option{})},
-	{"sharedtransport-keepalive-off", "the same, the pool with keep-alive off (TLS session resumption on)", frontWith(memberproxy.TransportFor, []sharedtransport.Option{sharedtransport.WithKeepAlive(false)})},
+	{"new-transport", "Karmada before PR 5610: a new transport per request (issue 5574)", frontWith(memberproxy.NewTransport, nil, false)},
+	{"new-transport-keepalive-off", "Karmada since PR 5610: a new transport per request, keep-alive off", frontWith(memberproxy.NewTransportNoKeepAlive, nil, false)},
+	{"sharedtransport", "the pool's TransportFor in place of rest.TransportFor (one line in the front)", frontWith(memberproxy.TransportFor, []sharedtransport.Option{}, false)},
+	{"sharedtransport-keepalive-off", "the same, the pool with keep-alive off (TLS session resumption on)", frontWith(memberproxy.TransportFor, []sharedtransport.Option{sharedtransport.WithKeepAlive(false)}, false)},
+	{"sharedtransport-wrap", "the pool's Wrap, then rest.TransportFor: client-go builds a transport per request before the hook", frontWith(memberproxy.TransportFor, []sharedtransport.Option{}, true)},
 }
 
 var defaultProxyModes = []string{"new-transport", "new-transport-keepalive-off", "sharedtransport"}

@@ -63,7 +63,7 @@ func TestProxyModes(t *testing.T) {
 		}
 	}
 	if p := rep.Runs[2].Pool; p == nil || p.Identities != 2 || p.Hits+p.Misses != 40 {
-		t.Errorf("sharedtransport pool stats %+v, want 2 identities and 40 Wraps", p)
+		t.Errorf("sharedtransport pool stats %+v, want 2 identities and 40 TransportFor calls", p)
 	}
 
 	out.Reset()

@@ -7,8 +7,8 @@
 // How the round tripper is obtained is the point of comparison (see [Mode]):
 // a new transport per request, as Karmada did (issue 5574: 3,000 connections
 // to one member), the same with keep-alive off, as Karmada does since PR
-// 5610, or [rest.TransportFor] on a config that a sharedtransport pool
-// wrapped, the one line Karmada would add.
+// 5610, or a sharedtransport pool's TransportFor in place of
+// [rest.TransportFor], the one line Karmada would change.
 //
 // The library's tests and cmd/conncount use it; example_proxy_test.go shows
 // the same pattern in a few lines.
@@ -91,9 +91,9 @@ func (c *Clusters) Get(name string) (Cluster, bool) {
 type Mode int
 
 const (
-	// TransportFor calls [rest.TransportFor] on the member's config: the
-	// shared transport when Front.Wrap is a pool's Wrap, client-go's own
-	// cache otherwise (which cannot cache a config with a proxy).
+	// TransportFor calls Front.TransportFor on the member's config: a
+	// pool's TransportFor, or rest.TransportFor when it is nil (client-go's
+	// own cache, which cannot cache a config with a proxy).
 	TransportFor Mode = iota
 	// NewTransport builds a new *http.Transport for every request, as
 	// Karmada's proxy did before PR 5610.
@@ -107,7 +107,7 @@ const (
 func (m Mode) String() string {
 	switch m {
 	case TransportFor:
-		return "rest.TransportFor"
+		return "TransportFor"
 	case NewTransport:
 		return "new transport per request"
 	case NewTransportNoKeepAlive:
@@ -120,11 +120,11 @@ func (m Mode) String() string {
 // clusters in Clusters. Set its fields before serving.
 type Front struct {
 	Clusters *Clusters
-	// Wrap, when set, is called on every member config before
-	// rest.TransportFor: pass (*sharedtransport.Pool).Wrap. The other modes
-	// build their transports themselves and do not call it.
-	Wrap func(*rest.Config) error
-	Mode Mode
+	// TransportFor gives the round tripper for a member config in mode
+	// TransportFor: pass (*sharedtransport.Pool).TransportFor; nil means
+	// rest.TransportFor. The other modes build their transports themselves.
+	TransportFor func(*rest.Config) (http.RoundTripper, error)
+	Mode         Mode
 }
 
 // RestConfig builds the member's config from its Secret, as the front does
@@ -161,9 +161,6 @@ func (f *Front) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	cfg, err := RestConfig(cl)
-	if err == nil && f.Wrap != nil && f.Mode == TransportFor {
-		err = f.Wrap(cfg)
-	}
 	if err != nil {
 		writeStatus(w, http.StatusInternalServerError, "InternalError", fmt.Sprintf("cluster %q: %v", name, err))
 		return
@@ -210,6 +207,9 @@ func (f *Front) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 
 func (f *Front) roundTripper(cfg *rest.Config) (http.RoundTripper, error) {
 	if f.Mode == TransportFor {
+		if f.TransportFor != nil {
+			return f.TransportFor(cfg)
+		}
 		return rest.TransportFor(cfg)
 	}
 	tlsConfig, err := rest.TLSConfigFor(cfg)
@@ -238,8 +238,7 @@ func upgradeTransport(cfg *rest.Config) (proxy.UpgradeRequestRoundTripper, error
 	if tlsConfig == nil {
 		tlsConfig = &tls.Config{}
 	}
-	// Credentials and user agent, as client-go adds them; the config's
-	// WrapTransport (the pool's hook) sees no transport here and passes.
+	// Credentials and user agent, as client-go adds them.
 	headers, err := rest.HTTPWrappersForConfig(cfg, proxy.MirrorRequest)
 	if err != nil {
 		return nil, err

@@ -102,6 +102,9 @@ type Options struct {
 	// ErrorLog receives the HTTP server's errors (TLS handshake failures and
 	// the like); default: discarded.
 	ErrorLog *log.Logger
+	// RecordHeaders puts a copy of every request's headers in
+	// RequestInfo.Header.
+	RecordHeaders bool
 }
 
 // RequestInfo is what the server saw on one request.
@@ -129,6 +132,8 @@ type RequestInfo struct {
 	TLSVersion uint16
 	// Watch is true for ?watch=true requests.
 	Watch bool
+	// Header is a copy of the request's headers, with Options.RecordHeaders.
+	Header http.Header
 }
 
 // Stats are counters kept by the server. Connection counts come from the
@@ -530,6 +535,9 @@ func (s *Server) serveHTTP(w http.ResponseWriter, r *http.Request) {
 		UserAgent:      r.UserAgent(),
 		AcceptEncoding: r.Header.Get("Accept-Encoding"),
 		Watch:          r.URL.Query().Get("watch") == "true" || r.URL.Query().Get("watch") == "1",
+	}
+	if s.opts.RecordHeaders {
+		ri.Header = r.Header.Clone()
 	}
 	if r.TLS != nil {
 		ri.Resumed = r.TLS.DidResume

@@ -1,0 +1,151 @@
+package sharedtransport
+
+import (
+	"fmt"
+	"net/http"
+	"sync"
+
+	utilnet "k8s.io/apimachinery/pkg/util/net"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/transport"
+)
+
+// TransportFor is [Pool.TransportFor] on the package's default pool.
+func TransportFor(cfg *rest.Config) (http.RoundTripper, error) {
+	return defaultPool().TransportFor(cfg)
+}
+
+// HTTPClientFor is [Pool.HTTPClientFor] on the package's default pool.
+func HTTPClientFor(cfg *rest.Config) (*http.Client, error) { return defaultPool().HTTPClientFor(cfg) }
+
+// TransportFor is the pool's [rest.TransportFor]: a round tripper that sends
+// cfg's requests over the pool's transport for cfg's TLS identity, under
+// exactly the per-request layers client-go adds, built by client-go itself
+// (user agent, bearer token and token file, basic auth, impersonation, auth
+// and exec providers, cfg.WrapTransport). The identity is computed from cfg,
+// so client-go builds no TLS transport of its own: for a config built per
+// request or per reconcile this costs what a config client-go can cache
+// costs it. Use it where the code asks for a round tripper or a client
+// itself; [Pool.Wrap] is for code that hands the config to client-go.
+//
+// The round tripper keeps the identity alive. Later changes to cfg do not
+// reach it.
+// For a config with a Proxy function, only requests to cfg's host use the
+// shared transport; requests to other hosts go through client-go's own
+// transport for cfg, built at the first of them, which asks the function
+// itself.
+//
+// A config the pool cannot share (its own Transport, one client-go would
+// send through [http.DefaultTransport], a custom Dial without
+// [WithDialIdentity], a Proxy function that fails) gets what
+// [rest.TransportFor] gives, and is counted in [Stats].PassThrough.
+// TransportFor reads the certificate, key and CA files cfg names, and
+// returns an error naming the file when one is missing, unreadable or
+// invalid.
+func (p *Pool) TransportFor(cfg *rest.Config) (http.RoundTripper, error) {
+	if p.isClosed() {
+		return nil, ErrClosed
+	}
+	id, tc, share, err := p.identityAndTransportConfig(cfg)
+	if err != nil {
+		return nil, err
+	}
+	if !share {
+		p.stats.passThrough.Add(1)
+		if tc == nil {
+			return rest.TransportFor(cfg)
+		}
+		return transport.New(tc)
+	}
+	l, err := p.acquire(id)
+	if err != nil {
+		return nil, err
+	}
+	base := &configTransport{lease: l}
+	if cfg.Proxy != nil {
+		probe, err := probeRequest(cfg)
+		if err != nil {
+			return nil, err
+		}
+		base.onlyHost = probe.URL.Host
+		base.elsewhere = sync.OnceValues(func() (http.RoundTripper, error) { return clientGoTransportFor(tc, id) })
+	}
+	return transport.HTTPWrappersForConfig(tc, base)
+}
+
+// HTTPClientFor is the pool's [rest.HTTPClientFor]: an [http.Client] over
+// [Pool.TransportFor], with cfg's Timeout. Pass it with cfg to
+// kubernetes.NewForConfigAndClient and the other NewForConfigAndClient
+// constructors (dynamic, discovery, metadata).
+func (p *Pool) HTTPClientFor(cfg *rest.Config) (*http.Client, error) {
+	rt, err := p.TransportFor(cfg)
+	if err != nil {
+		return nil, err
+	}
+	if rt == http.DefaultTransport && cfg.Timeout == 0 {
+		return http.DefaultClient, nil // as rest.HTTPClientFor
+	}
+	return &http.Client{Transport: rt, Timeout: cfg.Timeout}, nil
+}
+
+// configTransport is what TransportFor puts under client-go's per-request
+// layers: the identity's shared transport, through a lease it holds, and for
+// a config with Proxy, client-go's transport for requests to other hosts.
+type configTransport struct {
+	lease *lease
+	// onlyHost, set when the config has a Proxy function, is the host that
+	// function was asked about (see hook.onlyHost).
+	onlyHost string
+	// elsewhere builds, once, client-go's transport for the config.
+	elsewhere func() (http.RoundTripper, error)
+}
+
+func (c *configTransport) RoundTrip(req *http.Request) (*http.Response, error) {
+	if c.onlyHost == "" || req.URL.Host == c.onlyHost || c.lease.e.closed.Load() {
+		return c.lease.RoundTrip(req)
+	}
+	rt, err := c.elsewhere()
+	if err != nil {
+		if req.Body != nil {
+			req.Body.Close()
+		}
+		return nil, err
+	}
+	return rt.RoundTrip(req)
+}
+
+// CloseIdleConnections closes idle connections of both transports the
+// round tripper may use.
+func (c *configTransport) CloseIdleConnections() {
+	if c.elsewhere != nil {
+		if rt, err := c.elsewhere(); err == nil {
+			utilnet.CloseIdleConnectionsFor(rt)
+		}
+	}
+	utilnet.CloseIdleConnectionsFor(c.lease)
+}
+
+// WrappedRoundTripper is the shared transport, for client-go helpers
+// (utilnet.CloseIdleConnectionsFor, utilnet.TLSClientConfig).
+func (c *configTransport) WrappedRoundTripper() http.RoundTripper { return c.lease }
+
+var _ utilnet.RoundTripperWrapper = &configTransport{}
+
+// clientGoTransportFor returns the transport client-go builds for tc, as it
+// hands it to WrapTransport: what client-go's own stack for the config rests
+// on. The per-request layers are left out; TransportFor's stack already has
+// them above.
+func clientGoTransportFor(tc *transport.Config, id *identity) (http.RoundTripper, error) {
+	c := *tc
+	c.UserAgent, c.Username, c.Password, c.BearerToken, c.BearerTokenFile = "", "", "", "", ""
+	c.Impersonate = transport.ImpersonationConfig{}
+	var base http.RoundTripper
+	c.WrapTransport = func(rt http.RoundTripper) http.RoundTripper {
+		base = rt
+		return rt
+	}
+	if _, err := transport.New(&c); err != nil {
+		return nil, fmt.Errorf("sharedtransport: client-go's transport for requests to other hosts than the config's: %w", err)
+	}
+	return id.withWrapperHeader(base), nil
+}

@@ -1,0 +1,683 @@
+package sharedtransport
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/url"
+	"os"
+	"path/filepath"
+	"reflect"
+	"runtime"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	utilnet "k8s.io/apimachinery/pkg/util/net"
+	"k8s.io/client-go/discovery"
+	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/informers"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/cache"
+	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
+
+	"github.com/sharedtransport/sharedtransport/internal/testserver"
+)
+
+// requestLog keeps what the server saw, by the request's "case" query
+// parameter.
+type requestLog struct {
+	mu   sync.Mutex
+	seen map[string]testserver.RequestInfo
+}
+
+func newRequestLog() *requestLog { return &requestLog{seen: map[string]testserver.RequestInfo{}} }
+
+func (l *requestLog) record(ri testserver.RequestInfo) {
+	q, err := url.ParseQuery(ri.Query)
+	if err != nil || q.Get("case") == "" {
+		return
+	}
+	l.mu.Lock()
+	l.seen[q.Get("case")] = ri
+	l.mu.Unlock()
+}
+
+func (l *requestLog) get(t testing.TB, name string) testserver.RequestInfo {
+	t.Helper()
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	ri, ok := l.seen[name]
+	if !ok {
+		t.Fatalf("the server saw no request %q", name)
+	}
+	return ri
+}
+
+// getVia sends GET url through rt and returns the response's status.
+func getVia(rt http.RoundTripper, url string) (int, error) {
+	resp, err := (&http.Client{Transport: rt, Timeout: 30 * time.Second}).Get(url)
+	if err != nil {
+		return 0, err
+	}
+	defer resp.Body.Close()
+	_, err = io.Copy(io.Discard, resp.Body)
+	return resp.StatusCode, err
+}
+
+// headerRoundTripper sets a header on every request, as a user's
+// WrapTransport might.
+type headerRoundTripper struct {
+	next        http.RoundTripper
+	name, value string
+}
+
+func (h *headerRoundTripper) RoundTrip(req *http.Request) (*http.Response, error) {
+	req = req.Clone(req.Context())
+	req.Header.Set(h.name, h.value)
+	return h.next.RoundTrip(req)
+}
+
+func (h *headerRoundTripper) WrappedRoundTripper() http.RoundTripper { return h.next }
+
+func setHeader(name, value string) func(http.RoundTripper) http.RoundTripper {
+	return func(rt http.RoundTripper) http.RoundTripper { return &headerRoundTripper{rt, name, value} }
+}
+
+// TestTransportForLayers: every per-request layer client-go adds reaches the
+// server through the pool's TransportFor exactly as through rest.TransportFor
+// (client-go alone), with the identity's certificate, and every config of
+// the identity rides one connection.
+func TestTransportForLayers(t *testing.T) {
+	if err := registerAuthProvider(); err != nil {
+		t.Fatal(err)
+	}
+	log := newRequestLog()
+	f := newFixture(t, testserver.Options{RecordHeaders: true, OnRequest: log.record})
+	tokenFile := filepath.Join(f.dir, "token")
+	if err := os.WriteFile(tokenFile, []byte("token-from-file\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	p := newPool(t)
+	other := newPool(t)
+	header := func(name string) func(testserver.RequestInfo) string {
+		return func(ri testserver.RequestInfo) string { return strings.Join(ri.Header.Values(name), ",") }
+	}
+	basicUser := func(ri testserver.RequestInfo) string {
+		u, pw, ok := (&http.Request{Header: ri.Header}).BasicAuth()
+		if !ok {
+			return ""
+		}
+		return u + ":" + pw
+	}
+	token := func(ri testserver.RequestInfo) string { return ri.Token }
+
+	type want struct {
+		of    func(testserver.RequestInfo) string
+		value string
+	}
+	for _, tc := range []struct {
+		name   string
+		mutate func(*rest.Config)
+		before func(*rest.Config) error // on the pool's config only, not the control's
+		want   []want
+	}{
+		{name: "no layers"},
+		{name: "bearer token", mutate: func(c *rest.Config) { c.BearerToken = "token-1" }, want: []want{{token, "token-1"}}},
+		{name: "token file", mutate: func(c *rest.Config) { c.BearerTokenFile = tokenFile }, want: []want{{token, "token-from-file"}}},
+		{name: "basic auth", mutate: func(c *rest.Config) { c.Username, c.Password = "jane", "secret" }, want: []want{{basicUser, "jane:secret"}}},
+		{name: "impersonation", mutate: func(c *rest.Config) {
+			c.Impersonate = rest.ImpersonationConfig{UserName: "bob", UID: "42", Groups: []string{"g1", "g2"}, Extra: map[string][]string{"scopes": {"a", "b"}}}
+		}, want: []want{
+			{header("Impersonate-User"), "bob"}, {header("Impersonate-Uid"), "42"},
+			{header("Impersonate-Group"), "g1,g2"}, {header("Impersonate-Extra-Scopes"), "a,b"},
+		}},
+		{name: "user agent", mutate: func(c *rest.Config) { c.UserAgent = "karmada-aggregated-apiserver/v1" },
+			want: []want{{header("User-Agent"), "karmada-aggregated-apiserver/v1"}}},
+		{name: "WrapTransport", mutate: func(c *rest.Config) { c.Wrap(setHeader("X-Wrapped", "yes")) },
+			want: []want{{header("X-Wrapped"), "yes"}}},
+		{name: "auth provider", mutate: func(c *rest.Config) {
+			c.AuthProvider = &clientcmdapi.AuthProviderConfig{Name: testAuthProvider, Config: map[string]string{"token": "token-ap"}}
+		}, want: []want{{token, "token-ap"}}},
+		{name: "Proxy set (direct)", mutate: func(c *rest.Config) { c.Proxy, c.BearerToken = nilProxy, "token-2" }, want: []want{{token, "token-2"}}},
+		{name: "all at once", mutate: func(c *rest.Config) {
+			c.BearerToken, c.UserAgent = "token-3", "ua/3"
+			c.Impersonate = rest.ImpersonationConfig{UserName: "carol"}
+			c.Wrap(setHeader("X-Wrapped", "all"))
+		}, want: []want{{token, "token-3"}, {header("User-Agent"), "ua/3"}, {header("Impersonate-User"), "carol"}, {header("X-Wrapped"), "all"}}},
+		{name: "wrapped by this pool before", mutate: func(c *rest.Config) { c.BearerToken = "token-4" },
+			before: p.Wrap, want: []want{{token, "token-4"}}},
+		{name: "wrapped by another pool before", mutate: func(c *rest.Config) { c.UserAgent = "ua/5" },
+			before: other.Wrap, want: []want{{header("User-Agent"), "ua/5"}}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			cfg := f.srv.RestConfig(f.alice)
+			if tc.mutate != nil {
+				tc.mutate(cfg)
+			}
+			control := rest.CopyConfig(cfg)
+			if tc.before != nil {
+				if err := tc.before(cfg); err != nil {
+					t.Fatal(err)
+				}
+			}
+			rt, err := p.TransportFor(cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			controlRT, err := rest.TransportFor(control)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for via, rt := range map[string]http.RoundTripper{"pool": rt, "client-go": controlRT} {
+				if code, err := getVia(rt, f.srv.URL()+"/version?case="+url.QueryEscape(tc.name+"/"+via)); err != nil || code != http.StatusOK {
+					t.Fatalf("through %s: %d %v", via, code, err)
+				}
+			}
+			got, ctl := log.get(t, tc.name+"/pool"), log.get(t, tc.name+"/client-go")
+			if got.CertCN != "alice" || ctl.CertCN != "alice" {
+				t.Errorf("certificate: pool %q, client-go %q, want alice", got.CertCN, ctl.CertCN)
+			}
+			if !reflect.DeepEqual(got.Header, ctl.Header) {
+				t.Errorf("headers differ\npool:      %v\nclient-go: %v", got.Header, ctl.Header)
+			}
+			for _, w := range tc.want {
+				if v := w.of(got); v != w.value {
+					t.Errorf("the server saw %q, want %q", v, w.value)
+				}
+			}
+		})
+	}
+	conns := map[string]bool{}
+	log.mu.Lock()
+	for name, ri := range log.seen {
+		if strings.HasSuffix(name, "/pool") {
+			conns[ri.RemoteAddr] = true
+		}
+	}
+	log.mu.Unlock()
+	if len(conns) != 1 {
+		t.Errorf("the pool's requests came on %d connections, want 1", len(conns))
+	}
+	if st := p.Stats(); st.Misses != 1 || st.PassThrough != 0 || st.Identities != 1 {
+		t.Errorf("pool %+v, want one identity, built once, nothing passed through", st)
+	}
+	if st := other.Stats(); st.PassThrough != 0 || st.Dials != 0 {
+		t.Errorf("the other pool's hook took part: %+v", st)
+	}
+}
+
+// TestTransportForExecPlugin: an exec plugin's certificate is presented on
+// the shared connections; with a token client-go's exec authenticator steps
+// aside, and no certificate is presented, as with client-go alone.
+func TestTransportForExecPlugin(t *testing.T) {
+	log := newRequestLog()
+	f := newFixture(t, testserver.Options{
+		ClientAuth: testserver.VerifyClientCertIfGiven,
+		Tokens:     map[string]string{"token-x": "token-user"},
+		OnRequest:  log.record,
+	})
+	kp, err := f.ca.IssueClient("exec-user")
+	if err != nil {
+		t.Fatal(err)
+	}
+	exec := writeExecPlugin(t, f.dir, "transportfor", kp)
+	p := newPool(t)
+	for _, tc := range []struct {
+		name          string
+		token, wantCN string
+	}{
+		{"exec plugin", "", "exec-user"},
+		{"exec plugin, second config", "", "exec-user"},
+		{"exec plugin and a token", "token-x", ""},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			cfg := f.srv.RestConfig(nil)
+			cfg.ExecProvider = exec
+			cfg.BearerToken = tc.token
+			control := rest.CopyConfig(cfg)
+			rt, err := p.TransportFor(cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			controlRT, err := rest.TransportFor(control)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for via, rt := range map[string]http.RoundTripper{"pool": rt, "client-go": controlRT} {
+				if code, err := getVia(rt, f.srv.URL()+"/version?case="+url.QueryEscape(tc.name+"/"+via)); err != nil || code != http.StatusOK {
+					t.Fatalf("through %s: %d %v", via, code, err)
+				}
+			}
+			got, ctl := log.get(t, tc.name+"/pool"), log.get(t, tc.name+"/client-go")
+			if got.CertCN != tc.wantCN || ctl.CertCN != tc.wantCN {
+				t.Errorf("certificate: pool %q, client-go %q, want %q", got.CertCN, ctl.CertCN, tc.wantCN)
+			}
+			if got.Token != tc.token || ctl.Token != tc.token {
+				t.Errorf("token: pool %q, client-go %q, want %q", got.Token, ctl.Token, tc.token)
+			}
+		})
+	}
+	a, b := log.get(t, "exec plugin/pool"), log.get(t, "exec plugin, second config/pool")
+	if a.RemoteAddr != b.RemoteAddr {
+		t.Errorf("two configs of one exec identity came on two connections (%s, %s)", a.RemoteAddr, b.RemoteAddr)
+	}
+	if st := p.Stats(); st.Identities != 2 || st.PassThrough != 0 {
+		t.Errorf("pool %+v, want 2 identities (the plugin's certificate, none) and nothing passed through", st)
+	}
+}
+
+// TestTransportForPassThrough: a config the pool cannot share gets what
+// rest.TransportFor gives.
+func TestTransportForPassThrough(t *testing.T) {
+	log := newRequestLog()
+	f := newFixture(t, testserver.Options{OnRequest: log.record})
+	ctx := context.Background()
+
+	t.Run("own Transport", func(t *testing.T) {
+		p := newPool(t)
+		tlsConfig, err := rest.TLSConfigFor(f.srv.RestConfig(f.alice))
+		if err != nil {
+			t.Fatal(err)
+		}
+		own := &countingRT{next: &http.Transport{TLSClientConfig: tlsConfig}}
+		defer own.next.(*http.Transport).CloseIdleConnections()
+		cfg := &rest.Config{Host: f.srv.URL(), Transport: own, BearerToken: "token-own"}
+		rt, err := p.TransportFor(cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if code, err := getVia(rt, f.srv.URL()+"/version?case=own"); err != nil || code != http.StatusOK {
+			t.Fatalf("%d %v", code, err)
+		}
+		if own.count() != 1 || log.get(t, "own").Token != "token-own" {
+			t.Errorf("own transport saw %d requests, server saw token %q", own.count(), log.get(t, "own").Token)
+		}
+		if st := p.Stats(); st.PassThrough != 1 || st.Identities != 0 {
+			t.Errorf("pool %+v, want one pass-through", st)
+		}
+	})
+
+	t.Run("custom Dial without a name", func(t *testing.T) {
+		p := newPool(t)
+		var dials atomic.Int64
+		cfg := f.srv.RestConfig(f.alice)
+		cfg.Dial = func(ctx context.Context, network, address string) (net.Conn, error) {
+			dials.Add(1)
+			var d net.Dialer
+			return d.DialContext(ctx, network, address)
+		}
+		hc, err := p.HTTPClientFor(cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		cs, err := kubernetes.NewForConfigAndClient(cfg, hc)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := cs.CoreV1().Nodes().List(ctx, metav1.ListOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		if dials.Load() != 1 {
+			t.Errorf("the config's own Dial dialed %d times, want 1", dials.Load())
+		}
+		if st := p.Stats(); st.PassThrough != 1 || st.Identities != 0 || st.Dials != 0 {
+			t.Errorf("pool %+v, want one pass-through and no dial of its own", st)
+		}
+		utilnet.CloseIdleConnectionsFor(hc.Transport)
+	})
+
+	t.Run("failing Proxy", func(t *testing.T) {
+		p := newPool(t)
+		proxyErr := errors.New("no route for this cluster")
+		cfg := f.srv.RestConfig(f.alice)
+		cfg.Proxy = func(*http.Request) (*url.URL, error) { return nil, proxyErr }
+		rt, err := p.TransportFor(cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		controlRT, err := rest.TransportFor(rest.CopyConfig(cfg))
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, err = getVia(rt, f.srv.URL()+"/version")
+		_, controlErr := getVia(controlRT, f.srv.URL()+"/version")
+		if !errors.Is(err, proxyErr) || controlErr == nil || err.Error() != controlErr.Error() {
+			t.Errorf("pool: %v; client-go: %v; want the Proxy's error from both", err, controlErr)
+		}
+		if st := p.Stats(); st.PassThrough != 1 || st.Identities != 0 {
+			t.Errorf("pool %+v, want one pass-through", st)
+		}
+	})
+
+	t.Run("no TLS", func(t *testing.T) {
+		p := newPool(t)
+		cfg := &rest.Config{Host: "http://127.0.0.1:1"}
+		rt, err := p.TransportFor(cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		hc, err := p.HTTPClientFor(cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		controlHC, err := rest.HTTPClientFor(cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if rt != http.DefaultTransport || hc != controlHC {
+			t.Errorf("got %T and %p, want http.DefaultTransport and http.DefaultClient as from client-go", rt, hc)
+		}
+	})
+}
+
+// TestTransportForProxyOtherHosts: with Proxy set, only requests to the
+// config's host ride the shared transport; a request to another host goes
+// where client-go sends it, also when the config's route equals the
+// environment's (direct here).
+func TestTransportForProxyOtherHosts(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	second, err := testserver.Start(testserver.Options{CA: f.ca})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { second.Close() })
+	proxy := newConnectProxy(t)
+	proxyURL, _ := url.Parse(proxy.url())
+	// via reports whether the last request to srv came through the proxy.
+	via := func(t *testing.T, srv *testserver.Server) string {
+		ri, ok := srv.LastRequest("/version")
+		if !ok {
+			t.Fatal("no request seen")
+		}
+		if _, ok := proxy.carried(ri.RemoteAddr); ok {
+			return "proxy"
+		}
+		return "direct"
+	}
+	for _, tc := range []struct {
+		name                  string
+		proxiedHost           string // the host the Proxy sends through the proxy; others go direct
+		wantConfig, wantOther string
+	}{
+		{"config's host through the proxy, others direct", f.srv.Addr(), "proxy", "direct"},
+		{"config's host direct, others through the proxy", second.Addr(), "direct", "proxy"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			p := newPool(t)
+			cfg := f.srv.RestConfig(f.alice)
+			cfg.Proxy = func(req *http.Request) (*url.URL, error) {
+				if req.URL.Host == tc.proxiedHost {
+					return proxyURL, nil
+				}
+				return nil, nil
+			}
+			for name, newRT := range map[string]func(*rest.Config) (http.RoundTripper, error){"pool": p.TransportFor, "client-go": rest.TransportFor} {
+				rt, err := newRT(rest.CopyConfig(cfg))
+				if err != nil {
+					t.Fatal(err)
+				}
+				for _, target := range []struct {
+					srv  *testserver.Server
+					want string
+				}{{f.srv, tc.wantConfig}, {second, tc.wantOther}, {f.srv, tc.wantConfig}, {second, tc.wantOther}} {
+					if code, err := getVia(rt, target.srv.URL()+"/version"); err != nil || code != http.StatusOK {
+						t.Fatalf("%s to %s: %d %v", name, target.srv.Addr(), code, err)
+					}
+					if got := via(t, target.srv); got != target.want {
+						t.Errorf("%s: a request to %s went %s, want %s", name, target.srv.Addr(), got, target.want)
+					}
+				}
+				utilnet.CloseIdleConnectionsFor(rt)
+			}
+			if st := p.Stats(); st.Identities != 1 || st.PassThrough != 0 {
+				t.Errorf("pool %+v", st)
+			}
+		})
+	}
+}
+
+// TestTransportForConnectHeader: a Karmada-shaped wrapper setting CONNECT
+// headers on the transport below it: the header is on the shared tunnel, and
+// on client-go's tunnel for requests to another host.
+func TestTransportForConnectHeader(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	second, err := testserver.Start(testserver.Options{CA: f.ca})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { second.Close() })
+	proxy := startForwarder(t, &forwarder{connect: true, requireHeader: "Proxy-Authorization", requireValues: []string{"Basic a"}})
+	p := newPool(t)
+	const configs = 20
+	var first http.RoundTripper
+	defer func() { utilnet.CloseIdleConnectionsFor(first) }()
+	for i := range configs {
+		cfg := f.srv.RestConfig(nil)
+		cfg.BearerToken = fmt.Sprintf("token-%d", i)
+		cfg.Proxy = proxyTo(proxy)
+		cfg.WrapTransport = karmadaProxyHeader(cfg.WrapTransport, http.Header{"Proxy-Authorization": {"Basic a"}})
+		cfg.CertData, cfg.KeyData = f.alice.CertPEM, f.alice.KeyPEM
+		rt, err := p.TransportFor(cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if code, err := getVia(rt, f.srv.URL()+"/version"); err != nil || code != http.StatusOK {
+			t.Fatalf("config %d: %d %v", i, code, err)
+		}
+		if i == 0 {
+			if code, err := getVia(rt, second.URL()+"/version"); err != nil || code != http.StatusOK {
+				t.Fatalf("to the other host: %d %v", code, err)
+			}
+			first = rt
+		}
+	}
+	if n, rej := proxy.tunnelCount(), proxy.rejected.Load(); n != 2 || rej != 0 {
+		t.Errorf("the proxy opened %d tunnels and refused %d, want 2 (one shared, one to the other host) and 0", n, rej)
+	}
+	if st := f.srv.Stats(); st.Accepted != 1 {
+		t.Errorf("%d configs: the server accepted %d connections, want 1", configs, st.Accepted)
+	}
+}
+
+// TestTransportForClients: HTTPClientFor's client under the typed, dynamic
+// and discovery clients and an informer, one connection for all.
+func TestTransportForClients(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	p := newPool(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	newConfig := func() *rest.Config {
+		cfg := f.srv.RestConfig(f.alice)
+		cfg.Proxy = nilProxy
+		cfg.UserAgent = "transportfor-test"
+		return cfg
+	}
+	client := func(cfg *rest.Config) *http.Client {
+		hc, err := p.HTTPClientFor(cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return hc
+	}
+
+	cfg := newConfig()
+	cs, err := kubernetes.NewForConfigAndClient(cfg, client(cfg))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := cs.CoreV1().Nodes().List(ctx, metav1.ListOptions{}); err != nil {
+		t.Errorf("typed clientset: %v", err)
+	}
+	cfg = newConfig()
+	dyn, err := dynamic.NewForConfigAndClient(cfg, client(cfg))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := dyn.Resource(schema.GroupVersionResource{Version: "v1", Resource: "nodes"}).List(ctx, metav1.ListOptions{}); err != nil {
+		t.Errorf("dynamic client: %v", err)
+	}
+	cfg = newConfig()
+	disco, err := discovery.NewDiscoveryClientForConfigAndClient(cfg, client(cfg))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := disco.ServerGroups(); err != nil {
+		t.Errorf("discovery: %v", err)
+	}
+	if _, err := disco.ServerVersion(); err != nil {
+		t.Errorf("discovery: %v", err)
+	}
+
+	cfg = newConfig()
+	informerClients, err := kubernetes.NewForConfigAndClient(cfg, client(cfg))
+	if err != nil {
+		t.Fatal(err)
+	}
+	factory := informers.NewSharedInformerFactory(informerClients, 0)
+	nodes := factory.Core().V1().Nodes().Informer()
+	stop := make(chan struct{})
+	factory.Start(stop)
+	if !cache.WaitForCacheSync(ctx.Done(), nodes.HasSynced) || len(nodes.GetStore().List()) == 0 {
+		t.Error("node informer did not sync")
+	}
+	close(stop)
+	factory.Shutdown()
+
+	for _, ri := range f.srv.Requests() {
+		if ri.CertCN != "alice" || ri.UserAgent != "transportfor-test" {
+			t.Errorf("%s %s: certificate %q, user agent %q", ri.Method, ri.Path, ri.CertCN, ri.UserAgent)
+		}
+	}
+	if st := f.srv.Stats(); st.Accepted != 1 {
+		t.Errorf("every client together opened %d connections, want 1", st.Accepted)
+	}
+	if st := p.Stats(); st.Identities != 1 || st.PassThrough != 0 || st.Misses != 1 || st.Hits != 3 {
+		t.Errorf("pool stats %+v, want one identity built once and 3 hits", st)
+	}
+}
+
+// TestTransportForConnections: the seed's load with a config per request
+// (a token, user agent and impersonation of its own, Proxy set), through
+// HTTPClientFor: one connection; with keep-alive off, one per request, the
+// handshakes resumed.
+func TestTransportForConnections(t *testing.T) {
+	workers, requests := 50, 10
+	if raceDetector() {
+		requests = 4
+	}
+	f := newFixture(t, testserver.Options{})
+	load := func(t *testing.T, p *Pool, workers, requests int) {
+		errs := runClients(workers, requests, func(w, i int) error {
+			cfg := f.srv.RestConfig(f.alice)
+			cfg.Proxy = nilProxy
+			cfg.BearerToken = fmt.Sprintf("token-%d-%d", w, i)
+			cfg.UserAgent = fmt.Sprintf("worker-%d", w)
+			cfg.Impersonate.UserName = fmt.Sprintf("user-%d", i)
+			hc, err := p.HTTPClientFor(cfg)
+			if err != nil {
+				return err
+			}
+			cs, err := kubernetes.NewForConfigAndClient(cfg, hc)
+			if err != nil {
+				return err
+			}
+			_, err = cs.CoreV1().Nodes().List(context.Background(), metav1.ListOptions{})
+			return err
+		})
+		checkNoErrors(t, errs)
+	}
+
+	t.Run("keep-alive on", func(t *testing.T) {
+		resetMember(t, f)
+		p := newPool(t)
+		load(t, p, workers, requests)
+		if st := f.srv.Stats(); st.Accepted != 1 {
+			t.Errorf("%d configs of one identity: the server accepted %d connections, want 1", workers*requests, st.Accepted)
+		}
+		if st := p.Stats(); st.Misses != 1 || st.Hits != uint64(workers*requests-1) || st.PassThrough != 0 {
+			t.Errorf("pool %+v, want 1 miss and %d hits", st, workers*requests-1)
+		}
+	})
+
+	t.Run("keep-alive off", func(t *testing.T) {
+		resetMember(t, f)
+		p := newPool(t, WithKeepAlive(false))
+		const n = 20
+		load(t, p, 1, n)
+		st := f.srv.Stats()
+		if st.Accepted != n || st.FullHandshakes+st.ResumedHandshakes != n || st.ResumedHandshakes < n-2 {
+			t.Errorf("keep-alive off, %d requests: %d connections, %d full and %d resumed handshakes; want %d connections, nearly all resumed",
+				n, st.Accepted, st.FullHandshakes, st.ResumedHandshakes, n)
+		}
+		if st.Open > 1 {
+			t.Errorf("keep-alive off left %d connections open", st.Open)
+		}
+	})
+}
+
+// TestTransportForLifetime: the round tripper keeps its identity; once it is
+// gone the identity is released; rotation reaches it; Close ends it.
+func TestTransportForLifetime(t *testing.T) {
+	rec := &cnRecorder{}
+	f := newFixture(t, testserver.Options{OnRequest: rec.record})
+	p := newPool(t, WithIdleTimeout(0), WithPollInterval(0), WithDrainTimeout(time.Second))
+	d := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
+
+	rt, err := p.TransportFor(d.config(f.srv.URL()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if code, err := getVia(rt, f.srv.URL()+"/version"); err != nil || code != http.StatusOK {
+		t.Fatalf("%d %v", code, err)
+	}
+	for range 3 {
+		runtime.GC()
+	}
+	time.Sleep(50 * time.Millisecond)
+	if got := p.Stats().Identities; got != 1 {
+		t.Fatalf("%d identities while the round tripper is live, want 1", got)
+	}
+
+	d.write(t, f.bob, f.ca.CertPEM())
+	written := time.Now()
+	waitFor(t, "a request with the rotated certificate", func() bool {
+		if _, err := getVia(rt, f.srv.URL()+"/version"); err != nil {
+			t.Fatal(err)
+		}
+		_, ok := rec.firstSince("bob", written)
+		return ok
+	})
+
+	runtime.KeepAlive(rt)
+	rt = nil
+	waitFor(t, "identity released after its round tripper", func() bool {
+		runtime.GC()
+		return p.Stats().Identities == 0
+	})
+
+	rt, err = p.TransportFor(f.srv.RestConfig(f.alice))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := p.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := getVia(rt, f.srv.URL()+"/version"); !errors.Is(err, ErrClosed) {
+		t.Errorf("request after Close: %v, want ErrClosed", err)
+	}
+	if _, err := p.TransportFor(f.srv.RestConfig(f.alice)); !errors.Is(err, ErrClosed) {
+		t.Errorf("TransportFor on a closed pool: %v, want ErrClosed", err)
+	}
+	if _, err := p.HTTPClientFor(f.srv.RestConfig(f.alice)); !errors.Is(err, ErrClosed) {
+		t.Errorf("HTTPClientFor on a closed pool: %v, want ErrClosed", err)
+	}
+}
