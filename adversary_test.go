@@ -51,7 +51,9 @@ func TestAdversaryCopyFilesRotate(t *testing.T) {
 				}
 			}
 			other.write(t, f.bob, f.ca.CertPEM())
-			time.Sleep(certFileSettle) // past client-go's one-second cache of the files
+			// Past client-go's one-second cache of the files and the pool's 1.2 s
+			// limit on a finding made by comparing what files hold.
+			time.Sleep(certFileSettle + 500*time.Millisecond)
 			bobSeen := observation{CN: "bob", Proto: h2, Gzip: true, Via: "direct"}
 			if got, control := before[0].observe(), before[1].observe(); got != control {
 				t.Errorf("client of the copy built before its files changed: through the pool %+v, through client-go alone %+v", got, control)
