@@ -95,6 +95,11 @@ type generation struct {
 	// an exec plugin and is asked for at handshake time).
 	roots *x509.CertPool
 	leaf  []byte
+	// The client certificate's subject and expiry, for Identities and the
+	// expiry warning; warned says the warning for it was logged.
+	certCN       string
+	certNotAfter time.Time
+	warned       atomic.Bool
 
 	hostsMu  sync.RWMutex // guards hosts
 	hosts    map[hostKey]*hostConns
@@ -155,6 +160,13 @@ func (p *Pool) newGeneration(e *entry, m *material) (*generation, error) {
 				return nil, err
 			}
 			g.leaf = cert.Certificate[0]
+			leaf := cert.Leaf
+			if leaf == nil {
+				if leaf, err = x509.ParseCertificate(g.leaf); err != nil {
+					return nil, err
+				}
+			}
+			g.certCN, g.certNotAfter = leaf.Subject.CommonName, leaf.NotAfter
 		}
 		if p.opts.sessionResumption && id.getCert == nil {
 			// One cache per generation: a resumed session carries the client
@@ -211,8 +223,10 @@ func (p *Pool) newGeneration(e *entry, m *material) (*generation, error) {
 func (g *generation) countHandshake(cs tls.ConnectionState) error {
 	if cs.DidResume {
 		g.stats.resumptions.Add(1)
+		g.owner.stats.resumptions.Add(1)
 	} else {
 		g.stats.handshakes.Add(1)
+		g.owner.stats.handshakes.Add(1)
 	}
 	return nil
 }
@@ -238,6 +252,8 @@ func (g *generation) dialer(dial func(context.Context, string, string) (net.Conn
 		}
 		g.stats.dials.Add(1)
 		g.stats.openConns.Add(1)
+		g.owner.stats.dials.Add(1)
+		g.owner.stats.openConns.Add(1)
 		c := &countedConn{Conn: conn, g: g}
 		g.connsMu.Lock()
 		closed := g.closed
@@ -288,6 +304,7 @@ func (c *countedConn) Close() error {
 	c.mu.Unlock()
 	if first {
 		c.g.stats.openConns.Add(-1)
+		c.g.owner.stats.openConns.Add(-1)
 		c.g.connsMu.Lock()
 		delete(c.g.conns, c)
 		c.g.connsMu.Unlock()

@@ -21,6 +21,7 @@ type options struct {
 	connectHeader     func(*rest.Config) http.Header
 	pollInterval      time.Duration
 	drainTimeout      time.Duration
+	expiryWarning     time.Duration
 	logger            klog.Logger
 
 	// Test seams, never exported: how long file events settle before a
@@ -45,6 +46,7 @@ func defaultOptions() options {
 		idleTimeout:       90 * time.Second,
 		pollInterval:      30 * time.Second,
 		drainTimeout:      2 * time.Minute,
+		expiryWarning:     24 * time.Hour,
 		logger:            klog.Background().WithName("sharedtransport"),
 		debounce:          100 * time.Millisecond,
 		maxWait:           500 * time.Millisecond,
@@ -148,6 +150,21 @@ func WithDrainTimeout(d time.Duration) Option {
 	return func(o *options) {
 		if d >= 0 {
 			o.drainTimeout = d
+		}
+	}
+}
+
+// WithExpiryWarning sets how long before a client certificate expires the
+// pool logs that no newer one has arrived: the rotation that should have
+// replaced it did not happen. The pool looks when a config is wrapped and at
+// every poll and file event (see [WithPollInterval]), and logs once per
+// certificate. The default is 24 hours; identities whose certificates live
+// less than a day warn about every certificate, so set a shorter lead for
+// them. Zero turns the warning off.
+func WithExpiryWarning(d time.Duration) Option {
+	return func(o *options) {
+		if d >= 0 {
+			o.expiryWarning = d
 		}
 	}
 }

@@ -1101,6 +1101,9 @@ func (iw *identityWatch) reload(resolve bool) {
 	if resolve {
 		defer iw.relook()
 	}
+	// Every poll and event looks at the expiry of the certificate in use:
+	// when no newer file arrives, that is the certificate that expires.
+	defer e.checkExpiry()
 	m, err := p.readMaterial(e.id, w.done)
 	if errors.Is(err, ErrClosed) {
 		return
@@ -1147,6 +1150,7 @@ func (iw *identityWatch) reload(resolve bool) {
 	if e.rotate(g, p.opts.drainTimeout) {
 		e.filesBad.Store(false)
 		p.stats.rotations.Add(1)
+		e.stats.rotations.Add(1)
 		p.opts.logger.V(2).Info("Rotated TLS material", "identity", e.id.key, "files", []string{e.id.caFile, e.id.certFile, e.id.keyFile})
 	}
 }
@@ -1156,5 +1160,6 @@ func (iw *identityWatch) keep(err error) {
 	p := iw.w.pool
 	iw.e.filesBad.Store(true)
 	p.stats.rotationErrors.Add(1)
+	iw.e.recordReloadError(err, p.opts.now())
 	p.opts.logger.Info("Keeping the last good TLS material", "identity", iw.e.id.key, "reason", err.Error())
 }

@@ -222,6 +222,11 @@ func TestSecretsStaySecret(t *testing.T) {
 	}
 	p.mu.Unlock()
 	note("Stats", fmt.Sprintf("%+v %#v", p.Stats(), p.Stats()))
+	identities := fmt.Sprintf("%+v %#v", p.Identities(), p.Identities())
+	if !strings.Contains(identities, "proxyuser:xxxxx@") || !strings.Contains(identities, "LastError:sharedtransport: ") {
+		t.Errorf("Identities shows neither the redacted proxy nor the last reload error: the scan does not see what it should:\n%s", identities)
+	}
+	note("Identities", identities)
 	runtime.KeepAlive([]*rest.Config{fileCfg, basicCfg, execCfg, proxyCfg}) // their identities were printed above
 	if err := p.Close(); err != nil {
 		t.Fatal(err)

@@ -618,6 +618,9 @@ type entry struct {
 	// entry shares it (keepalive.go).
 	hosts hostTable
 
+	stats      identityCounters              // the identity's share of the pool's counters
+	lastReload atomic.Pointer[reloadFailure] // the last reload rejected; nil: none
+
 	mu       sync.Mutex // guards draining, agreed and agreedNext
 	draining map[*generation]*time.Timer
 	// client-go transports found to agree with a generation. client-go hands
@@ -679,6 +682,7 @@ func (p *Pool) acquire(id *identity) (*lease, error) {
 			if !built {
 				p.stats.hits.Add(1)
 			}
+			e.checkExpiry()
 			return newLease(e), nil
 		}
 		p.mu.Unlock()

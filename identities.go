@@ -1,0 +1,209 @@
+package sharedtransport
+
+import (
+	"cmp"
+	"slices"
+	"strconv"
+	"strings"
+	"sync/atomic"
+	"time"
+)
+
+// IdentityInfo describes one identity of a pool at the moment
+// [Pool.Identities] was called. It holds no key material, no token and no
+// proxy password: it is safe to log and to export as metrics.
+type IdentityInfo struct {
+	// Name is the identity's name in the pool's logs: an HMAC under a random
+	// per-process key, stable for the process.
+	Name string
+	// Hosts are the servers the identity sent requests to, as
+	// "scheme://host:port"; empty until the first request.
+	Hosts []string
+	// Proxy is the proxy URL the identity's configs set, user info
+	// redacted; "direct" for none, and "" when the environment's proxy
+	// settings apply.
+	Proxy string
+	// Files are the CA, client certificate and key files watched for
+	// rotation.
+	Files []string
+	// Watch is how the files are watched: "file events" (with polling
+	// besides, see [WithPollInterval]), "polling" when the kernel refused
+	// a watch on one of their directories, "none" when neither runs, and ""
+	// without files.
+	Watch string
+	// Auth says what the identity authenticates with at the TLS layer:
+	// "client certificate", "exec plugin" (a certificate the plugin gives at
+	// handshake time), "insecure" (the server is not verified; a client
+	// certificate may be presented besides), or "none" (tokens and basic
+	// auth travel per request and are not part of the identity).
+	Auth string
+	// CertSubject and CertNotAfter are the common name and expiry of the
+	// client certificate in use; empty for exec plugins and identities
+	// without a certificate.
+	CertSubject  string
+	CertNotAfter time.Time
+	// Since is when the TLS material in use was taken into use: when the
+	// identity was built, or its last rotation.
+	Since time.Time
+
+	OpenConns   int    // TCP connections open now, draining ones included
+	Dials       uint64 // TCP connections dialed
+	Handshakes  uint64 // full TLS handshakes
+	Resumptions uint64 // resumed TLS handshakes
+	Rotations   uint64 // certificate or CA changes taken into use
+
+	// RotationErrors counts rejected reloads. The last one's error, its
+	// time and the file it names are kept, also after a later rotation
+	// succeeded (compare LastErrorTime with Since).
+	RotationErrors uint64
+	LastError      string
+	LastErrorTime  time.Time
+	LastErrorFile  string
+}
+
+// identityCounters are one identity's share of the pool's counters, counted
+// at the same places.
+type identityCounters struct {
+	dials, handshakes, resumptions atomic.Uint64
+	rotations, rotationErrors      atomic.Uint64
+	openConns                      atomic.Int64
+}
+
+// reloadFailure is a rejected reload.
+type reloadFailure struct {
+	err, file string
+	at        time.Time
+}
+
+// recordReloadError counts err against e and keeps it as its last. The
+// file is the first of e's files the error names: every reload error names
+// the file it is about.
+func (e *entry) recordReloadError(err error, at time.Time) {
+	e.stats.rotationErrors.Add(1)
+	msg := redactURLs(err.Error())
+	f := &reloadFailure{err: msg, at: at}
+	for _, path := range []string{e.id.certFile, e.id.keyFile, e.id.caFile} {
+		if path != "" && strings.Contains(msg, strconv.Quote(path)) {
+			f.file = path
+			break
+		}
+	}
+	e.lastReload.Store(f)
+}
+
+// Identities returns a snapshot of the pool's live identities, sorted by
+// name. Counters of one identity are read one after another, not at one
+// instant.
+func (p *Pool) Identities() []IdentityInfo {
+	type live struct {
+		e     *entry
+		watch *identityWatch
+	}
+	p.mu.Lock()
+	entries := make([]live, 0, len(p.entries))
+	for _, e := range p.entries {
+		entries = append(entries, live{e, e.watch})
+	}
+	p.mu.Unlock()
+
+	out := make([]IdentityInfo, 0, len(entries))
+	for _, l := range entries {
+		out = append(out, l.e.info(l.watch))
+	}
+	slices.SortFunc(out, func(a, b IdentityInfo) int { return cmp.Compare(a.Name, b.Name) })
+	return out
+}
+
+func (e *entry) info(watch *identityWatch) IdentityInfo {
+	id, g := e.id, e.current.Load()
+	info := IdentityInfo{
+		Name:           id.key.String(),
+		Hosts:          e.hosts.names(),
+		Proxy:          redactHost(id.key.proxy),
+		CertSubject:    g.certCN,
+		CertNotAfter:   g.certNotAfter,
+		Since:          time.Unix(0, e.since.Load()),
+		OpenConns:      int(e.stats.openConns.Load()),
+		Dials:          e.stats.dials.Load(),
+		Handshakes:     e.stats.handshakes.Load(),
+		Resumptions:    e.stats.resumptions.Load(),
+		Rotations:      e.stats.rotations.Load(),
+		RotationErrors: e.stats.rotationErrors.Load(),
+	}
+	for _, f := range []string{id.caFile, id.certFile, id.keyFile} {
+		if f != "" {
+			info.Files = append(info.Files, f)
+		}
+	}
+	switch {
+	case id.insecure:
+		info.Auth = "insecure"
+	case id.getCert != nil:
+		info.Auth = "exec plugin"
+	case g.leaf != nil:
+		info.Auth = "client certificate"
+	default:
+		info.Auth = "none"
+	}
+	if watch != nil {
+		info.Watch = watch.mode()
+	}
+	if f := e.lastReload.Load(); f != nil {
+		info.LastError, info.LastErrorTime, info.LastErrorFile = f.err, f.at, f.file
+	}
+	return info
+}
+
+// names lists the hosts in t as URLs without paths, sorted.
+func (t *hostTable) names() []string {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if len(t.hosts) == 0 {
+		return nil
+	}
+	out := make([]string, 0, len(t.hosts))
+	for k := range t.hosts {
+		out = append(out, k.scheme+"://"+k.host)
+	}
+	slices.Sort(out)
+	return out
+}
+
+// mode says how iw's files are watched; see IdentityInfo.Watch.
+func (iw *identityWatch) mode() string {
+	w := iw.w
+	events := !w.notifyOff
+	w.mu.Lock()
+	for _, d := range iw.dirs {
+		if wd := w.dirs[d]; wd == nil || !wd.watched {
+			events = false
+		}
+	}
+	w.mu.Unlock()
+	switch {
+	case events:
+		return "file events"
+	case w.notifyOff && w.pool.opts.pollInterval == 0:
+		return "none"
+	default:
+		return "polling"
+	}
+}
+
+// checkExpiry logs, once per generation, that the client certificate in use
+// expires within the pool's expiry warning lead time: the rotation that
+// should have replaced it has not happened.
+func (e *entry) checkExpiry() {
+	lead := e.pool.opts.expiryWarning
+	g := e.current.Load()
+	if lead <= 0 || g.certNotAfter.IsZero() || g.warned.Load() {
+		return
+	}
+	left := g.certNotAfter.Sub(e.pool.opts.now())
+	if left > lead || !g.warned.CompareAndSwap(false, true) {
+		return
+	}
+	e.pool.opts.logger.Info("Client certificate expires soon and no newer one has arrived: renew it",
+		"identity", e.id.key, "certificate", describe(e.id.certFile, "inline data"),
+		"subject", g.certCN, "notAfter", stamp(g.certNotAfter), "left", left.Round(time.Second))
+}

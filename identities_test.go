@@ -1,0 +1,274 @@
+package sharedtransport
+
+import (
+	"context"
+	"net/http"
+	"net/url"
+	"runtime"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"k8s.io/client-go/rest"
+	"k8s.io/klog/v2"
+
+	"github.com/sharedtransport/sharedtransport/internal/testserver"
+)
+
+// serverConns is the server's count, per client certificate CN, of the
+// connections requests came on and of those that were resumed.
+type serverConns struct {
+	mu      sync.Mutex
+	resumed map[string]map[string]bool // CN -> remote address -> resumed
+}
+
+func (s *serverConns) onRequest(ri testserver.RequestInfo) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.resumed[ri.CertCN] == nil {
+		s.resumed[ri.CertCN] = map[string]bool{}
+	}
+	s.resumed[ri.CertCN][ri.RemoteAddr] = ri.Resumed
+}
+
+// count returns the connections of the CNs, and how many were full and
+// resumed handshakes.
+func (s *serverConns) count(cns ...string) (conns, full, resumed uint64) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, cn := range cns {
+		for _, r := range s.resumed[cn] {
+			conns++
+			if r {
+				resumed++
+			} else {
+				full++
+			}
+		}
+	}
+	return conns, full, resumed
+}
+
+func findIdentity(infos []IdentityInfo, pred func(IdentityInfo) bool) (IdentityInfo, bool) {
+	i := slices.IndexFunc(infos, pred)
+	if i < 0 {
+		return IdentityInfo{}, false
+	}
+	return infos[i], true
+}
+
+// TestIdentitySnapshot: the per-identity snapshot, read without pause while
+// identities come and go, a reload is rejected and a rotation taken, agrees
+// with what the server counted for each identity: connections, full and
+// resumed handshakes. Keep-alive is off, so every request has a connection
+// of its own and the counts are exact.
+func TestIdentitySnapshot(t *testing.T) {
+	server := &serverConns{resumed: map[string]map[string]bool{}}
+	f := newFixture(t, testserver.Options{OnRequest: server.onRequest})
+	p := newPool(t, WithKeepAlive(false), WithIdleTimeout(0), withDebounce(10*time.Millisecond))
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+
+	dir := newCertDir(t, secretVolume, f.alice, f.ca.CertPEM())
+	fileCfg, _ := dir.wrapped(t, p, f.srv.URL())
+	proxy := newConnectProxy(t)
+	password := randomSecret(t, "proxy-password-")
+	proxyCfg := f.srv.RestConfig(f.bob)
+	proxyURL, _ := url.Parse("http://someone:" + password + "@" + proxy.addr())
+	proxyCfg.Proxy = http.ProxyURL(proxyURL)
+	if err := p.Wrap(proxyCfg); err != nil {
+		t.Fatal(err)
+	}
+	isFile := func(i IdentityInfo) bool { return len(i.Files) > 0 }
+	isProxy := func(i IdentityInfo) bool { return strings.Contains(i.Proxy, proxy.addr()) }
+
+	// Readers and churn run through everything below.
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Add(3)
+	for range 2 {
+		go func() {
+			defer wg.Done()
+			for {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				infos := p.Identities()
+				if !slices.IsSortedFunc(infos, func(a, b IdentityInfo) int { return strings.Compare(a.Name, b.Name) }) {
+					t.Errorf("snapshot not sorted by name")
+				}
+				time.Sleep(time.Millisecond)
+			}
+		}()
+	}
+	go func() {
+		defer wg.Done()
+		for i := 0; ; i++ {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			cfg := churnConfig(f, i)
+			if err := p.Wrap(cfg); err != nil {
+				t.Error(err)
+				return
+			}
+			if _, err := rest.HTTPClientFor(cfg); err != nil {
+				t.Error(err)
+				return
+			}
+		}
+	}()
+
+	send := func(n int) {
+		t.Helper()
+		for range n {
+			for _, cfg := range []*rest.Config{fileCfg, proxyCfg} {
+				if err := listNodes(ctx, cfg); err != nil {
+					t.Fatal(err)
+				}
+			}
+		}
+	}
+	send(5)
+	// A pair that does not match is rejected, then carol's taken.
+	dir.write(t, &testserver.KeyPair{CertPEM: f.alice.CertPEM, KeyPEM: f.bob.KeyPEM}, f.ca.CertPEM())
+	waitFor(t, "the mismatched pair rejected", func() bool {
+		i, _ := findIdentity(p.Identities(), isFile)
+		return i.RotationErrors == 1
+	})
+	dir.write(t, f.carol, f.ca.CertPEM())
+	waitFor(t, "carol's certificate taken", func() bool {
+		i, _ := findIdentity(p.Identities(), isFile)
+		return i.Rotations == 1
+	})
+	send(5)
+	close(stop)
+	wg.Wait()
+	waitFor(t, "every connection closed", func() bool {
+		for _, i := range p.Identities() {
+			if i.OpenConns != 0 {
+				return false
+			}
+		}
+		return true
+	})
+
+	infos := p.Identities()
+	t.Logf("%d identities", len(infos))
+	file, ok := findIdentity(infos, isFile)
+	if !ok {
+		t.Fatal("no identity with files in the snapshot")
+	}
+	prox, ok := findIdentity(infos, isProxy)
+	if !ok {
+		t.Fatal("no identity with the proxy in the snapshot")
+	}
+	for _, c := range []struct {
+		name string
+		info IdentityInfo
+		cns  []string
+	}{{"certificate files", file, []string{"alice", "carol"}}, {"proxy", prox, []string{"bob"}}} {
+		conns, full, resumed := server.count(c.cns...)
+		if c.info.Dials != conns || c.info.Handshakes != full || c.info.Resumptions != resumed {
+			t.Errorf("%s: snapshot counts %d dials, %d full and %d resumed handshakes; the server saw %d connections, %d full and %d resumed",
+				c.name, c.info.Dials, c.info.Handshakes, c.info.Resumptions, conns, full, resumed)
+		}
+		if conns != 10 {
+			t.Errorf("%s: the server saw %d connections, want 10 (one per request)", c.name, conns)
+		}
+		if !slices.Equal(c.info.Hosts, []string{f.srv.URL()}) {
+			t.Errorf("%s: hosts %q, want %q", c.name, c.info.Hosts, f.srv.URL())
+		}
+		if c.info.Auth != "client certificate" {
+			t.Errorf("%s: auth %q", c.name, c.info.Auth)
+		}
+	}
+	if prox.Proxy != "http://someone:xxxxx@"+proxy.addr() {
+		t.Errorf("proxy shown as %q, want its password redacted", prox.Proxy)
+	}
+	if file.CertSubject != "carol" || file.Rotations != 1 || file.RotationErrors != 1 {
+		t.Errorf("file identity: subject %q, %d rotations, %d errors; want carol, 1, 1", file.CertSubject, file.Rotations, file.RotationErrors)
+	}
+	if file.LastErrorFile != dir.cert || !strings.Contains(file.LastError, "do not form a valid pair") || file.LastErrorTime.After(file.Since) {
+		t.Errorf("last error %q in %q at %v (material since %v): want the pair rejected, before the rotation", file.LastError, file.LastErrorFile, file.LastErrorTime, file.Since)
+	}
+	if !slices.Equal(file.Files, []string{dir.ca, dir.cert, dir.key}) || file.Watch != "file events" {
+		t.Errorf("file identity: files %q watched by %q", file.Files, file.Watch)
+	}
+	if prox.Files != nil || prox.Watch != "" || prox.CertSubject != "bob" {
+		t.Errorf("proxy identity: files %q, watch %q, subject %q", prox.Files, prox.Watch, prox.CertSubject)
+	}
+	var dials, hs, res uint64
+	for _, i := range infos {
+		dials, hs, res = dials+i.Dials, hs+i.Handshakes, res+i.Resumptions
+	}
+	if st := p.Stats(); st.Dials != dials || st.Handshakes != hs || st.Resumptions != res {
+		t.Errorf("pool counts %d dials, %d and %d handshakes; its identities %d, %d and %d", st.Dials, st.Handshakes, st.Resumptions, dials, hs, res)
+	}
+}
+
+// TestExpiryWarning: a client certificate that expires within the lead time
+// is logged once: at Wrap, or at the reload that takes it into use, and at no
+// later poll or Wrap. One that is not near its expiry is not logged, and the
+// snapshot shows the expiry of each.
+func TestExpiryWarning(t *testing.T) {
+	logs := captureKlog(t, 0)
+	f := newFixture(t, testserver.Options{})
+	issueShort := func(cn string) *testserver.KeyPair {
+		now := time.Now()
+		kp, err := f.ca.Issue(testserver.CertSpec{CommonName: cn, Client: true, NotBefore: now.Add(-time.Hour), NotAfter: now.Add(90 * time.Minute)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return kp
+	}
+	short, short2 := issueShort("short"), issueShort("short2")
+	p := newPool(t, WithExpiryWarning(2*time.Hour), WithPollInterval(20*time.Millisecond), withDebounce(10*time.Millisecond))
+	shortDir := newCertDir(t, renameOver, short, f.ca.CertPEM())
+	longDir := newCertDir(t, renameOver, f.alice, f.ca.CertPEM()) // valid for 24 hours
+	shortCfg, _ := shortDir.wrapped(t, p, f.srv.URL())
+	longCfg, _ := longDir.wrapped(t, p, f.srv.URL())
+	warnings := func() int { klog.Flush(); return strings.Count(logs.String(), "Client certificate expires soon") }
+	time.Sleep(200 * time.Millisecond) // polls come and go
+	if err := p.Wrap(rest.CopyConfig(shortCfg)); err != nil {
+		t.Fatal(err)
+	}
+	if n := warnings(); n != 1 {
+		t.Fatalf("%d expiry warnings, want 1 (the short certificate's):\n%s", n, logs.String())
+	}
+	if text := logs.String(); !strings.Contains(text, `subject="short"`) || !strings.Contains(text, shortDir.cert) {
+		t.Errorf("the warning names neither the certificate file nor its subject:\n%s", text)
+	}
+
+	infos := p.Identities()
+	for _, c := range []struct {
+		dir *certDir
+		kp  *testserver.KeyPair
+	}{{shortDir, short}, {longDir, f.alice}} {
+		i, ok := findIdentity(infos, func(i IdentityInfo) bool { return slices.Contains(i.Files, c.dir.cert) })
+		if !ok {
+			t.Fatalf("no identity for %s", c.dir.cert)
+		}
+		if want := c.kp.Cert.NotAfter; !i.CertNotAfter.Equal(want) {
+			t.Errorf("%s: NotAfter %v, want %v", c.dir.cert, i.CertNotAfter, want)
+		}
+	}
+
+	// A rotation to a certificate that expires soon is logged when taken.
+	longDir.write(t, short2, f.ca.CertPEM())
+	waitFor(t, "a second warning", func() bool { return warnings() == 2 })
+	time.Sleep(200 * time.Millisecond)
+	if n := warnings(); n != 2 {
+		t.Errorf("%d expiry warnings, want 2", n)
+	}
+	if !strings.Contains(logs.String(), `subject="short2"`) {
+		t.Errorf("the second warning is not short2's:\n%s", logs.String())
+	}
+	runtime.KeepAlive([]*rest.Config{shortCfg, longCfg})
+}
