@@ -583,6 +583,29 @@ func TestRotationDrain(t *testing.T) {
 	_ = watch.Added
 }
 
+// TestRotationClosesIdleAtOnce: the idle connection of the old material
+// closes at the rotation, on the server's count, long before the drain
+// timeout and with no request to trigger it.
+func TestRotationClosesIdleAtOnce(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	dave, err := f.ca.IssueClient("dave")
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := newPool(t, WithPollInterval(0), WithDrainTimeout(time.Hour))
+	d := newCertDir(t, secretVolume, f.alice, f.ca.CertPEM())
+	cfg, _ := d.wrapped(t, p, f.srv.URL())
+	if err := listNodes(context.Background(), cfg); err != nil {
+		t.Fatal(err)
+	}
+	if n := f.srv.OpenConns(); n != 1 {
+		t.Fatalf("%d connections open on the server before the rotation, want 1", n)
+	}
+	d.write(t, dave, f.ca.CertPEM())
+	waitFor(t, "rotation", func() bool { return p.Stats().Rotations == 1 })
+	waitFor(t, "the server to see the old material's idle connection closed", func() bool { return f.srv.OpenConns() == 0 })
+}
+
 // TestRotationCA: a CA appended to the bundle (overlap), then the server
 // moves to a certificate from the new CA; and a CA replaced outright after
 // the server moved.

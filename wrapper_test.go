@@ -807,3 +807,42 @@ func TestProxyConnectHeader(t *testing.T) {
 		}
 	})
 }
+
+// TestWrapProxyOtherHosts: a wrapped config with Proxy shares the pool's
+// connection for its own host only; requests its clients send to another
+// host stay on client-go's transport of each client, as they would without
+// the pool, even where the Proxy sends that host the way the pool's
+// transport would. Counted on both servers.
+func TestWrapProxyOtherHosts(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	second, err := testserver.Start(testserver.Options{CA: f.ca})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { second.Close() })
+	p := newPool(t)
+	const clients = 2
+	for range clients {
+		cfg := f.srv.RestConfig(f.alice)
+		// Direct everywhere, as the environment sends loopback hosts.
+		cfg.Proxy = func(*http.Request) (*url.URL, error) { return nil, nil }
+		if err := p.Wrap(cfg); err != nil {
+			t.Fatal(err)
+		}
+		hc, err := rest.HTTPClientFor(cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, u := range []string{f.srv.URL(), second.URL()} {
+			if code, err := getVia(hc.Transport, u+"/version"); err != nil || code != http.StatusOK {
+				t.Fatalf("GET %s/version: %d %v", u, code, err)
+			}
+		}
+	}
+	if n := f.srv.Stats().Accepted; n != 1 {
+		t.Errorf("the config's host accepted %d connections from %d clients of one identity, want 1", n, clients)
+	}
+	if n := second.Stats().Accepted; n != clients {
+		t.Errorf("the other host accepted %d connections from %d clients, want %d: one per client's own client-go transport", n, clients, clients)
+	}
+}
