@@ -113,7 +113,7 @@ func (h *hook) wrap(rt http.RoundTripper) http.RoundTripper {
 		h.pool.stats.passThrough.Add(1)
 		return rt // SPDY, websocket, a caller's own transport: never replaced
 	}
-	c := &clientTransport{lease: l, clientGo: h.id.withWrapperHeader(rt), got: got, dial: h.dial, onlyHost: h.onlyHost}
+	c := &clientTransport{lease: l, clientGo: h.id.withWrapperHeader(rt), got: got, dial: h.dial, onlyHost: h.onlyHost, built: time.Now()}
 	g := l.e.current.Load()
 	if !sameShape(rt, got, g, h.id, h.dial) {
 		h.pool.stats.passThrough.Add(1)
@@ -182,7 +182,14 @@ type clientTransport struct {
 
 	state      atomic.Pointer[verdict]
 	passedOnce atomic.Bool // counted in Stats.PassThrough
+	built      time.Time   // when the hook saw client-go's transport
 }
+
+// refresherSettle is how long after client-go built a transport for
+// certificate files the pool waits before asking it for its certificate:
+// client-go's refresher asks at once when the transport is built and returns
+// what it read outside its lock, so the two must not meet.
+const refresherSettle = 50 * time.Millisecond
 
 // verdict is a clientTransport's finding about one generation.
 type verdict struct {
@@ -253,6 +260,7 @@ func (c *clientTransport) check(g *generation) (shared, byContent bool) {
 		return false, false
 	}
 	if fromFiles {
+		time.Sleep(time.Until(c.built.Add(refresherSettle)))
 		// One look at a time per identity: client-go's certificate-file
 		// refresher returns its certificate outside its lock, so concurrent
 		// askers race inside client-go.
