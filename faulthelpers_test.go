@@ -55,6 +55,7 @@ type forwarder struct {
 	tunnelMu       sync.Mutex
 	tunnels        map[string]http.Header // upstream local address -> the CONNECT request's header
 	upstreams      sync.Map               // local address of every open upstream connection -> the client's address
+	hops           sync.Map               // "local|remote" of every open upstream connection -> [2]string{client's address, f's address}
 	closedByClient atomic.Int64           // client connections that ended from the client's side
 
 	mu     sync.Mutex // guards pipes and closed
@@ -163,6 +164,9 @@ func (f *forwarder) handle(c net.Conn) {
 	}
 	f.upstreams.Store(upAddr, c.RemoteAddr().String())
 	defer f.upstreams.Delete(upAddr) // a closed connection's port is reused
+	hop := upAddr + "|" + up.RemoteAddr().String()
+	f.hops.Store(hop, [2]string{c.RemoteAddr().String(), c.LocalAddr().String()})
+	defer f.hops.Delete(hop)
 	p := &pipe{client: c, upstream: up}
 	f.mu.Lock()
 	if f.closed {
@@ -247,6 +251,18 @@ func (f *forwarder) carried(addr string) (client string, ok bool) {
 		return "", false
 	}
 	return v.(string), true
+}
+
+// carriedTo is carried for the connection from addr to dest: an ephemeral
+// port is unique per destination only, so both ends name a connection. It
+// returns the client connection's two ends.
+func (f *forwarder) carriedTo(addr, dest string) (from, fromDest string, ok bool) {
+	v, ok := f.hops.Load(addr + "|" + dest)
+	if !ok {
+		return "", "", false
+	}
+	ends := v.([2]string)
+	return ends[0], ends[1], true
 }
 
 func (f *forwarder) open() int {

@@ -134,24 +134,26 @@ func (c *rigClient) observe() observation {
 		return o
 	}
 	o.CN, o.Token, o.Proto, o.Gzip = ri.CertCN, ri.Token, ri.Proto, strings.Contains(ri.AcceptEncoding, "gzip")
-	o.Via = c.r.via(ri.RemoteAddr)
+	o.Via = c.r.via(ri.RemoteAddr, c.r.srv.Addr())
 	return o
 }
 
-// via names the hops a connection the server saw from addr came through.
-func (r *copyRig) via(addr string) string {
+// via names the hops a connection the server saw from addr (to dest, the
+// server's address) came through.
+func (r *copyRig) via(addr, dest string) string {
 	var hops []string
 	for hop := true; hop; {
 		hop = false
 		for i, f := range append(r.proxies[:], r.relays[:]...) {
-			if from, ok := f.carried(addr); ok {
+			if from, fromDest, ok := f.carriedTo(addr, dest); ok {
 				hops = append(hops, [...]string{"proxy 1", "proxy 2", "relay 1", "relay 2"}[i])
-				addr, hop = from, true
+				addr, dest, hop = from, fromDest, true
+				break
 			}
 		}
 	}
 	for i, d := range r.dialers {
-		if _, ok := d.conns.Load(addr); ok {
+		if _, ok := d.conns.Load(addr + "|" + dest); ok {
 			hops = append(hops, fmt.Sprint("dialer ", i+1))
 		}
 	}
@@ -172,7 +174,7 @@ func (d *markedDialer) dial(ctx context.Context, network, address string) (net.C
 	if err != nil {
 		return nil, err
 	}
-	d.conns.Store(c.LocalAddr().String(), true)
+	d.conns.Store(c.LocalAddr().String()+"|"+c.RemoteAddr().String(), true)
 	return &markedConn{Conn: c, d: d}, nil
 }
 
@@ -182,7 +184,7 @@ type markedConn struct {
 }
 
 func (c *markedConn) Close() error {
-	c.d.conns.Delete(c.LocalAddr().String())
+	c.d.conns.Delete(c.LocalAddr().String() + "|" + c.RemoteAddr().String())
 	return c.Conn.Close()
 }
 
