@@ -293,7 +293,7 @@ func TestGoaway(t *testing.T) {
 		opts     []Option
 		peakOpen int // most connections open at once
 	}{
-		{"defaults", nil, 2 * workers},
+		{"defaults", nil, workers},
 		{"WithMaxConnsPerHost(1)", []Option{WithMaxConnsPerHost(1)}, 10},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

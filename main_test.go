@@ -1,12 +1,27 @@
 package sharedtransport
 
 import (
+	"flag"
 	"testing"
 
 	"go.uber.org/goleak"
 )
 
+// focusedTests, set under the mutation build tag (mutation_test.go), is the
+// test set each mutant of a mutation run is tried against.
+var focusedTests string
+
 func TestMain(m *testing.M) {
+	if focusedTests != "" {
+		// The mutation tester runs plain go test: the set and -short
+		// are chosen here.
+		if err := flag.Set("test.run", focusedTests); err != nil {
+			panic(err)
+		}
+		if err := flag.Set("test.short", "true"); err != nil {
+			panic(err)
+		}
+	}
 	goleak.VerifyTestMain(m,
 		// klog's flush daemon, started by client-go's import of klog.
 		goleak.IgnoreTopFunction("k8s.io/klog/v2.(*flushDaemon).run.func1"),

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Mutation testing of the identity, hook and connection code with gremlins
+# (not run in CI: each mutant builds and runs the focused test set, tens of
+# seconds on a shared 2-core machine).
+#
+# The focused set is chosen by the mutation build tag (mutation_test.go):
+# the security- and connection-critical tests, in -short mode.
+#
+# Usage: hack/mutation.sh [file.go ...]   (default: wrapper.go sharedtransport.go keepalive.go)
+# Results: gremlins' summary on stdout, per-mutant JSON in mutation-<file>.json.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+command -v gremlins >/dev/null || go install github.com/go-gremlins/gremlins/cmd/gremlins@v0.6.0
+files=("$@")
+[ ${#files[@]} -gt 0 ] || files=(wrapper.go sharedtransport.go keepalive.go)
+for f in "${files[@]}"; do
+	# Mutate f alone: every other Go file of the module is excluded.
+	excludes=(-E '^(cmd|internal|e2e|hack)/')
+	for g in $(git ls-files '*.go' | grep -v / | grep -v '_test\.go$'); do
+		[ "$g" = "$f" ] || excludes+=(-E "^${g//./\\.}\$")
+	done
+	echo "== $f"
+	gremlins unleash --tags mutation --workers 1 --test-cpu 1 --timeout-coefficient 4 \
+		"${excludes[@]}" -o "mutation-${f%.go}.json" .
+done
