@@ -888,6 +888,10 @@ func TestRetiredGenerationRetried(t *testing.T) {
 	waitFor(t, "the first dial starts", func() bool { return dials.Load() == 1 })
 	d.write(t, dave, f.ca.CertPEM())
 	waitFor(t, "rotation", func() bool { return p.Stats().Rotations == 1 })
+	// The request is checked again before it is resent: past client-go's
+	// one-second cache of the files, client-go's transport for the config
+	// presents dave too, so the request may go with the new material.
+	time.Sleep(certFileSettle + 300*time.Millisecond)
 	close(release)
 	err = <-result
 	t.Logf("a request whose dial outlived the rotation: %v; server saw %v", err, rec.cns())

@@ -113,11 +113,19 @@ func (h *hook) wrap(rt http.RoundTripper) http.RoundTripper {
 		h.pool.stats.passThrough.Add(1)
 		return rt // SPDY, websocket, a caller's own transport: never replaced
 	}
-	c := &clientTransport{lease: l, clientGo: h.id.withWrapperHeader(rt), got: got, dial: h.dial, onlyHost: h.onlyHost, built: time.Now()}
 	g := l.e.current.Load()
 	if !sameShape(rt, got, g, h.id, h.dial) {
 		h.pool.stats.passThrough.Add(1)
 		return rt
+	}
+	c := &clientTransport{
+		lease:     l,
+		clientGo:  h.id.withWrapperHeader(rt),
+		got:       got,
+		dial:      h.dial,
+		onlyHost:  h.onlyHost,
+		envRoutes: h.id.proxy == nil && isEnvProxier(got.Proxy),
+		built:     time.Now(),
 	}
 	if !l.e.filesBad.Load() && !l.e.agrees(got, g, h.dial) && isClientGoTransportFor(got, h.id) {
 		// client-go's own transport for the identity's files, proven now by
@@ -180,6 +188,11 @@ type clientTransport struct {
 	dial     dialFingerprint
 	onlyHost string
 
+	// envRoutes: both client-go's transport and the identity's route by the
+	// environment (client-go's own proxy function for configs without
+	// Proxy), so requests need not ask both where they go.
+	envRoutes bool
+
 	state      atomic.Pointer[verdict]
 	passedOnce atomic.Bool // counted in Stats.PassThrough
 	built      time.Time   // when the hook saw client-go's transport
@@ -213,11 +226,18 @@ func (c *clientTransport) RoundTrip(req *http.Request) (*http.Response, error) {
 	if c.lease.e.closed.Load() {
 		return c.lease.RoundTrip(req) // ErrClosed, as for every client of a closed pool
 	}
+	return c.lease.roundTrip(req, c, c.clientGo)
+}
+
+// pick returns the generation req may go over, or nil when client-go's
+// transport must carry it. It is asked again before a resend: a request held
+// until a rotation closed its generation is checked against the new one.
+func (c *clientTransport) pick(req *http.Request) *generation {
 	v := c.verdict()
-	if !v.shared || !sameProxy(c.got.Proxy, v.g.transport.Proxy, req) {
-		return c.clientGo.RoundTrip(req)
+	if !v.shared || !c.envRoutes && !sameProxy(c.got.Proxy, v.g.transport.Proxy, req) {
+		return nil
 	}
-	return c.lease.roundTripOn(v.g, req)
+	return v.g
 }
 
 // verdict returns the finding for the current generation, checking once when
@@ -405,9 +425,7 @@ func clientGoTransport(rt http.RoundTripper) *http.Transport {
 		if !ok {
 			return nil
 		}
-		typ := reflect.TypeOf(rt)
-		if typ.Kind() != reflect.Pointer || typ.Elem().PkgPath() != "k8s.io/client-go/transport" ||
-			typ.Elem().Name() != "trackedTransport" && typ.Elem().Name() != "atomicTransportHolder" {
+		if name := clientGoHolder(rt); name != "trackedTransport" && name != "atomicTransportHolder" {
 			return nil
 		}
 		rt = w.WrappedRoundTripper()
@@ -433,6 +451,16 @@ func httpTransport(rt http.RoundTripper) *http.Transport {
 	return nil
 }
 
+// clientGoHolder names the type of rt when it is one of client-go's transport
+// package's own round trippers (a pointer to a struct there), or "".
+func clientGoHolder(rt http.RoundTripper) string {
+	t := reflect.TypeOf(rt)
+	if t == nil || t.Kind() != reflect.Pointer || t.Elem().Kind() != reflect.Struct || t.Elem().PkgPath() != "k8s.io/client-go/transport" {
+		return ""
+	}
+	return t.Elem().Name()
+}
+
 // readsCAFile reports whether rt is client-go's CA-reloading holder for
 // caFile (client-go v0.36+, ClientsAllowCARotation): its roots are that
 // file's, refreshed on client-go's own schedule, so the pool (which reloads
@@ -443,17 +471,13 @@ func readsCAFile(rt http.RoundTripper, caFile string) bool {
 		return false
 	}
 	for range 8 {
-		v := reflect.ValueOf(rt)
-		if v.Kind() == reflect.Pointer && v.Elem().Kind() == reflect.Struct {
-			t := v.Elem().Type()
-			if t.PkgPath() == "k8s.io/client-go/transport" && t.Name() == "atomicTransportHolder" {
-				f := v.Elem().FieldByName("caFile")
-				if f.Kind() != reflect.String {
-					return false
-				}
-				abs, err := filepath.Abs(f.String())
-				return err == nil && abs == caFile
+		if clientGoHolder(rt) == "atomicTransportHolder" {
+			f := reflect.ValueOf(rt).Elem().FieldByName("caFile")
+			if f.Kind() != reflect.String {
+				return false
 			}
+			abs, err := filepath.Abs(f.String())
+			return err == nil && abs == caFile
 		}
 		w, ok := rt.(utilnet.RoundTripperWrapper)
 		if !ok {
@@ -468,12 +492,16 @@ func readsCAFile(rt http.RoundTripper, caFile string) bool {
 // for configs without Proxy.
 var envProxierCode = reflect.ValueOf(utilnet.NewProxierWithNoProxyCIDR(http.ProxyFromEnvironment)).Pointer()
 
+func isEnvProxier(proxy func(*http.Request) (*url.URL, error)) bool {
+	return proxy != nil && reflect.ValueOf(proxy).Pointer() == envProxierCode
+}
+
 // isClientGoTransportFor reports whether got is the transport client-go's cache
 // holds for id's certificate files: the proof that got reads the same files,
 // which no comparison of what it presents can give (a copy naming other files
 // with the same bytes presents the same certificate until the files diverge).
 func isClientGoTransportFor(got *http.Transport, id *identity) bool {
-	if id.clientGoKey == nil || got.Proxy == nil || reflect.ValueOf(got.Proxy).Pointer() != envProxierCode {
+	if id.clientGoKey == nil || !isEnvProxier(got.Proxy) {
 		// Only a transport client-go built for a config without Proxy can
 		// be in its cache; asking the cache about another would build the
 		// identity's transport, and its certificate refresher, for nothing.
@@ -526,15 +554,27 @@ func sameURL(a, b *url.URL) bool {
 // over, or zero) is sent on the current one; ErrClosed means the pool (or
 // the identity) was closed.
 func (l *lease) RoundTrip(req *http.Request) (*http.Response, error) {
-	return l.roundTripOn(l.e.current.Load(), req)
+	return l.roundTrip(req, l, nil)
 }
 
-// roundTripOn sends req through generation g of the identity's transport, or,
-// when g retired before req reached the server, through the current one.
-func (l *lease) roundTripOn(g *generation, req *http.Request) (*http.Response, error) {
+func (l *lease) pick(*http.Request) *generation { return l.e.current.Load() }
+
+// A picker chooses the generation a request goes over (nil: not the pool's).
+type picker interface {
+	pick(req *http.Request) *generation
+}
+
+// roundTrip sends req through the generation p picks, and, when that
+// generation retired before req reached the server, through the one p picks
+// then. A nil generation sends req through other instead.
+func (l *lease) roundTrip(req *http.Request, p picker, other http.RoundTripper) (*http.Response, error) {
 	for resends := 0; ; resends++ {
 		if l.e.closed.Load() {
 			return nil, fmt.Errorf("%w: build the client from a config wrapped by an open pool", ErrClosed)
+		}
+		g := p.pick(req)
+		if g == nil {
+			return other.RoundTrip(req)
 		}
 		resp, err := g.roundTrip(l, req)
 		switch {
@@ -550,7 +590,6 @@ func (l *lease) roundTripOn(g *generation, req *http.Request) (*http.Response, e
 		if req, err = resendable(req, err); err != nil {
 			return nil, err
 		}
-		g = l.e.current.Load()
 	}
 }
 
@@ -749,11 +788,12 @@ func (p *Pool) connectHeaderFor(cfg *rest.Config) (h http.Header, fromWrappers, 
 }
 
 // probeWrappers runs wrap over a probe transport. replaced reports that wrap
-// handed back another *http.Transport; ok that it differs from the probe in
-// its CONNECT headers at most (a static header: GetProxyConnectHeader is not
-// recognised).
+// handed back another *http.Transport, or changed the probe in place; ok
+// that the result differs from the probe in its CONNECT headers at most (a
+// static header: GetProxyConnectHeader is not recognised).
 func probeWrappers(wrap transport.WrapperFunc) (h http.Header, replaced, ok bool) {
 	probe := &http.Transport{Proxy: probeProxy, DialContext: probeDial}
+	pristine := probe.Clone()
 	var out http.RoundTripper
 	func() {
 		defer func() {
@@ -765,6 +805,14 @@ func probeWrappers(wrap transport.WrapperFunc) (h http.Header, replaced, ok bool
 	}()
 	t := httpTransport(out)
 	if t == nil || t == probe {
+		// A wrapper may also change the transport it is handed in place:
+		// the pool's round tripper would hide that change from it too.
+		if !sameButConnectHeader(probe, pristine) || probe.GetProxyConnectHeader != nil {
+			return nil, true, false
+		}
+		if probe.ProxyConnectHeader != nil {
+			return probe.ProxyConnectHeader.Clone(), true, true
+		}
 		return nil, false, true
 	}
 	if t.GetProxyConnectHeader != nil || !sameButConnectHeader(t, probe) {

@@ -848,3 +848,96 @@ func TestWrapProxyOtherHosts(t *testing.T) {
 		t.Errorf("the other host accepted %d connections from %d clients, want %d: one per client's own client-go transport", n, clients, clients)
 	}
 }
+
+// TestCopyResentAfterRotation: a request of a copy that matched the old
+// material by content, held until a rotation closed that material's
+// connections, is not resent with the new material: it is checked again, and
+// goes as the copy's own certificate says.
+func TestCopyResentAfterRotation(t *testing.T) {
+	rec := &cnRecorder{}
+	f := newFixture(t, testserver.Options{OnRequest: rec.record})
+	dave, err := f.ca.IssueClient("dave")
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := newPool(t, WithPollInterval(0), WithDrainTimeout(0), WithDialIdentity(func(*rest.Config) string { return "held first dial" }))
+	d := newCertDir(t, secretVolume, f.alice, f.ca.CertPEM())
+	orig := d.config(f.srv.URL())
+	var dials atomic.Int64
+	release := make(chan struct{})
+	orig.Dial = func(ctx context.Context, network, addr string) (net.Conn, error) {
+		if dials.Add(1) == 1 {
+			<-release
+		}
+		var d net.Dialer
+		return d.DialContext(ctx, network, addr)
+	}
+	if err := p.Wrap(orig); err != nil {
+		t.Fatal(err)
+	}
+	// The copy holds alice's bytes inline: the same as the files now.
+	cp := rest.CopyConfig(orig)
+	cp.CertFile, cp.KeyFile, cp.CertData, cp.KeyData = "", "", f.alice.CertPEM, f.alice.KeyPEM
+	result := make(chan error, 1)
+	go func() { result <- listNodes(context.Background(), cp) }()
+	waitFor(t, "the copy's first dial starts", func() bool { return dials.Load() == 1 })
+	d.write(t, dave, f.ca.CertPEM())
+	waitFor(t, "rotation", func() bool { return p.Stats().Rotations == 1 })
+	close(release)
+	if err := <-result; err != nil {
+		t.Fatal(err)
+	}
+	if got := rec.cns(); got["dave"] != 0 || got["alice"] != 1 {
+		t.Errorf("the server saw %v for the copy, want its request once, as alice (client-go alone)", got)
+	}
+}
+
+// TestWrapperChangingTransportInPlace: a wrapper in the config that changes
+// the *http.Transport it is handed in place (here: compression off) would be
+// handed the pool's round tripper and lose its effect; the config passes
+// through instead and the server sees what client-go alone sends. One that
+// sets only CONNECT headers in place is recognised as a header wrapper.
+func TestWrapperChangingTransportInPlace(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	r := newCopyRig(t, testserver.Options{CA: f.ca})
+	inPlace := func(change func(*http.Transport)) transport.WrapperFunc {
+		return func(rt http.RoundTripper) http.RoundTripper {
+			if t, ok := rt.(*http.Transport); ok {
+				change(t)
+			}
+			return rt
+		}
+	}
+	t.Run("compression off", func(t *testing.T) {
+		p := newPool(t)
+		cfg := r.srv.RestConfig(f.alice)
+		cfg.DisableCompression = false
+		cfg.WrapTransport = inPlace(func(t *http.Transport) { t.DisableCompression = true })
+		control := rest.CopyConfig(cfg)
+		if err := p.Wrap(cfg); err != nil {
+			t.Fatal(err)
+		}
+		if st := p.Stats(); st.PassThrough != 1 || st.Identities != 0 {
+			t.Errorf("pool %+v, want the config passed through", st)
+		}
+		if got, want := r.observe(cfg), r.observe(control); got != want || want.Gzip {
+			t.Errorf("through the pool %+v, client-go alone %+v (no gzip)", got, want)
+		}
+	})
+	t.Run("CONNECT header set in place", func(t *testing.T) {
+		proxy := startForwarder(t, &forwarder{connect: true, requireHeader: "Proxy-Authorization", requireValues: []string{"Basic a"}})
+		p := newPool(t)
+		cfg := r.srv.RestConfig(f.alice)
+		cfg.Proxy = proxyTo(proxy)
+		cfg.WrapTransport = inPlace(func(t *http.Transport) { t.ProxyConnectHeader = http.Header{"Proxy-Authorization": {"Basic a"}} })
+		if err := p.Wrap(cfg); err != nil {
+			t.Fatal(err)
+		}
+		if o := r.observe(cfg); o.Err != "" || o.CN != "alice" {
+			t.Fatalf("%+v", o)
+		}
+		if st := p.Stats(); st.PassThrough != 0 || st.Identities != 1 || proxy.rejected.Load() != 0 {
+			t.Errorf("pool %+v, %d tunnels refused: want the header recognised and shared", st, proxy.rejected.Load())
+		}
+	})
+}
