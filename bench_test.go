@@ -4,14 +4,16 @@ import (
 	"context"
 	"fmt"
 	"io"
-	"k8s.io/client-go/kubernetes"
 	"net/http"
+	"runtime"
 	"sort"
 	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"k8s.io/client-go/kubernetes"
 
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	utilnet "k8s.io/apimachinery/pkg/util/net"
@@ -63,6 +65,27 @@ func BenchmarkRoundTrip(b *testing.B) {
 		p := newPool(b)
 		l := benchLease(b, p, rest.CopyConfig(cfg))
 		send(b, l)
+	})
+	// client-go's whole stack for a config, alone and over the pool (the
+	// hook's per-client layer included).
+	b.Run("client-go stack", func(b *testing.B) {
+		rt, err := rest.TransportFor(rest.CopyConfig(cfg))
+		if err != nil {
+			b.Fatal(err)
+		}
+		send(b, rt)
+	})
+	b.Run("client-go stack over the pool", func(b *testing.B) {
+		wrapped := rest.CopyConfig(cfg)
+		if err := newPool(b).Wrap(wrapped); err != nil {
+			b.Fatal(err)
+		}
+		rt, err := rest.TransportFor(wrapped)
+		if err != nil {
+			b.Fatal(err)
+		}
+		send(b, rt)
+		runtime.KeepAlive(wrapped)
 	})
 	b.Run("http.Transport, no-op base", func(b *testing.B) {
 		t := noopTransport()
