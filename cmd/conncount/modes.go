@@ -235,20 +235,14 @@ type clientReady struct {
 type clientResult struct {
 	// PID is the process the load ran in; ProcessRequests the requests that
 	// process sent over its life, which is this load's alone.
-	PID               int                    `json:"client_pid"`
-	ProcessRequests   int64                  `json:"client_process_requests"`
-	Requests          int64                  `json:"requests"`
-	Errors            int64                  `json:"errors"`
-	FirstError        string                 `json:"first_error,omitempty"`
-	Seconds           float64                `json:"seconds"`
-	RequestsPerSecond float64                `json:"requests_per_second"`
-	P50ms             float64                `json:"p50_ms"`
-	P99ms             float64                `json:"p99_ms"`
-	CPUSeconds        float64                `json:"cpu_seconds"`
-	CPUPerRequestUs   float64                `json:"cpu_per_request_us"`
-	PeakHeapBytes     uint64                 `json:"peak_heap_bytes"`
-	MaxRSSBytes       int64                  `json:"max_rss_bytes"`
-	Pool              *sharedtransport.Stats `json:"pool_stats,omitempty"`
+	PID             int   `json:"client_pid"`
+	ProcessRequests int64 `json:"client_process_requests"`
+	loadFigures
+	CPUSeconds      float64                `json:"cpu_seconds"`
+	CPUPerRequestUs float64                `json:"cpu_per_request_us"`
+	PeakHeapBytes   uint64                 `json:"peak_heap_bytes"`
+	MaxRSSBytes     int64                  `json:"max_rss_bytes"`
+	Pool            *sharedtransport.Stats `json:"pool_stats,omitempty"`
 }
 
 // processRequests counts the requests this process sends; in a client
@@ -377,9 +371,7 @@ func runLoad(ctx context.Context, o *clientSpec, base *rest.Config, st *modeStat
 	res := &clientResult{
 		PID:             os.Getpid(),
 		ProcessRequests: processRequests.Load(),
-		Requests:        done.Load(),
-		Errors:          failed.Load(),
-		Seconds:         elapsed.Seconds(),
+		loadFigures:     loadFigures{Requests: done.Load(), Errors: failed.Load(), Seconds: elapsed.Seconds()},
 		CPUSeconds:      (u.CPU - cpu0).Seconds(),
 		PeakHeapBytes:   heap.Stop(),
 		MaxRSSBytes:     u.MaxRSSKiB * 1024,
@@ -441,4 +433,15 @@ func oneRequest(ctx context.Context, o *clientSpec, base *rest.Config, st *modeS
 	rctx, cancel := context.WithTimeout(ctx, o.Timeout)
 	defer cancel()
 	return list(rctx, cs, o.Resource, 0)
+}
+
+// loadFigures are what every load process reports of the requests it sent.
+type loadFigures struct {
+	Requests          int64   `json:"requests"`
+	Errors            int64   `json:"errors"`
+	FirstError        string  `json:"first_error,omitempty"`
+	Seconds           float64 `json:"seconds"`
+	RequestsPerSecond float64 `json:"requests_per_second"`
+	P50ms             float64 `json:"p50_ms"`
+	P99ms             float64 `json:"p99_ms"`
 }

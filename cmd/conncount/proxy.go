@@ -154,19 +154,13 @@ type memberResult struct {
 
 // proxyRun is one run of one proxy mode, from its three processes.
 type proxyRun struct {
-	Mode              string  `json:"mode"`
-	Round             int     `json:"round"`
-	Seq               int     `json:"seq"`
-	LoadPID           int     `json:"load_pid"`
-	FrontPID          int     `json:"front_pid"`
-	MembersPID        int     `json:"members_pid"`
-	Requests          int64   `json:"requests"`
-	Errors            int64   `json:"errors"`
-	FirstError        string  `json:"first_error,omitempty"`
-	Seconds           float64 `json:"seconds"`
-	RequestsPerSecond float64 `json:"requests_per_second"`
-	P50ms             float64 `json:"p50_ms"`
-	P99ms             float64 `json:"p99_ms"`
+	Mode       string `json:"mode"`
+	Round      int    `json:"round"`
+	Seq        int    `json:"seq"`
+	LoadPID    int    `json:"load_pid"`
+	FrontPID   int    `json:"front_pid"`
+	MembersPID int    `json:"members_pid"`
+	loadFigures
 	// What the front's and the members' processes served over their lives.
 	FrontProcessRequests   int64                  `json:"front_process_requests"`
 	MembersProcessRequests int64                  `json:"members_process_requests"`
@@ -306,8 +300,7 @@ func newProxyRun(name string, round, seq int, mr membersReady, res proxyLoadResu
 	r := &proxyRun{
 		Mode: name, Round: round, Seq: seq,
 		LoadPID: res.PID, FrontPID: fres.PID, MembersPID: ms.PID,
-		Requests: res.Requests, Errors: res.Errors, FirstError: res.FirstError,
-		Seconds: res.Seconds, RequestsPerSecond: res.RequestsPerSecond, P50ms: res.P50ms, P99ms: res.P99ms,
+		loadFigures:            res.loadFigures,
 		FrontProcessRequests:   fres.ProcessRequests,
 		MembersProcessRequests: ms.ProcessRequests,
 		FrontCPUSeconds:        fres.CPU.Seconds(),
@@ -604,15 +597,9 @@ type proxyLoadReady struct {
 }
 
 type proxyLoadResult struct {
-	PID               int     `json:"pid"`
-	Requests          int64   `json:"requests"`
-	PerMember         []int64 `json:"per_member"`
-	Errors            int64   `json:"errors"`
-	FirstError        string  `json:"first_error,omitempty"`
-	Seconds           float64 `json:"seconds"`
-	RequestsPerSecond float64 `json:"requests_per_second"`
-	P50ms             float64 `json:"p50_ms"`
-	P99ms             float64 `json:"p99_ms"`
+	PID       int     `json:"pid"`
+	PerMember []int64 `json:"per_member"`
+	loadFigures
 }
 
 type proxyLoadRole struct {
@@ -685,7 +672,7 @@ func (l *proxyLoadRole) handle(ctx context.Context, cmd string) (any, error) {
 	wg.Wait()
 	elapsed := time.Since(start)
 	show(true)
-	res := proxyLoadResult{PID: os.Getpid(), Requests: done.Load(), Errors: failed.Load(), Seconds: elapsed.Seconds()}
+	res := proxyLoadResult{PID: os.Getpid(), loadFigures: loadFigures{Requests: done.Load(), Errors: failed.Load(), Seconds: elapsed.Seconds()}}
 	if s, ok := firstErr.Load().(string); ok {
 		res.FirstError = s
 	}
