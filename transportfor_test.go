@@ -169,20 +169,7 @@ func TestTransportForLayers(t *testing.T) {
 					t.Fatal(err)
 				}
 			}
-			rt, err := p.TransportFor(cfg)
-			if err != nil {
-				t.Fatal(err)
-			}
-			controlRT, err := rest.TransportFor(control)
-			if err != nil {
-				t.Fatal(err)
-			}
-			for via, rt := range map[string]http.RoundTripper{"pool": rt, "client-go": controlRT} {
-				if code, err := getVia(rt, f.srv.URL()+"/version?case="+url.QueryEscape(tc.name+"/"+via)); err != nil || code != http.StatusOK {
-					t.Fatalf("through %s: %d %v", via, code, err)
-				}
-			}
-			got, ctl := log.get(t, tc.name+"/pool"), log.get(t, tc.name+"/client-go")
+			got, ctl := sendBoth(t, log, p, cfg, control, f.srv.URL(), tc.name)
 			if got.CertCN != "alice" || ctl.CertCN != "alice" {
 				t.Errorf("certificate: pool %q, client-go %q, want alice", got.CertCN, ctl.CertCN)
 			}
@@ -243,21 +230,7 @@ func TestTransportForExecPlugin(t *testing.T) {
 			cfg := f.srv.RestConfig(nil)
 			cfg.ExecProvider = exec
 			cfg.BearerToken = tc.token
-			control := rest.CopyConfig(cfg)
-			rt, err := p.TransportFor(cfg)
-			if err != nil {
-				t.Fatal(err)
-			}
-			controlRT, err := rest.TransportFor(control)
-			if err != nil {
-				t.Fatal(err)
-			}
-			for via, rt := range map[string]http.RoundTripper{"pool": rt, "client-go": controlRT} {
-				if code, err := getVia(rt, f.srv.URL()+"/version?case="+url.QueryEscape(tc.name+"/"+via)); err != nil || code != http.StatusOK {
-					t.Fatalf("through %s: %d %v", via, code, err)
-				}
-			}
-			got, ctl := log.get(t, tc.name+"/pool"), log.get(t, tc.name+"/client-go")
+			got, ctl := sendBoth(t, log, p, cfg, rest.CopyConfig(cfg), f.srv.URL(), tc.name)
 			if got.CertCN != tc.wantCN || ctl.CertCN != tc.wantCN {
 				t.Errorf("certificate: pool %q, client-go %q, want %q", got.CertCN, ctl.CertCN, tc.wantCN)
 			}
@@ -680,4 +653,24 @@ func TestTransportForLifetime(t *testing.T) {
 	if _, err := p.HTTPClientFor(f.srv.RestConfig(f.alice)); !errors.Is(err, ErrClosed) {
 		t.Errorf("HTTPClientFor on a closed pool: %v, want ErrClosed", err)
 	}
+}
+
+// sendBoth sends one request to host through p.TransportFor(cfg) and one
+// through rest.TransportFor(control), and returns what the server saw of each.
+func sendBoth(t *testing.T, log *requestLog, p *Pool, cfg, control *rest.Config, host, name string) (pool, clientGo testserver.RequestInfo) {
+	t.Helper()
+	rt, err := p.TransportFor(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	controlRT, err := rest.TransportFor(control)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for via, rt := range map[string]http.RoundTripper{"pool": rt, "client-go": controlRT} {
+		if code, err := getVia(rt, host+"/version?case="+url.QueryEscape(name+"/"+via)); err != nil || code != http.StatusOK {
+			t.Fatalf("through %s: %d %v", via, code, err)
+		}
+	}
+	return log.get(t, name+"/pool"), log.get(t, name+"/client-go")
 }
