@@ -1,6 +1,7 @@
 package sharedtransport
 
 import (
+	"bytes"
 	"context"
 	"crypto/ecdsa"
 	"crypto/elliptic"
@@ -83,6 +84,9 @@ func badFiles(f *fixture, otherCA *testserver.CA) []badFile {
 		{"certificate in the key file", write(key, f.alice.CertPEM), key, "do not form a valid pair"},
 		{"key in the CA file", write(ca, f.alice.KeyPEM), ca, `"EC PRIVATE KEY" PEM block where CA certificates are expected`},
 		{"CA file that is not PEM", write(ca, []byte("not a certificate\n")), ca, "holds no PEM certificate"},
+		// A log or disk image where the certificate belongs is not read to
+		// its end.
+		{"certificate file larger than any certificate", write(cert, bytes.Repeat([]byte("x"), maxMaterialFile+1)), cert, "more than the"},
 		{"key of another certificate", write(key, f.bob.KeyPEM), key, "do not form a valid pair"},
 		// Running as root, a mode of 000 does not stop a read; a directory
 		// where a file belongs does.

@@ -75,10 +75,11 @@ type reloadFailure struct {
 	at        time.Time
 }
 
-// recordReloadError counts err against e and keeps it as its last. The
-// file is the first of e's files the error names: every reload error names
-// the file it is about.
-func (e *entry) recordReloadError(err error, at time.Time) {
+// recordReloadError counts err against e and keeps it as its last, and
+// returns the text kept: URL user info redacted, as everything the pool
+// shows. The file is the first of e's files the error names: every reload
+// error names the file it is about.
+func (e *entry) recordReloadError(err error, at time.Time) string {
 	e.stats.rotationErrors.Add(1)
 	msg := redactURLs(err.Error())
 	f := &reloadFailure{err: msg, at: at}
@@ -89,6 +90,7 @@ func (e *entry) recordReloadError(err error, at time.Time) {
 		}
 	}
 	e.lastReload.Store(f)
+	return msg
 }
 
 // Identities returns a snapshot of the pool's live identities, sorted by

@@ -58,23 +58,23 @@ func (p *Pool) loadMaterial(id *identity) (*material, error) {
 	if err != nil {
 		return nil, err
 	}
-	err = checkMaterial(id, m, p.opts.now())
-	if errors.As(err, new(*pairError)) && id.certFile != "" {
-		m, err = p.rereadPair(id, nil)
-	}
-	if err != nil {
+	if m, err = p.checkRead(id, m, p.opts.now(), nil); err != nil {
 		return nil, err
 	}
 	return m, nil
 }
 
-// rereadPair reads id's files once more and checks them. The reads of a
+// checkRead checks m, read from id's files, at now. The reads of a
 // certificate and its key are not atomic: a writer swapping both (kubelet's
 // ..data symlink) between them gives a torn pair, so a mismatch is read once
-// more before it counts.
-func (p *Pool) rereadPair(id *identity, done <-chan struct{}) (*material, error) {
-	m, err := p.readMaterial(id, done)
-	if err != nil {
+// more before it counts. It returns the material checked last, nil if the
+// second read failed.
+func (p *Pool) checkRead(id *identity, m *material, now time.Time, done <-chan struct{}) (*material, error) {
+	err := checkMaterial(id, m, now)
+	if !errors.As(err, new(*pairError)) || id.certFile == "" {
+		return m, err
+	}
+	if m, err = p.readMaterial(id, done); err != nil {
 		return nil, err
 	}
 	return m, checkMaterial(id, m, p.opts.now())
@@ -204,22 +204,13 @@ func readFile(path, what string) ([]byte, error) {
 	case fi.Size() > maxMaterialFile:
 		return nil, fmt.Errorf("sharedtransport: %s file %q holds %d bytes, more than the %d a certificate file may hold", what, path, fi.Size(), maxMaterialFile)
 	}
-	b := make([]byte, 0, fi.Size()+1) // one byte more: EOF is seen without growing
-	for {
-		n, err := f.Read(b[len(b):cap(b)])
-		b = b[:len(b)+n]
-		if err == io.EOF {
-			break
-		}
-		if err != nil {
-			return nil, fmt.Errorf("sharedtransport: read %s file %q: %w", what, path, err)
-		}
-		if len(b) > maxMaterialFile {
-			return nil, fmt.Errorf("sharedtransport: %s file %q holds more than the %d bytes a certificate file may hold", what, path, maxMaterialFile)
-		}
-		if len(b) == cap(b) {
-			b = slices.Grow(b, 4096) // the file grew since the stat
-		}
+	// The file may have grown since the stat: the limit holds for the read too.
+	b, err := io.ReadAll(io.LimitReader(f, maxMaterialFile+1))
+	if err != nil {
+		return nil, fmt.Errorf("sharedtransport: read %s file %q: %w", what, path, err)
+	}
+	if len(b) > maxMaterialFile {
+		return nil, fmt.Errorf("sharedtransport: %s file %q holds more than the %d bytes a certificate file may hold", what, path, maxMaterialFile)
 	}
 	if len(bytes.TrimSpace(b)) == 0 {
 		return nil, fmt.Errorf("sharedtransport: %s file %q is empty", what, path)
@@ -1124,11 +1115,8 @@ func (iw *identityWatch) reload(resolve bool) {
 	if !resolve {
 		defer iw.relook() // new content: the files may lie elsewhere now
 	}
-	err = checkMaterial(e.id, m, now)
-	if errors.As(err, new(*pairError)) && e.id.certFile != "" {
-		if m, err = p.rereadPair(e.id, w.done); errors.Is(err, ErrClosed) {
-			return
-		}
+	if m, err = p.checkRead(e.id, m, now, w.done); errors.Is(err, ErrClosed) {
+		return
 	}
 	if err != nil {
 		iw.rejected, iw.retryAt = m, time.Time{}
@@ -1160,6 +1148,6 @@ func (iw *identityWatch) keep(err error) {
 	p := iw.w.pool
 	iw.e.filesBad.Store(true)
 	p.stats.rotationErrors.Add(1)
-	iw.e.recordReloadError(err, p.opts.now())
-	p.opts.logger.Info("Keeping the last good TLS material", "identity", iw.e.id.key, "reason", err.Error())
+	msg := iw.e.recordReloadError(err, p.opts.now())
+	p.opts.logger.Info("Keeping the last good TLS material", "identity", iw.e.id.key, "reason", msg)
 }
