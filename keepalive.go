@@ -11,11 +11,11 @@ import (
 	"net/http"
 	"net/http/httptrace"
 	"slices"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
 
+	"k8s.io/apimachinery/pkg/util/httpstream"
 	utilnet "k8s.io/apimachinery/pkg/util/net"
 	"k8s.io/client-go/transport"
 )
@@ -706,7 +706,7 @@ func (l *look) ended(resp *http.Response) {
 
 // roundTrip sends req for lease l (which the response body keeps alive).
 func (g *generation) roundTrip(l *lease, req *http.Request) (*http.Response, error) {
-	if isUpgrade(req) {
+	if httpstream.IsUpgradeRequest(req) {
 		// An upgraded connection is the caller's own, not a stream: no
 		// place to hold, and its HTTP/1.1 response says nothing about the
 		// server's HTTP/2.
@@ -754,22 +754,6 @@ func (g *generation) roundTrip(l *lease, req *http.Request) (*http.Response, err
 		resp.Body = wrapBody(resp.Body, l, hc)
 		return resp, nil
 	}
-}
-
-// isUpgrade reports whether req asks to switch protocols (websocket, SPDY):
-// the header test of net/http.
-func isUpgrade(req *http.Request) bool {
-	if req.Header.Get("Upgrade") == "" {
-		return false
-	}
-	for _, v := range req.Header.Values("Connection") {
-		for _, token := range strings.Split(v, ",") {
-			if strings.EqualFold(strings.TrimSpace(token), "upgrade") {
-				return true
-			}
-		}
-	}
-	return false
 }
 
 // resendable returns req ready to be sent again on a newer generation after
