@@ -1,3 +1,7 @@
+// The per-identity view of a pool (Pool.Identities), the per-identity
+// counters behind it, and the warning about a client certificate that expires
+// with no newer one in sight.
+
 package sharedtransport
 
 import (
@@ -154,21 +158,6 @@ func (e *entry) info(watch *identityWatch) IdentityInfo {
 		info.LastError, info.LastErrorTime, info.LastErrorFile = f.err, f.at, f.file
 	}
 	return info
-}
-
-// names lists the hosts in t as URLs without paths, sorted.
-func (t *hostTable) names() []string {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	if len(t.hosts) == 0 {
-		return nil
-	}
-	out := make([]string, 0, len(t.hosts))
-	for k := range t.hosts {
-		out = append(out, k.scheme+"://"+k.host)
-	}
-	slices.Sort(out)
-	return out
 }
 
 // mode says how iw's files are watched; see IdentityInfo.Watch.

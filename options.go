@@ -1,3 +1,5 @@
+// The options New takes, and their defaults.
+
 package sharedtransport
 
 import (

@@ -1,13 +1,14 @@
+// Certificate rotation: the pool watches the directories of its identities'
+// files (fsnotify, with polling as a fallback), turns their events into
+// debounced reloads, and takes valid new material into use by swapping in a
+// new generation and draining the old one. Reading and validating the
+// material is in material.go.
+
 package sharedtransport
 
 import (
-	"bytes"
-	"crypto/tls"
-	"crypto/x509"
-	"encoding/pem"
 	"errors"
 	"fmt"
-	"io"
 	"io/fs"
 	"os"
 	"path/filepath"
@@ -21,456 +22,10 @@ import (
 	"github.com/fsnotify/fsnotify"
 )
 
-const (
-	// maxMaterialFile bounds what is read of a certificate, key or CA file.
-	// A bundle of every public root CA is about 250 KB; a file far larger is
-	// not TLS material (a log, a disk image) and is not read to its end.
-	maxMaterialFile = 4 << 20
-
-	// clockSkew is how far in the future a certificate's NotBefore may lie
-	// and still be taken: this machine's clock may run behind the signer's.
-	// kube-controller-manager backdates the certificates it signs by the same
-	// amount.
-	clockSkew = 5 * time.Minute
-
-	// maxLoads bounds the reloads in flight at once: a poll of thousands of
-	// identities does not start thousands of reads, and a few identities on
-	// a hung file system leave slots for the others.
-	maxLoads = 4
-)
-
-// material is one version of an identity's TLS material: what a generation
-// of its transport hands out in handshakes.
-type material struct {
-	caPEM, certPEM, keyPEM []byte
-}
-
-func (m *material) equal(o *material) bool {
-	return bytes.Equal(m.caPEM, o.caPEM) && bytes.Equal(m.certPEM, o.certPEM) && bytes.Equal(m.keyPEM, o.keyPEM)
-}
-
-// loadMaterial reads an identity's files and validates everything, inline
-// data included, so that a handshake never sees a torn, mismatched or
-// out-of-date pair. Errors name the file and say what is wrong, never what it
-// holds.
-func (p *Pool) loadMaterial(id *identity) (*material, error) {
-	m, err := p.readMaterial(id, nil)
-	if err != nil {
-		return nil, err
-	}
-	if m, err = p.checkRead(id, m, p.opts.now(), nil); err != nil {
-		return nil, err
-	}
-	return m, nil
-}
-
-// checkRead checks m, read from id's files, at now. The reads of a
-// certificate and its key are not atomic: a writer swapping both (kubelet's
-// ..data symlink) between them gives a torn pair, so a mismatch is read once
-// more before it counts. It returns the material checked last, nil if the
-// second read failed.
-func (p *Pool) checkRead(id *identity, m *material, now time.Time, done <-chan struct{}) (*material, error) {
-	err := checkMaterial(id, m, now)
-	if !errors.As(err, new(*pairError)) || id.certFile == "" {
-		return m, err
-	}
-	if m, err = p.readMaterial(id, done); err != nil {
-		return nil, err
-	}
-	return m, checkMaterial(id, m, p.opts.now())
-}
-
-// readMaterial reads id's files, without validating them, and takes its
-// inline data as it is. The read is bounded: see fileReader.
-func (p *Pool) readMaterial(id *identity, done <-chan struct{}) (*material, error) {
-	m := &material{caPEM: id.caData, certPEM: id.certData, keyPEM: id.keyData}
-	files := make([]fileToRead, 0, 3)
-	if id.caFile != "" {
-		files = append(files, fileToRead{id.caFile, "CA", &m.caPEM})
-	}
-	if id.certFile != "" {
-		files = append(files, fileToRead{id.certFile, "client certificate", &m.certPEM}, fileToRead{id.keyFile, "client key", &m.keyPEM})
-	}
-	if len(files) == 0 {
-		return m, nil
-	}
-	if err := p.reader.read(p.opts.readTimeout, done, files); err != nil {
-		return nil, err
-	}
-	return m, nil
-}
-
-// pairError is a certificate and key that do not form a valid pair.
-type pairError struct{ msg string }
-
-func (e *pairError) Error() string { return e.msg }
-
-// notYetValidError is material that becomes valid later, at from.
-type notYetValidError struct {
-	err  error
-	from time.Time
-}
-
-func (e *notYetValidError) Error() string { return e.err.Error() }
-func (e *notYetValidError) Unwrap() error { return e.err }
-
-// checkMaterial validates m, id's material, at now: a CA bundle that can
-// verify a server, and a certificate that matches its key and is valid now.
-func checkMaterial(id *identity, m *material, now time.Time) error {
-	if len(m.caPEM) > 0 {
-		if err := checkCABundle(m.caPEM, now); err != nil {
-			return fmt.Errorf("sharedtransport: %s: %w", describe(id.caFile, "inline CA data"), err)
-		}
-	}
-	if len(m.certPEM) == 0 && len(m.keyPEM) == 0 {
-		return nil
-	}
-	cert, err := tls.X509KeyPair(m.certPEM, m.keyPEM)
-	if err != nil {
-		return &pairError{fmt.Sprintf("sharedtransport: %s and %s do not form a valid pair (%v): check that the key belongs to the certificate and that neither is half-written",
-			describe(id.certFile, "inline client certificate data"), describe(id.keyFile, "inline client key data"), err)}
-	}
-	leaf := cert.Leaf
-	if leaf == nil {
-		if leaf, err = x509.ParseCertificate(cert.Certificate[0]); err != nil {
-			return fmt.Errorf("sharedtransport: %s: %w", describe(id.certFile, "inline client certificate data"), err)
-		}
-	}
-	if err := checkValidity(leaf, now); err != nil {
-		err2 := fmt.Errorf("sharedtransport: client certificate %s %w", describe(id.certFile, "(inline data)"), err)
-		var nyv *notYetValidError
-		if errors.As(err, &nyv) {
-			return &notYetValidError{err2, nyv.from}
-		}
-		return err2
-	}
-	return nil
-}
-
-// checkValidity reports a certificate outside its validity window at now.
-// A NotBefore up to clockSkew ahead of now is accepted.
-func checkValidity(c *x509.Certificate, now time.Time) error {
-	window := fmt.Sprintf("valid from %s until %s", stamp(c.NotBefore), stamp(c.NotAfter))
-	switch {
-	case now.After(c.NotAfter):
-		return fmt.Errorf("has expired (%s; it is %s here): write a current certificate", window, stamp(now))
-	case now.Add(clockSkew).Before(c.NotBefore):
-		return &notYetValidError{
-			err:  fmt.Errorf("is not valid yet (%s; it is %s here, more than the %v of clock skew allowed): check the clocks of this machine and of the signer", window, stamp(now), clockSkew),
-			from: c.NotBefore.Add(-clockSkew),
-		}
-	}
-	return nil
-}
-
-func stamp(t time.Time) string { return t.UTC().Format(time.RFC3339) }
-
-func describe(file, inline string) string {
-	if file == "" {
-		return inline
-	}
-	return fmt.Sprintf("file %q", file)
-}
-
-// dataOrFile returns inline data, or the content of file when there is none:
-// client-go's rule for material it does not reload.
-func dataOrFile(data []byte, file, what string) ([]byte, error) {
-	if len(data) > 0 || file == "" {
-		return data, nil
-	}
-	return readFile(file, what)
-}
-
-// readFile reads a regular file of at most maxMaterialFile bytes. Anything
-// else is refused before it is read: a named pipe would wait for a writer, a
-// device such as /dev/zero would never end.
-func readFile(path, what string) ([]byte, error) {
-	// O_NONBLOCK: opening a named pipe waits for a writer without it. It does
-	// not change reads of regular files.
-	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NONBLOCK, 0)
-	if err != nil {
-		return nil, fmt.Errorf("sharedtransport: read %s file %q: %w", what, path, err)
-	}
-	defer f.Close()
-	fi, err := f.Stat()
-	if err != nil {
-		return nil, fmt.Errorf("sharedtransport: read %s file %q: %w", what, path, err)
-	}
-	switch mode := fi.Mode(); {
-	case mode.IsDir():
-		return nil, fmt.Errorf("sharedtransport: read %s file %q: is a directory", what, path)
-	case !mode.IsRegular():
-		return nil, fmt.Errorf("sharedtransport: %s file %q is %s, not a regular file: point the config at the file itself", what, path, fileKind(mode))
-	case fi.Size() > maxMaterialFile:
-		return nil, fmt.Errorf("sharedtransport: %s file %q holds %d bytes, more than the %d a certificate file may hold", what, path, fi.Size(), maxMaterialFile)
-	}
-	// The file may have grown since the stat: the limit holds for the read too.
-	b, err := io.ReadAll(io.LimitReader(f, maxMaterialFile+1))
-	if err != nil {
-		return nil, fmt.Errorf("sharedtransport: read %s file %q: %w", what, path, err)
-	}
-	if len(b) > maxMaterialFile {
-		return nil, fmt.Errorf("sharedtransport: %s file %q holds more than the %d bytes a certificate file may hold", what, path, maxMaterialFile)
-	}
-	if len(bytes.TrimSpace(b)) == 0 {
-		return nil, fmt.Errorf("sharedtransport: %s file %q is empty", what, path)
-	}
-	return b, nil
-}
-
-func fileKind(m fs.FileMode) string {
-	switch {
-	case m&fs.ModeNamedPipe != 0:
-		return "a named pipe"
-	case m&fs.ModeSocket != 0:
-		return "a socket"
-	case m&fs.ModeDevice != 0:
-		return "a device"
-	default:
-		return "a special file"
-	}
-}
-
-// fileReader reads TLS material for one pool. A read that does not return
-// (a hung network mount, a FUSE daemon that does not answer) cannot be
-// cancelled: it is left to finish on a goroutine of its own while its caller
-// moves on, and its file is not read again until it has, so a hung file costs
-// one goroutine and one thread, however often it is asked for.
-type fileReader struct {
-	mu    sync.Mutex            // guards stuck and every readCall's current and abandoned
-	stuck map[string]*stuckRead // files whose read outlived its wait
-}
-
-type stuckRead struct {
-	since time.Time
-	reads int // abandoned reads of the file not returned yet
-}
-
-// fileToRead is one file of a read, and where its content goes.
-type fileToRead struct {
-	path, what string
-	into       *[]byte
-}
-
-// readCall is the state one read shares with the goroutine doing it.
-type readCall struct {
-	current   int  // index of the file being read, -1 before the first
-	abandoned bool // the caller stopped waiting
-	err       error
-	done      chan struct{}
-}
-
-// read reads files in order. It returns when they are read, when timeout has
-// passed, or when done is closed (with ErrClosed), whichever comes first.
-func (r *fileReader) read(timeout time.Duration, done <-chan struct{}, files []fileToRead) error {
-	r.mu.Lock()
-	for _, f := range files {
-		if s, ok := r.stuck[f.path]; ok {
-			r.mu.Unlock()
-			return fmt.Errorf("sharedtransport: read %s file %q: an earlier read has not returned for %v (a hung network file system?)",
-				f.what, f.path, time.Since(s.since).Round(time.Second))
-		}
-	}
-	r.mu.Unlock()
-
-	call := &readCall{current: -1, done: make(chan struct{})}
-	go r.readAll(call, files)
-	timer := time.NewTimer(timeout)
-	defer timer.Stop()
-	select {
-	case <-call.done:
-		return call.err
-	case <-done:
-		r.abandon(call, files)
-		return ErrClosed
-	case <-timer.C:
-		i, finished := r.abandon(call, files)
-		switch {
-		case finished:
-			return call.err
-		case i < 0:
-			return fmt.Errorf("sharedtransport: read %s file %q: not started after %v", files[0].what, files[0].path, timeout)
-		}
-		return fmt.Errorf("sharedtransport: read %s file %q: no answer after %v (a hung network file system?)", files[i].what, files[i].path, timeout)
-	}
-}
-
-// abandon gives up waiting for call and marks the file it is reading as
-// stuck. It returns that file's index, or finished if the read finished
-// meanwhile.
-func (r *fileReader) abandon(call *readCall, files []fileToRead) (i int, finished bool) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	select {
-	case <-call.done:
-		return -1, true
-	default:
-	}
-	call.abandoned = true
-	if call.current < 0 {
-		return -1, false
-	}
-	path := files[call.current].path
-	if r.stuck == nil {
-		r.stuck = map[string]*stuckRead{}
-	}
-	s := r.stuck[path]
-	if s == nil {
-		s = &stuckRead{since: time.Now()}
-		r.stuck[path] = s
-	}
-	s.reads++
-	return call.current, false
-}
-
-func (r *fileReader) readAll(call *readCall, files []fileToRead) {
-	defer close(call.done)
-	for i, f := range files {
-		r.mu.Lock()
-		if call.abandoned {
-			r.mu.Unlock()
-			return
-		}
-		call.current = i
-		r.mu.Unlock()
-
-		b, err := readFile(f.path, f.what)
-
-		r.mu.Lock()
-		abandoned := call.abandoned
-		if abandoned {
-			// It returned: the file may be read again.
-			if s := r.stuck[f.path]; s != nil {
-				if s.reads--; s.reads <= 0 {
-					delete(r.stuck, f.path)
-				}
-			}
-		}
-		call.current = -1
-		r.mu.Unlock()
-		if abandoned {
-			return
-		}
-		if err != nil {
-			call.err = err
-			return
-		}
-		*f.into = b
-	}
-}
-
-// checkCABundle accepts what client-go accepts as a CA bundle (PEM blocks
-// with any text around them; blocks that are not certificates, or do not
-// parse, are skipped, as crypto/x509 skips them), as long as one of its
-// certificates can verify a server now. Unlike client-go it rejects a torn
-// block, a "-----BEGIN" without its "-----END": a CA file caught mid-write
-// must not replace a good one.
-func checkCABundle(b []byte, now time.Time) error {
-	if line := tornBlock(b); line > 0 {
-		return fmt.Errorf("holds an incomplete PEM block: the -----BEGIN on line %d has no -----END (a write in progress?)", line)
-	}
-	var (
-		certs, verifiers, valid int
-		other                   string
-		parseErr                error
-		lastExpiry, firstStart  time.Time
-	)
-	for rest := b; ; {
-		var block *pem.Block
-		block, rest = pem.Decode(rest)
-		if block == nil {
-			break
-		}
-		if block.Type != "CERTIFICATE" || len(block.Headers) != 0 {
-			other = block.Type
-			continue
-		}
-		cert, err := x509.ParseCertificate(block.Bytes)
-		if err != nil {
-			parseErr = err
-			continue
-		}
-		certs++
-		if !canVerifyServers(cert) {
-			continue
-		}
-		verifiers++
-		switch {
-		case now.After(cert.NotAfter):
-			if cert.NotAfter.After(lastExpiry) {
-				lastExpiry = cert.NotAfter
-			}
-		case now.Add(clockSkew).Before(cert.NotBefore):
-			if firstStart.IsZero() || cert.NotBefore.Before(firstStart) {
-				firstStart = cert.NotBefore
-			}
-		default:
-			valid++
-		}
-	}
-	switch {
-	case certs == 0 && parseErr != nil:
-		return fmt.Errorf("holds no certificate that parses: %w", parseErr)
-	case certs == 0 && other != "":
-		return fmt.Errorf("holds a %q PEM block where CA certificates are expected", other)
-	case certs == 0:
-		return errors.New("holds no PEM certificate")
-	case verifiers == 0:
-		return errors.New("holds no CA certificate: none of its certificates is a CA or usable for server authentication, so it can verify no server (a client certificate in the CA file?)")
-	case valid == 0 && firstStart.IsZero():
-		return fmt.Errorf("holds no CA certificate valid now: every one has expired, the last at %s (it is %s here): write the current CA", stamp(lastExpiry), stamp(now))
-	case valid == 0:
-		return &notYetValidError{
-			err: fmt.Errorf("holds no CA certificate valid now: the first becomes valid at %s (it is %s here, more than the %v of clock skew allowed)",
-				stamp(firstStart), stamp(now), clockSkew),
-			from: firstStart.Add(-clockSkew),
-		}
-	}
-	return nil
-}
-
-// tornBlock returns the line of the first "-----BEGIN" in b that has no
-// "-----END" before the next "-----BEGIN", or of a last block that the end of
-// b cuts short (within its "-----END" line); 0 if there is none. A write in
-// progress cuts a file at its end.
-func tornBlock(b []byte) int {
-	begin, end := []byte("-----BEGIN"), []byte("-----END")
-	for off := 0; ; {
-		i := bytes.Index(b[off:], begin)
-		if i < 0 {
-			return 0
-		}
-		start := off + i
-		off = start + len(begin)
-		stop := len(b)
-		if next := bytes.Index(b[off:], begin); next >= 0 {
-			stop = off + next
-		}
-		torn := !bytes.Contains(b[off:stop], end)
-		if !torn && stop == len(b) {
-			block, _ := pem.Decode(b[start:])
-			torn = block == nil
-		}
-		if torn {
-			return 1 + bytes.Count(b[:start], []byte("\n"))
-		}
-	}
-}
-
-// canVerifyServers reports whether cert can anchor a server's chain: a CA,
-// or a certificate pinned directly (self-signed server certificates, which
-// client-go accepts as roots too).
-func canVerifyServers(cert *x509.Certificate) bool {
-	if cert.BasicConstraintsValid && cert.IsCA || len(cert.ExtKeyUsage) == 0 {
-		return true
-	}
-	for _, u := range cert.ExtKeyUsage {
-		if u == x509.ExtKeyUsageServerAuth || u == x509.ExtKeyUsageAny {
-			return true
-		}
-	}
-	return false
-}
+// maxLoads bounds the reloads in flight at once: a poll of thousands of
+// identities does not start thousands of reads, and a few identities on a
+// hung file system leave slots for the others.
+const maxLoads = 4
 
 // readPaths returns the paths whose change changes what reading file gives:
 // every symbolic link met on the way to it (kubelet's "tls.crt" and "..data")
@@ -1150,4 +705,44 @@ func (iw *identityWatch) keep(err error) {
 	p.stats.rotationErrors.Add(1)
 	msg := iw.e.recordReloadError(err, p.opts.now())
 	p.opts.logger.Info("Keeping the last good TLS material", "identity", iw.e.id.key, "reason", msg)
+}
+
+// rotate takes g into use for new requests. The old generation closes its
+// connections as they become idle and the ones still active (long watches)
+// after drain, so informers re-list when the grace ends rather than all at
+// the rotation.
+func (e *entry) rotate(g *generation, drain time.Duration) bool {
+	e.mu.Lock()
+	if e.closed.Load() {
+		e.mu.Unlock()
+		g.close()
+		return false
+	}
+	e.since.Store(time.Now().UnixNano()) // before g is visible: see settled
+	old := e.current.Swap(g)
+	// Findings about client-go transports were made against old.
+	e.agreed = [len(e.agreed)]agreement{}
+	if e.draining == nil {
+		e.draining = map[*generation]*time.Timer{}
+	}
+	e.draining[old] = time.AfterFunc(drain, func() {
+		e.mu.Lock()
+		delete(e.draining, old)
+		e.mu.Unlock()
+		old.close()
+	})
+	e.mu.Unlock()
+	old.retire()
+	return true
+}
+
+// certFileSettle is how long after a rotation client-go's transports may still
+// present the certificate they read from the files before it: client-go caches
+// what it reads for a second.
+const certFileSettle = 1200 * time.Millisecond
+
+// settled reports whether g took effect long enough ago that client-go's
+// transports for the same certificate files present what g presents.
+func (e *entry) settled(g *generation) bool {
+	return e.current.Load() != g || time.Since(time.Unix(0, e.since.Load())) >= certFileSettle
 }

@@ -1,3 +1,9 @@
+// The Pool API (New, Wrap, BuildConfigFromFlags, the cli-runtime and
+// clientcmd adapters, Stats, Close) and the identity configs are shared by:
+// identityFor computes it from a config, identityKey compares it.
+// An identity's entry and its lifetime are in entry.go, the hook Wrap
+// installs in wrapper.go.
+
 package sharedtransport
 
 import (
@@ -21,13 +27,13 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
-	"time"
 	"weak"
 
 	"golang.org/x/sync/singleflight"
 	utilnet "k8s.io/apimachinery/pkg/util/net"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
+	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 	"k8s.io/client-go/transport"
 )
 
@@ -124,10 +130,6 @@ func (p *Pool) Wrap(cfg *rest.Config) error {
 	return nil
 }
 
-// holdLease is the cleanup that attaches a lease to a wrapped config: its
-// argument stays reachable until the config is collected.
-func holdLease(*lease) {}
-
 // Close closes every connection of the pool, stops watching files and waits
 // for the pool's goroutines to exit. Requests sent afterwards through configs
 // the pool wrapped fail with [ErrClosed]. Close is idempotent.
@@ -216,6 +218,47 @@ func (p *Pool) unwatchedDirs() int {
 	}
 	return w.unwatchedDirs()
 }
+
+// WrapConfigFn wraps cfg and returns it, in the shape of cli-runtime's
+// genericclioptions.ConfigFlags.WrapConfigFn. On error it logs, counts
+// [Stats].WrapErrors and returns cfg unchanged, so a CLI keeps working with
+// client-go's own transport.
+func (p *Pool) WrapConfigFn(cfg *rest.Config) *rest.Config {
+	if err := p.Wrap(cfg); err != nil {
+		p.stats.wrapErrors.Add(1)
+		p.opts.logger.Error(err, "Config left unwrapped; it uses client-go's own transport")
+	}
+	return cfg
+}
+
+// WrapClientConfig returns a clientcmd.ClientConfig whose ClientConfig method
+// returns configs wrapped by p: the drop-in for code built on
+// clientcmd.NewNonInteractiveDeferredLoadingClientConfig and friends.
+func (p *Pool) WrapClientConfig(cc clientcmd.ClientConfig) clientcmd.ClientConfig {
+	return &clientConfig{inner: cc, pool: p}
+}
+
+type clientConfig struct {
+	inner clientcmd.ClientConfig
+	pool  *Pool
+}
+
+func (c *clientConfig) ClientConfig() (*rest.Config, error) {
+	cfg, err := c.inner.ClientConfig()
+	if err != nil {
+		return nil, err
+	}
+	if err := c.pool.Wrap(cfg); err != nil {
+		return nil, err
+	}
+	return cfg, nil
+}
+
+func (c *clientConfig) RawConfig() (clientcmdapi.Config, error) { return c.inner.RawConfig() }
+
+func (c *clientConfig) Namespace() (string, bool, error) { return c.inner.Namespace() }
+
+func (c *clientConfig) ConfigAccess() clientcmd.ConfigAccess { return c.inner.ConfigAccess() }
 
 // identityKey is what two configs must agree on to share a transport. It is
 // a comparable struct, as client-go's tlsCacheKey is, so a field added to the
@@ -591,246 +634,4 @@ func urlString(u *url.URL) string {
 		return "direct"
 	}
 	return u.String()
-}
-
-// entry is one identity's place in the pool: its current transport
-// generation, its file watches, and how many wrapped configs refer to it.
-type entry struct {
-	pool    *Pool
-	id      *identity
-	current atomic.Pointer[generation]
-	since   atomic.Int64 // when current took effect, in Unix nanoseconds
-	closed  atomic.Bool
-	// filesBad is set while the identity's files fail to load (the last good
-	// material serves meanwhile): client-go's transports would read the same
-	// files, without the pool's bounds, so they are not asked.
-	filesBad atomic.Bool
-
-	// Guarded by pool.mu.
-	refs      int
-	idleTimer *time.Timer
-	watch     *identityWatch // nil unless id.watchesFiles()
-
-	checkMu sync.Mutex // serializes first looks at client-go transports (see clientTransport.check)
-
-	// hosts is what the identity learnt about the hosts it talks to (the
-	// protocol each speaks), kept across rotations: every generation of the
-	// entry shares it (keepalive.go).
-	hosts hostTable
-
-	stats      identityCounters              // the identity's share of the pool's counters
-	lastReload atomic.Pointer[reloadFailure] // the last reload rejected; nil: none
-
-	mu       sync.Mutex // guards draining, agreed and agreedNext
-	draining map[*generation]*time.Timer
-	// client-go transports found to agree with a generation. client-go hands
-	// the same transport again for every config its cache can key, and
-	// asking a transport for its client certificate is not free. A finding
-	// holds for its generation only: a rotation changes what the pool
-	// presents, never what client-go's transport presents. Weak, so the pool
-	// keeps no transport alive.
-	agreed     [8]agreement
-	agreedNext int
-}
-
-// certFileSettle is how long after a rotation client-go's transports may still
-// present the certificate they read from the files before it: client-go caches
-// what it reads for a second.
-const certFileSettle = 1200 * time.Millisecond
-
-// settled reports whether g took effect long enough ago that client-go's
-// transports for the same certificate files present what g presents.
-func (e *entry) settled(g *generation) bool {
-	return e.current.Load() != g || time.Since(time.Unix(0, e.since.Load())) >= certFileSettle
-}
-
-type agreement struct {
-	t    weak.Pointer[http.Transport]
-	g    *generation
-	dial dialFingerprint
-}
-
-// agrees reports whether t was already found to agree with g for a client
-// that dials with dial.
-func (e *entry) agrees(t *http.Transport, g *generation, dial dialFingerprint) bool {
-	w := weak.Make(t)
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	return slices.Contains(e.agreed[:], agreement{w, g, dial})
-}
-
-func (e *entry) rememberAgreement(t *http.Transport, g *generation, dial dialFingerprint) {
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	e.agreed[e.agreedNext] = agreement{weak.Make(t), g, dial}
-	e.agreedNext = (e.agreedNext + 1) % len(e.agreed)
-}
-
-// acquire returns a lease on id's entry, building the entry on first use.
-// Concurrent first uses of one identity share one build.
-func (p *Pool) acquire(id *identity) (*lease, error) {
-	built := false
-	for {
-		p.mu.Lock()
-		if p.closed {
-			p.mu.Unlock()
-			return nil, ErrClosed
-		}
-		if e, ok := p.entries[id.key]; ok {
-			p.leaseLocked(e)
-			p.mu.Unlock()
-			if !built {
-				p.stats.hits.Add(1)
-			}
-			e.checkExpiry()
-			return newLease(e), nil
-		}
-		p.mu.Unlock()
-
-		_, err, _ := p.group.Do(string(id.key.mac()), func() (any, error) {
-			p.mu.Lock()
-			_, ok := p.entries[id.key]
-			p.mu.Unlock()
-			if ok {
-				return nil, nil
-			}
-			e, err := p.build(id)
-			if err != nil {
-				return nil, err
-			}
-			p.mu.Lock()
-			defer p.mu.Unlock()
-			if p.closed {
-				e.close()
-				return nil, ErrClosed
-			}
-			p.entries[id.key] = e
-			p.stats.misses.Add(1)
-			built = true
-			return nil, nil
-		})
-		if err != nil {
-			return nil, err
-		}
-		// The entry is in the map now. In the unlikely case that it expired
-		// before this goroutine took its lease, the loop builds it again.
-	}
-}
-
-func (p *Pool) build(id *identity) (*entry, error) {
-	m, err := p.loadMaterial(id)
-	if err != nil {
-		return nil, err
-	}
-	e := &entry{pool: p, id: id}
-	g, err := p.newGeneration(e, m)
-	if err != nil {
-		return nil, err
-	}
-	e.current.Store(g)
-	e.since.Store(time.Now().UnixNano())
-	if id.watchesFiles() {
-		w, err := p.fileWatcher()
-		if err != nil {
-			g.close()
-			return nil, err
-		}
-		e.watch = w.add(e)
-	}
-	return e, nil
-}
-
-// leaseLocked counts a new reference to e and cancels a pending release.
-func (p *Pool) leaseLocked(e *entry) {
-	e.refs++
-	if e.idleTimer != nil {
-		e.idleTimer.Stop()
-		e.idleTimer = nil
-	}
-}
-
-// release drops a reference; runtime.AddCleanup calls it when a lease is
-// garbage collected. The last reference starts the idle grace.
-func (p *Pool) release(e *entry) {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	e.refs--
-	if e.refs > 0 || p.closed || p.entries[e.id.key] != e {
-		return
-	}
-	e.idleTimer = time.AfterFunc(p.opts.idleTimeout, func() { p.expire(e) })
-}
-
-func (p *Pool) expire(e *entry) {
-	p.mu.Lock()
-	if e.refs > 0 || p.entries[e.id.key] != e {
-		p.mu.Unlock()
-		return
-	}
-	delete(p.entries, e.id.key)
-	p.mu.Unlock()
-	p.opts.logger.V(4).Info("Released an identity no client uses", "identity", e.id.key)
-	e.close()
-}
-
-// rotate takes g into use for new requests. The old generation closes its
-// connections as they become idle and the ones still active (long watches)
-// after drain, so informers re-list when the grace ends rather than all at
-// the rotation.
-func (e *entry) rotate(g *generation, drain time.Duration) bool {
-	e.mu.Lock()
-	if e.closed.Load() {
-		e.mu.Unlock()
-		g.close()
-		return false
-	}
-	e.since.Store(time.Now().UnixNano()) // before g is visible: see settled
-	old := e.current.Swap(g)
-	// Findings about client-go transports were made against old.
-	e.agreed = [len(e.agreed)]agreement{}
-	if e.draining == nil {
-		e.draining = map[*generation]*time.Timer{}
-	}
-	e.draining[old] = time.AfterFunc(drain, func() {
-		e.mu.Lock()
-		delete(e.draining, old)
-		e.mu.Unlock()
-		old.close()
-	})
-	e.mu.Unlock()
-	old.retire()
-	return true
-}
-
-// close stops e's watches and closes every connection it holds, draining
-// generations included.
-func (e *entry) close() {
-	e.mu.Lock()
-	if e.closed.Swap(true) {
-		e.mu.Unlock()
-		return
-	}
-	draining := e.draining
-	e.draining = nil
-	e.mu.Unlock()
-
-	if e.watch != nil {
-		e.watch.stop()
-	}
-	for g, t := range draining {
-		t.Stop()
-		g.close()
-	}
-	e.current.Load().close()
-}
-
-// lease is one wrapped config's hold on an entry. While a config, a copy of
-// it, or any client built from them is reachable, so is its lease, and the
-// entry stays. When the last lease is collected the entry's idle grace starts.
-type lease struct{ e *entry }
-
-func newLease(e *entry) *lease {
-	l := &lease{e: e}
-	runtime.AddCleanup(l, e.pool.release, e)
-	return l
 }

@@ -1,3 +1,6 @@
+// The pool's counterparts of rest.TransportFor and rest.HTTPClientFor, for
+// code that builds a config per request and asks for a round tripper itself.
+
 package sharedtransport
 
 import (

@@ -1,3 +1,9 @@
+// The hook Wrap installs in a config's WrapTransport, and the copy-safety
+// rule it applies to every client built from the config or a copy of it: a
+// client rides the shared transport only when client-go's transport for it is
+// shown to authenticate, trust, dial, route, negotiate and compress as the
+// shared one does.
+
 package sharedtransport
 
 import (
@@ -25,8 +31,6 @@ import (
 
 	utilnet "k8s.io/apimachinery/pkg/util/net"
 	"k8s.io/client-go/rest"
-	"k8s.io/client-go/tools/clientcmd"
-	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 	"k8s.io/client-go/transport"
 	"k8s.io/client-go/util/connrotation"
 )
@@ -298,6 +302,30 @@ func (c *clientTransport) check(g *generation) (shared, byContent bool) {
 	return true, false
 }
 
+// agreement is a finding that client-go's transport t, for a client that
+// dials with dial, agrees with generation g; entry.agreed keeps the latest.
+type agreement struct {
+	t    weak.Pointer[http.Transport]
+	g    *generation
+	dial dialFingerprint
+}
+
+// agrees reports whether t was already found to agree with g for a client
+// that dials with dial.
+func (e *entry) agrees(t *http.Transport, g *generation, dial dialFingerprint) bool {
+	w := weak.Make(t)
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return slices.Contains(e.agreed[:], agreement{w, g, dial})
+}
+
+func (e *entry) rememberAgreement(t *http.Transport, g *generation, dial dialFingerprint) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	e.agreed[e.agreedNext] = agreement{weak.Make(t), g, dial}
+	e.agreedNext = (e.agreedNext + 1) % len(e.agreed)
+}
+
 // sameTransport compares, field by field, what client-go's transport got does
 // with what the generation g does. Material the pool used before g never makes
 // a match: a client holding it is not this identity's any more.
@@ -548,97 +576,6 @@ func sameURL(a, b *url.URL) bool {
 	return a.Scheme == b.Scheme && a.Host == b.Host && a.Opaque == b.Opaque && a.Path == b.Path &&
 		a.RawQuery == b.RawQuery && (a.User == b.User || a.User != nil && b.User != nil && a.User.String() == b.User.String())
 }
-
-// RoundTrip sends req through the identity's current transport. A request
-// whose generation a rotation closed before it was sent (WithDrainTimeout
-// over, or zero) is sent on the current one; ErrClosed means the pool (or
-// the identity) was closed.
-func (l *lease) RoundTrip(req *http.Request) (*http.Response, error) {
-	return l.roundTrip(req, l, nil)
-}
-
-func (l *lease) pick(*http.Request) *generation { return l.e.current.Load() }
-
-// A picker chooses the generation a request goes over (nil: not the pool's).
-type picker interface {
-	pick(req *http.Request) *generation
-}
-
-// roundTrip sends req through the generation p picks, and, when that
-// generation retired before req reached the server, through the one p picks
-// then. A nil generation sends req through other instead.
-func (l *lease) roundTrip(req *http.Request, p picker, other http.RoundTripper) (*http.Response, error) {
-	for resends := 0; ; resends++ {
-		if l.e.closed.Load() {
-			return nil, fmt.Errorf("%w: build the client from a config wrapped by an open pool", ErrClosed)
-		}
-		g := p.pick(req)
-		if g == nil {
-			return other.RoundTrip(req)
-		}
-		resp, err := g.roundTrip(l, req)
-		switch {
-		case err == nil:
-			return resp, nil
-		case l.e.closed.Load():
-			// Closed while the request ran: say so, rather than whatever
-			// the connection that Close cut reported.
-			return nil, fmt.Errorf("%w while the request ran: %v", ErrClosed, err)
-		case !errors.Is(err, errRetired) || resends == maxResends:
-			return nil, err
-		}
-		if req, err = resendable(req, err); err != nil {
-			return nil, err
-		}
-	}
-}
-
-// WrappedRoundTripper lets client-go helpers (utilnet.TLSClientConfig) see
-// the shared transport: the one that carries every request but upgrades,
-// which go over an HTTP/1.1 transport of their own. CloseIdleConnections
-// (keepalive.go) reaches both.
-func (l *lease) WrappedRoundTripper() http.RoundTripper { return l.e.current.Load().transport }
-
-var _ utilnet.RoundTripperWrapper = &lease{}
-
-// WrapConfigFn wraps cfg and returns it, in the shape of cli-runtime's
-// genericclioptions.ConfigFlags.WrapConfigFn. On error it logs, counts
-// [Stats].WrapErrors and returns cfg unchanged, so a CLI keeps working with
-// client-go's own transport.
-func (p *Pool) WrapConfigFn(cfg *rest.Config) *rest.Config {
-	if err := p.Wrap(cfg); err != nil {
-		p.stats.wrapErrors.Add(1)
-		p.opts.logger.Error(err, "Config left unwrapped; it uses client-go's own transport")
-	}
-	return cfg
-}
-
-// WrapClientConfig returns a clientcmd.ClientConfig whose ClientConfig method
-// returns configs wrapped by p: the drop-in for code built on
-// clientcmd.NewNonInteractiveDeferredLoadingClientConfig and friends.
-func (p *Pool) WrapClientConfig(cc clientcmd.ClientConfig) clientcmd.ClientConfig {
-	return &clientConfig{inner: cc, pool: p}
-}
-
-type clientConfig struct {
-	inner clientcmd.ClientConfig
-	pool  *Pool
-}
-
-func (c *clientConfig) ClientConfig() (*rest.Config, error) {
-	cfg, err := c.inner.ClientConfig()
-	if err != nil {
-		return nil, err
-	}
-	if err := c.pool.Wrap(cfg); err != nil {
-		return nil, err
-	}
-	return cfg, nil
-}
-
-func (c *clientConfig) RawConfig() (clientcmdapi.Config, error) { return c.inner.RawConfig() }
-func (c *clientConfig) Namespace() (string, bool, error)        { return c.inner.Namespace() }
-func (c *clientConfig) ConfigAccess() clientcmd.ConfigAccess    { return c.inner.ConfigAccess() }
 
 // dialFingerprint tells which dialer a transport dials with, so the hook can
 // show that client-go's transport for a client dials as the shared one does.

@@ -1,0 +1,279 @@
+// An identity's place in a pool and its lifetime: the entry built at first
+// use (one build under concurrent first use), the leases wrapped configs and
+// their clients hold on it, the idle grace that releases it once the last
+// lease is collected, and the lease as a round tripper, which sends a request
+// on the current generation when a rotation closed its own before it was
+// sent.
+
+package sharedtransport
+
+import (
+	"errors"
+	"fmt"
+	"net/http"
+	"runtime"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	utilnet "k8s.io/apimachinery/pkg/util/net"
+)
+
+// entry is one identity's place in the pool: its current transport
+// generation, its file watches, and how many wrapped configs refer to it.
+type entry struct {
+	pool    *Pool
+	id      *identity
+	current atomic.Pointer[generation]
+	since   atomic.Int64 // when current took effect, in Unix nanoseconds
+	closed  atomic.Bool
+	// filesBad is set while the identity's files fail to load (the last good
+	// material serves meanwhile): client-go's transports would read the same
+	// files, without the pool's bounds, so they are not asked.
+	filesBad atomic.Bool
+
+	// Guarded by pool.mu.
+	refs      int
+	idleTimer *time.Timer
+	watch     *identityWatch // nil unless id.watchesFiles()
+
+	checkMu sync.Mutex // serializes first looks at client-go transports (see clientTransport.check)
+
+	// hosts is what the identity learnt about the hosts it talks to (the
+	// protocol each speaks), kept across rotations: every generation of the
+	// entry shares it (keepalive.go).
+	hosts hostTable
+
+	stats      identityCounters              // the identity's share of the pool's counters
+	lastReload atomic.Pointer[reloadFailure] // the last reload rejected; nil: none
+
+	mu       sync.Mutex // guards draining, agreed and agreedNext
+	draining map[*generation]*time.Timer
+	// client-go transports found to agree with a generation. client-go hands
+	// the same transport again for every config its cache can key, and
+	// asking a transport for its client certificate is not free. A finding
+	// holds for its generation only: a rotation changes what the pool
+	// presents, never what client-go's transport presents. Weak, so the pool
+	// keeps no transport alive.
+	agreed     [8]agreement
+	agreedNext int
+}
+
+// acquire returns a lease on id's entry, building the entry on first use.
+// Concurrent first uses of one identity share one build.
+func (p *Pool) acquire(id *identity) (*lease, error) {
+	built := false
+	for {
+		p.mu.Lock()
+		if p.closed {
+			p.mu.Unlock()
+			return nil, ErrClosed
+		}
+		if e, ok := p.entries[id.key]; ok {
+			p.leaseLocked(e)
+			p.mu.Unlock()
+			if !built {
+				p.stats.hits.Add(1)
+			}
+			e.checkExpiry()
+			return newLease(e), nil
+		}
+		p.mu.Unlock()
+
+		_, err, _ := p.group.Do(string(id.key.mac()), func() (any, error) {
+			p.mu.Lock()
+			_, ok := p.entries[id.key]
+			p.mu.Unlock()
+			if ok {
+				return nil, nil
+			}
+			e, err := p.build(id)
+			if err != nil {
+				return nil, err
+			}
+			p.mu.Lock()
+			defer p.mu.Unlock()
+			if p.closed {
+				e.close()
+				return nil, ErrClosed
+			}
+			p.entries[id.key] = e
+			p.stats.misses.Add(1)
+			built = true
+			return nil, nil
+		})
+		if err != nil {
+			return nil, err
+		}
+		// The entry is in the map now. In the unlikely case that it expired
+		// before this goroutine took its lease, the loop builds it again.
+	}
+}
+
+func (p *Pool) build(id *identity) (*entry, error) {
+	m, err := p.loadMaterial(id)
+	if err != nil {
+		return nil, err
+	}
+	e := &entry{pool: p, id: id}
+	g, err := p.newGeneration(e, m)
+	if err != nil {
+		return nil, err
+	}
+	e.current.Store(g)
+	e.since.Store(time.Now().UnixNano())
+	if id.watchesFiles() {
+		w, err := p.fileWatcher()
+		if err != nil {
+			g.close()
+			return nil, err
+		}
+		e.watch = w.add(e)
+	}
+	return e, nil
+}
+
+// leaseLocked counts a new reference to e and cancels a pending release.
+func (p *Pool) leaseLocked(e *entry) {
+	e.refs++
+	if e.idleTimer != nil {
+		e.idleTimer.Stop()
+		e.idleTimer = nil
+	}
+}
+
+// release drops a reference; runtime.AddCleanup calls it when a lease is
+// garbage collected. The last reference starts the idle grace.
+func (p *Pool) release(e *entry) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	e.refs--
+	if e.refs > 0 || p.closed || p.entries[e.id.key] != e {
+		return
+	}
+	e.idleTimer = time.AfterFunc(p.opts.idleTimeout, func() { p.expire(e) })
+}
+
+func (p *Pool) expire(e *entry) {
+	p.mu.Lock()
+	if e.refs > 0 || p.entries[e.id.key] != e {
+		p.mu.Unlock()
+		return
+	}
+	delete(p.entries, e.id.key)
+	p.mu.Unlock()
+	p.opts.logger.V(4).Info("Released an identity no client uses", "identity", e.id.key)
+	e.close()
+}
+
+// close stops e's watches and closes every connection it holds, draining
+// generations included.
+func (e *entry) close() {
+	e.mu.Lock()
+	if e.closed.Swap(true) {
+		e.mu.Unlock()
+		return
+	}
+	draining := e.draining
+	e.draining = nil
+	e.mu.Unlock()
+
+	if e.watch != nil {
+		e.watch.stop()
+	}
+	for g, t := range draining {
+		t.Stop()
+		g.close()
+	}
+	e.current.Load().close()
+}
+
+// lease is one wrapped config's hold on an entry. While a config, a copy of
+// it, or any client built from them is reachable, so is its lease, and the
+// entry stays. When the last lease is collected the entry's idle grace starts.
+type lease struct{ e *entry }
+
+func newLease(e *entry) *lease {
+	l := &lease{e: e}
+	runtime.AddCleanup(l, e.pool.release, e)
+	return l
+}
+
+// holdLease is the cleanup that attaches a lease to a wrapped config: its
+// argument stays reachable until the config is collected.
+func holdLease(*lease) {}
+
+// closeIdle closes the idle connections of every generation of e.
+func (e *entry) closeIdle() {
+	e.mu.Lock()
+	gens := []*generation{e.current.Load()}
+	for g := range e.draining {
+		gens = append(gens, g)
+	}
+	e.mu.Unlock()
+	for _, g := range gens {
+		g.closeIdle()
+	}
+}
+
+// RoundTrip sends req through the identity's current transport. A request
+// whose generation a rotation closed before it was sent (WithDrainTimeout
+// over, or zero) is sent on the current one; ErrClosed means the pool (or
+// the identity) was closed.
+func (l *lease) RoundTrip(req *http.Request) (*http.Response, error) {
+	return l.roundTrip(req, l, nil)
+}
+
+func (l *lease) pick(*http.Request) *generation { return l.e.current.Load() }
+
+// A picker chooses the generation a request goes over (nil: not the pool's).
+type picker interface {
+	pick(req *http.Request) *generation
+}
+
+// maxResends bounds how often a request is moved to a newer generation
+// because its own closed before it was sent.
+const maxResends = 3
+
+// roundTrip sends req through the generation p picks, and, when that
+// generation retired before req reached the server, through the one p picks
+// then. A nil generation sends req through other instead.
+func (l *lease) roundTrip(req *http.Request, p picker, other http.RoundTripper) (*http.Response, error) {
+	for resends := 0; ; resends++ {
+		if l.e.closed.Load() {
+			return nil, fmt.Errorf("%w: build the client from a config wrapped by an open pool", ErrClosed)
+		}
+		g := p.pick(req)
+		if g == nil {
+			return other.RoundTrip(req)
+		}
+		resp, err := g.roundTrip(l, req)
+		switch {
+		case err == nil:
+			return resp, nil
+		case l.e.closed.Load():
+			// Closed while the request ran: say so, rather than whatever
+			// the connection that Close cut reported.
+			return nil, fmt.Errorf("%w while the request ran: %v", ErrClosed, err)
+		case !errors.Is(err, errRetired) || resends == maxResends:
+			return nil, err
+		}
+		if req, err = resendable(req, err); err != nil {
+			return nil, err
+		}
+	}
+}
+
+// WrappedRoundTripper lets client-go helpers (utilnet.TLSClientConfig) see
+// the shared transport: the one that carries every request but upgrades,
+// which go over an HTTP/1.1 transport of their own. CloseIdleConnections
+// (keepalive.go) reaches both.
+func (l *lease) WrappedRoundTripper() http.RoundTripper { return l.e.current.Load().transport }
+
+var _ utilnet.RoundTripperWrapper = &lease{}
+
+// CloseIdleConnections closes the idle connections of the identity's
+// transports, so utilnet.CloseIdleConnectionsFor on a client reaches every
+// transport its requests go over. Like client-go's shared transports, this
+// also closes what other clients of the identity keep idle.
+func (l *lease) CloseIdleConnections() { l.e.closeIdle() }
