@@ -64,50 +64,75 @@ type entry struct {
 func (p *Pool) acquire(id *identity) (*lease, error) {
 	built := false
 	for {
-		p.mu.Lock()
-		if p.closed {
-			p.mu.Unlock()
-			return nil, ErrClosed
+		e, err := p.leaseEntry(id)
+		if err != nil {
+			return nil, err
 		}
-		if e, ok := p.entries[id.key]; ok {
-			p.leaseLocked(e)
-			p.mu.Unlock()
+		if e != nil {
 			if !built {
 				p.stats.hits.Add(1)
 			}
 			e.checkExpiry()
 			return newLease(e), nil
 		}
-		p.mu.Unlock()
-
-		_, err, _ := p.group.Do(string(id.key.mac()), func() (any, error) {
-			p.mu.Lock()
-			_, ok := p.entries[id.key]
-			p.mu.Unlock()
-			if ok {
-				return nil, nil
-			}
-			e, err := p.build(id)
-			if err != nil {
-				return nil, err
-			}
-			p.mu.Lock()
-			defer p.mu.Unlock()
-			if p.closed {
-				e.close()
-				return nil, ErrClosed
-			}
-			p.entries[id.key] = e
-			p.stats.misses.Add(1)
-			built = true
-			return nil, nil
-		})
+		b, err := p.buildOnce(id)
 		if err != nil {
 			return nil, err
 		}
+		built = built || b
 		// The entry is in the map now. In the unlikely case that it expired
 		// before this goroutine took its lease, the loop builds it again.
 	}
+}
+
+// leaseEntry counts a new reference to id's entry and returns it, or nil
+// when the pool has none.
+func (p *Pool) leaseEntry(id *identity) (*entry, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.closed {
+		return nil, ErrClosed
+	}
+	e, ok := p.entries[id.key]
+	if !ok {
+		return nil, nil
+	}
+	p.leaseLocked(e)
+	return e, nil
+}
+
+// buildOnce puts an entry for id in the pool unless one is there. Concurrent
+// callers for one identity share one build; built reports that this call's
+// build put it there.
+func (p *Pool) buildOnce(id *identity) (built bool, err error) {
+	_, err, _ = p.group.Do(string(id.key.mac()), func() (any, error) {
+		built, err = p.addEntry(id)
+		return nil, err
+	})
+	return built, err
+}
+
+// addEntry builds id's entry and puts it in the pool, unless one is there.
+func (p *Pool) addEntry(id *identity) (added bool, err error) {
+	p.mu.Lock()
+	_, ok := p.entries[id.key]
+	p.mu.Unlock()
+	if ok {
+		return false, nil
+	}
+	e, err := p.build(id)
+	if err != nil {
+		return false, err
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.closed {
+		e.close()
+		return false, ErrClosed
+	}
+	p.entries[id.key] = e
+	p.stats.misses.Add(1)
+	return true, nil
 }
 
 func (p *Pool) build(id *identity) (*entry, error) {

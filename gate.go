@@ -210,7 +210,7 @@ func (hc *hostConns) admit(ctx context.Context, bounced bool) (admission, error)
 }
 
 // growDelayLocked is how long the host's connections have yet to stay full
-// before a request goes to get another one (see tryAdmitLocked), or 0.
+// before a request goes to get another one (see tryAdmitHTTP2Locked), or 0.
 func (hc *hostConns) growDelayLocked() time.Duration {
 	if hc.fullSince.IsZero() || hc.leading {
 		return 0
@@ -218,9 +218,10 @@ func (hc *hostConns) growDelayLocked() time.Duration {
 	return max(growWait-time.Since(hc.fullSince), time.Nanosecond)
 }
 
+// tryAdmitLocked admits a request when the host's protocol and connections
+// let it go now.
 func (hc *hostConns) tryAdmitLocked() (admission, bool) {
-	g := hc.g
-	if g.shut.Load() {
+	if hc.g.shut.Load() {
 		return admission{}, false // the caller's wait returns errRetired at once
 	}
 	switch hc.protocol() {
@@ -230,58 +231,72 @@ func (hc *hostConns) tryAdmitLocked() (admission, bool) {
 		}
 		return hc.leadLocked(), true
 	case protoHTTP2:
-		perConn, conns := streamsPerConn, hc.conns
-		if g.maxConns > 0 {
-			perConn, conns = streamsInFlight, min(conns, g.maxConns)
+		return hc.tryAdmitHTTP2Locked()
+	default:
+		return hc.tryAdmitHTTP1Locked()
+	}
+}
+
+// tryAdmitHTTP2Locked admits a request while the host's HTTP/2 connections
+// have a free stream, or as the one that gets the next connection.
+func (hc *hostConns) tryAdmitHTTP2Locked() (admission, bool) {
+	g := hc.g
+	perConn, conns := streamsPerConn, hc.conns
+	if g.maxConns > 0 {
+		perConn, conns = streamsInFlight, min(conns, g.maxConns)
+	}
+	if hc.inflight < conns*perConn {
+		if len(hc.waiters) == 0 {
+			hc.fullSince = time.Time{}
 		}
-		if hc.inflight < conns*perConn {
-			if len(hc.waiters) == 0 {
-				hc.fullSince = time.Time{}
-			}
+		hc.inflight++
+		return admission{rt: g.transport, slot: true}, true
+	}
+	if g.maxConns > 0 && hc.conns >= g.maxConns || hc.leading {
+		return admission{}, false
+	}
+	if hc.conns > 0 {
+		// Full: streams often free up sooner than a handshake ends (a
+		// burst of short lists), and a connection that comes up after
+		// that is closed as surplus. Another one is got when the
+		// connections have stayed full for growWait.
+		now := time.Now()
+		if hc.fullSince.IsZero() {
+			hc.fullSince = now
+		}
+		if now.Sub(hc.fullSince) < growWait {
+			return admission{}, false
+		}
+	}
+	hc.fullSince = time.Time{}
+	return hc.leadLocked(), true
+}
+
+// tryAdmitHTTP1Locked admits a request to a host that speaks HTTP/1.1 (or
+// over a transport that does not speak HTTP/2) while the cap allows.
+func (hc *hostConns) tryAdmitHTTP1Locked() (admission, bool) {
+	g := hc.g
+	if !g.http2 {
+		if g.maxConns == 0 {
+			return admission{rt: g.transport}, true
+		}
+		if hc.inflight < g.maxConns {
 			hc.inflight++
 			return admission{rt: g.transport, slot: true}, true
 		}
-		if g.maxConns > 0 && hc.conns >= g.maxConns || hc.leading {
-			return admission{}, false
-		}
-		if hc.conns > 0 {
-			// Full: streams often free up sooner than a handshake ends
-			// (a burst of short lists), and a connection that comes up
-			// after that is closed as surplus. Another one is got when
-			// the connections have stayed full for growWait.
-			now := time.Now()
-			if hc.fullSince.IsZero() {
-				hc.fullSince = now
-			}
-			if now.Sub(hc.fullSince) < growWait {
-				return admission{}, false
-			}
-		}
-		hc.fullSince = time.Time{}
-		return hc.leadLocked(), true
-	default: // HTTP/1.1
-		if !g.http2 {
-			if g.maxConns == 0 {
-				return admission{rt: g.transport}, true
-			}
-			if hc.inflight < g.maxConns {
-				hc.inflight++
-				return admission{rt: g.transport, slot: true}, true
-			}
-			return admission{}, false
-		}
-		if hc.leading || g.maxConns > 0 && hc.inflight >= g.maxConns {
-			return admission{}, false
-		}
-		// Each request may get a new connection, which offers HTTP/2:
-		// look at every one. When nothing is in flight (a host back
-		// after a failover, say), the others wait for the first one's
-		// connection: if it speaks HTTP/2 they go there too.
-		lead := hc.inflight == 0
-		hc.leading = lead
-		hc.inflight++
-		return admission{rt: g.transport, slot: true, lead: lead, look: true}, true
+		return admission{}, false
 	}
+	if hc.leading || g.maxConns > 0 && hc.inflight >= g.maxConns {
+		return admission{}, false
+	}
+	// Each request may get a new connection, which offers HTTP/2: look at
+	// every one. When nothing is in flight (a host back after a failover,
+	// say), the others wait for the first one's connection: if it speaks
+	// HTTP/2 they go there too.
+	lead := hc.inflight == 0
+	hc.leading = lead
+	hc.inflight++
+	return admission{rt: g.transport, slot: true, lead: lead, look: true}, true
 }
 
 // tryLeadLocked admits a request that found no free stream as the one that

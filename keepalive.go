@@ -105,12 +105,11 @@ type generation struct {
 	closed  bool
 }
 
-// newGeneration builds transports the way client-go's tlsTransportCache
-// does (transport.TLSConfigFor, utilnet.SetTransportDefaults: HTTP/2 with
-// health checks, proxy environment, DISABLE_HTTP2), plus the pool's options.
-// Keep-alive is set before HTTP/2 is configured: the HTTP/2 connection pool
-// reads it from this transport. The generation shares e.hosts, what the
-// identity learnt about its hosts, with every other generation of e.
+// newGeneration builds e's transports for material m, the way client-go's
+// tlsTransportCache builds its own (transport.TLSConfigFor,
+// utilnet.SetTransportDefaults: HTTP/2 with health checks, proxy environment,
+// DISABLE_HTTP2), plus the pool's options. The generation shares e.hosts,
+// what the identity learnt about its hosts, with every other generation of e.
 func (p *Pool) newGeneration(e *entry, m *material) (*generation, error) {
 	id := e.id
 	tlsConfig, err := transport.TLSConfigFor(&transport.Config{TLS: transport.TLSConfig{
@@ -135,53 +134,80 @@ func (p *Pool) newGeneration(e *entry, m *material) (*generation, error) {
 		shutCh:   make(chan struct{}),
 		conns:    map[*countedConn]struct{}{},
 	}
-	var http1TLS *tls.Config
 	if tlsConfig != nil {
-		g.roots = tlsConfig.RootCAs
-		if len(m.certPEM) > 0 {
-			leaf, err := parseLeaf(m)
-			if err != nil {
-				return nil, err
-			}
-			g.leaf, g.certCN, g.certNotAfter = leaf.Raw, leaf.Subject.CommonName, leaf.NotAfter
-		}
-		if p.opts.sessionResumption && id.getCert == nil {
-			// One cache per generation: a resumed session carries the client
-			// certificate of the handshake it came from. An exec plugin's
-			// certificate can change without a new generation, and a resumed
-			// session would go on authenticating as the old one, so such
-			// identities do not resume.
-			tlsConfig.ClientSessionCache = tls.NewLRUClientSessionCache(p.opts.sessionCacheSz)
-		}
-		tlsConfig.VerifyConnection = g.countHandshake
-		http1TLS = tlsConfig.Clone()
-		if len(id.nextProtos) == 0 {
-			http1TLS.NextProtos = []string{"http/1.1"}
+		if err := p.setTLS(g, id, tlsConfig); err != nil {
+			return nil, err
 		}
 	}
+	g.setTransports(id, p.opts.keepAlive, tlsConfig)
+	return g, nil
+}
 
+// setTLS records what g authenticates with and completes tlsConfig, its TLS
+// configuration: handshakes are counted, and resumed from a session cache of
+// g's own when the pool resumes sessions.
+func (p *Pool) setTLS(g *generation, id *identity, tlsConfig *tls.Config) error {
+	m := g.material
+	g.roots = tlsConfig.RootCAs
+	if len(m.certPEM) > 0 {
+		leaf, err := parseLeaf(m)
+		if err != nil {
+			return err
+		}
+		g.leaf, g.certCN, g.certNotAfter = leaf.Raw, leaf.Subject.CommonName, leaf.NotAfter
+	}
+	if p.opts.sessionResumption && id.getCert == nil {
+		// One cache per generation: a resumed session carries the client
+		// certificate of the handshake it came from. An exec plugin's
+		// certificate can change without a new generation, and a resumed
+		// session would go on authenticating as the old one, so such
+		// identities do not resume.
+		tlsConfig.ClientSessionCache = tls.NewLRUClientSessionCache(p.opts.sessionCacheSz)
+	}
+	tlsConfig.VerifyConnection = g.countHandshake
+	return nil
+}
+
+// setTransports builds g's transports over tlsConfig (nil for plain http).
+// Keep-alive is set before HTTP/2 is configured: the HTTP/2 connection pool
+// reads it from the transport it is configured on.
+func (g *generation) setTransports(id *identity, keepAlive bool, tlsConfig *tls.Config) {
 	dial := id.dial
 	if dial == nil {
 		dial = (&net.Dialer{Timeout: dialTimeout, KeepAlive: tcpKeepAlive}).DialContext
 	}
+	http1TLS := http1Only(tlsConfig, id.nextProtos)
 	// With keep-alive off every request has a connection of its own:
 	// HTTP/2 brings nothing, and Go's HTTP/2 pool dials surplus connections
 	// under concurrency (a connection per request over HTTP/1.1, more than
 	// one per request over HTTP/2). Plain http (through a proxy) has no
 	// HTTP/2 to offer either.
-	if p.opts.keepAlive && tlsConfig != nil {
-		g.transport = g.newTransport(id, p.opts.keepAlive, tlsConfig, dial, true)
+	if keepAlive && tlsConfig != nil {
+		g.transport = g.newTransport(id, keepAlive, tlsConfig, dial, true)
 		// SetTransportDefaults leaves HTTP/2 off under DISABLE_HTTP2 and
 		// for ALPN lists without h2, as client-go does.
 		_, g.http2 = g.transport.TLSNextProto["h2"]
 	}
 	if g.http2 {
-		g.http1 = g.newTransport(id, p.opts.keepAlive, http1TLS, dial, false)
+		g.http1 = g.newTransport(id, keepAlive, http1TLS, dial, false)
 	} else {
-		g.transport = g.newTransport(id, p.opts.keepAlive, http1TLS, dial, false)
+		g.transport = g.newTransport(id, keepAlive, http1TLS, dial, false)
 		g.http1 = g.transport
 	}
-	return g, nil
+}
+
+// http1Only returns a copy of tlsConfig that offers HTTP/1.1 alone when the
+// config names no protocols (an explicit list is the config's to keep), for
+// upgrades and for transports that do not speak HTTP/2.
+func http1Only(tlsConfig *tls.Config, nextProtos []string) *tls.Config {
+	if tlsConfig == nil {
+		return nil
+	}
+	c := tlsConfig.Clone()
+	if len(nextProtos) == 0 {
+		c.NextProtos = []string{"http/1.1"}
+	}
+	return c
 }
 
 // parseLeaf returns the client certificate of m, which loadMaterial checked

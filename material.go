@@ -166,64 +166,75 @@ func checkCABundle(b []byte, now time.Time) error {
 	if line := tornBlock(b); line > 0 {
 		return fmt.Errorf("holds an incomplete PEM block: the -----BEGIN on line %d has no -----END (a write in progress?)", line)
 	}
-	var (
-		certs, verifiers, valid int
-		other                   string
-		parseErr                error
-		lastExpiry, firstStart  time.Time
-	)
+	s := scanBundle(b, now)
+	switch {
+	case s.certs == 0 && s.parseErr != nil:
+		return fmt.Errorf("holds no certificate that parses: %w", s.parseErr)
+	case s.certs == 0 && s.other != "":
+		return fmt.Errorf("holds a %q PEM block where CA certificates are expected", s.other)
+	case s.certs == 0:
+		return errors.New("holds no PEM certificate")
+	case s.verifiers == 0:
+		return errors.New("holds no CA certificate: none of its certificates is a CA or usable for server authentication, so it can verify no server (a client certificate in the CA file?)")
+	case s.valid == 0 && s.firstStart.IsZero():
+		return fmt.Errorf("holds no CA certificate valid now: every one has expired, the last at %s (it is %s here): write the current CA", stamp(s.lastExpiry), stamp(now))
+	case s.valid == 0:
+		return &notYetValidError{
+			err: fmt.Errorf("holds no CA certificate valid now: the first becomes valid at %s (it is %s here, more than the %v of clock skew allowed)",
+				stamp(s.firstStart), stamp(now), clockSkew),
+			from: s.firstStart.Add(-clockSkew),
+		}
+	}
+	return nil
+}
+
+// bundleScan is what a CA bundle holds, as checkCABundle judges it.
+type bundleScan struct {
+	certs     int    // certificates that parse
+	verifiers int    // of which can verify a server (canVerifyServers)
+	valid     int    // of which are valid now
+	other     string // the type of a PEM block that is not a certificate
+	parseErr  error  // why a certificate block did not parse
+	// lastExpiry is when the last expired verifier expired; firstStart when
+	// the first verifier not valid yet becomes valid.
+	lastExpiry, firstStart time.Time
+}
+
+func scanBundle(b []byte, now time.Time) bundleScan {
+	var s bundleScan
 	for rest := b; ; {
 		var block *pem.Block
 		block, rest = pem.Decode(rest)
 		if block == nil {
-			break
+			return s
 		}
 		if block.Type != "CERTIFICATE" || len(block.Headers) != 0 {
-			other = block.Type
+			s.other = block.Type
 			continue
 		}
 		cert, err := x509.ParseCertificate(block.Bytes)
 		if err != nil {
-			parseErr = err
+			s.parseErr = err
 			continue
 		}
-		certs++
+		s.certs++
 		if !canVerifyServers(cert) {
 			continue
 		}
-		verifiers++
+		s.verifiers++
 		switch {
 		case now.After(cert.NotAfter):
-			if cert.NotAfter.After(lastExpiry) {
-				lastExpiry = cert.NotAfter
+			if cert.NotAfter.After(s.lastExpiry) {
+				s.lastExpiry = cert.NotAfter
 			}
 		case now.Add(clockSkew).Before(cert.NotBefore):
-			if firstStart.IsZero() || cert.NotBefore.Before(firstStart) {
-				firstStart = cert.NotBefore
+			if s.firstStart.IsZero() || cert.NotBefore.Before(s.firstStart) {
+				s.firstStart = cert.NotBefore
 			}
 		default:
-			valid++
+			s.valid++
 		}
 	}
-	switch {
-	case certs == 0 && parseErr != nil:
-		return fmt.Errorf("holds no certificate that parses: %w", parseErr)
-	case certs == 0 && other != "":
-		return fmt.Errorf("holds a %q PEM block where CA certificates are expected", other)
-	case certs == 0:
-		return errors.New("holds no PEM certificate")
-	case verifiers == 0:
-		return errors.New("holds no CA certificate: none of its certificates is a CA or usable for server authentication, so it can verify no server (a client certificate in the CA file?)")
-	case valid == 0 && firstStart.IsZero():
-		return fmt.Errorf("holds no CA certificate valid now: every one has expired, the last at %s (it is %s here): write the current CA", stamp(lastExpiry), stamp(now))
-	case valid == 0:
-		return &notYetValidError{
-			err: fmt.Errorf("holds no CA certificate valid now: the first becomes valid at %s (it is %s here, more than the %v of clock skew allowed)",
-				stamp(firstStart), stamp(now), clockSkew),
-			from: firstStart.Add(-clockSkew),
-		}
-	}
-	return nil
 }
 
 // tornBlock returns the line of the first "-----BEGIN" in b that has no

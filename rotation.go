@@ -461,25 +461,36 @@ func (w *fileWatcher) run() {
 				errs = nil
 				continue
 			}
-			// Typically a queue overflow: events were lost, so look at everything.
-			opts.logger.Info("File watch error; re-reading every watched file", "err", err)
-			w.enqueueAll(true)
+			w.onWatchError(err)
 		case <-debounce.C:
 			w.onDebounce()
 			w.armDebounce(debounce)
 		case iw := <-w.loaded:
 			w.onLoaded(iw)
 		case <-poll:
-			w.mu.Lock()
-			w.checkLocked()
-			w.mu.Unlock()
-			w.enqueueAll(false)
+			w.onPoll()
 		case <-fallback.C:
 			fallbackArmed = false
 			w.onFallback()
 		}
 		w.dispatch()
 	}
+}
+
+// onWatchError queues a reload of every identity after an error from
+// fsnotify: typically a queue overflow, so events were lost.
+func (w *fileWatcher) onWatchError(err error) {
+	w.pool.opts.logger.Info("File watch error; re-reading every watched file", "err", err)
+	w.enqueueAll(true)
+}
+
+// onPoll queues a reload of every identity, and notes the directories whose
+// watch the kernel dropped.
+func (w *fileWatcher) onPoll() {
+	w.mu.Lock()
+	w.checkLocked()
+	w.mu.Unlock()
+	w.enqueueAll(false)
 }
 
 // onDebounce queues the pending reloads that are due.

@@ -397,11 +397,12 @@ func (p *Pool) identityAndTransportConfig(cfg *rest.Config) (id *identity, tc *t
 }
 
 // identityOf computes the identity of cfg, whose transport config is tc.
+// share is false, with a nil identity, for a config that passes through.
 func (p *Pool) identityOf(cfg *rest.Config, tc *transport.Config) (id *identity, share bool, err error) {
 	hasTLS := tc.HasCA() || tc.HasCertAuth() || tc.HasCertCallback() || tc.TLS.Insecure ||
 		tc.TLS.ServerName != "" || len(tc.TLS.NextProtos) > 0
 	if !hasTLS && tc.DialHolder == nil && tc.Proxy == nil {
-		return nil, false, nil // client-go uses http.DefaultTransport, already shared
+		return nil, false, nil // pass through: client-go uses http.DefaultTransport, already shared
 	}
 	if tc.HasCA() && tc.TLS.Insecure {
 		return nil, false, errors.New("sharedtransport: a config cannot set both a CA and insecure: remove one of them")
@@ -420,23 +421,48 @@ func (p *Pool) identityOf(cfg *rest.Config, tc *transport.Config) (id *identity,
 	}
 	dialName, share := p.setDialer(id, cfg, tc)
 	if !share {
-		return nil, false, nil
+		return nil, false, nil // pass through: a custom Dial WithDialIdentity does not name
 	}
 	if id.connectHeader, id.headerFromWrappers, share = p.connectHeaderFor(cfg); !share {
-		return nil, false, nil
+		return nil, false, nil // pass through: wrappers that replace the transport
 	}
-	proxy := ""
-	if cfg.Proxy != nil {
-		r, err := proxyRoute(cfg)
-		if err != nil {
-			p.opts.logger.V(2).Info("Config passes through: its Proxy function failed", "host", redactHost(cfg.Host), "err", redactURLs(err.Error()))
-			return nil, false, nil
-		}
-		if !r.env {
-			id.proxy, proxy = r.fixed, r.url
-		}
+	proxy, share := p.setProxy(id, cfg)
+	if !share {
+		return nil, false, nil // pass through: a Proxy function that fails
 	}
-	id.key = identityKey{
+	id.key = id.keyFor(dialName, proxy)
+	if dialName == "" {
+		id.key.dialHolder = tc.DialHolder // exec plugin: one per authenticator, cached by client-go
+	}
+	if id.certFile != "" && cfg.Proxy == nil && tc.DialHolder == nil {
+		id.clientGoKey = clientGoKey(tc)
+	}
+	return id, true, nil
+}
+
+// setProxy sets the proxy function of id's transport from cfg.Proxy, and
+// returns the route that keys it (see identityKey.proxy). share is false when
+// cfg.Proxy fails.
+func (p *Pool) setProxy(id *identity, cfg *rest.Config) (proxy string, share bool) {
+	if cfg.Proxy == nil {
+		return "", true
+	}
+	r, err := proxyRoute(cfg)
+	if err != nil {
+		p.opts.logger.V(2).Info("Config passes through: its Proxy function failed", "host", redactHost(cfg.Host), "err", redactURLs(err.Error()))
+		return "", false
+	}
+	if r.env {
+		return "", true
+	}
+	id.proxy = r.fixed
+	return r.url, true
+}
+
+// keyFor returns id's key, for a custom Dial named dialName and a proxy
+// route proxy.
+func (id *identity) keyFor(dialName, proxy string) identityKey {
+	return identityKey{
 		insecure:           id.insecure,
 		serverName:         id.serverName,
 		nextProtos:         lengthPrefixed(id.nextProtos),
@@ -452,21 +478,20 @@ func (p *Pool) identityOf(cfg *rest.Config, tc *transport.Config) (id *identity,
 		proxy:              proxy,
 		connectHeader:      digestOf(canonicalHeader(id.connectHeader)),
 	}
-	if dialName == "" {
-		id.key.dialHolder = tc.DialHolder // exec plugin: one per authenticator, cached by client-go
+}
+
+// clientGoKey returns the TLS part of tc as client-go keys its transport
+// cache: see identity.clientGoKey.
+func clientGoKey(tc *transport.Config) *transport.TLSConfig {
+	return &transport.TLSConfig{
+		Insecure:   tc.TLS.Insecure,
+		ServerName: tc.TLS.ServerName,
+		NextProtos: tc.TLS.NextProtos,
+		CAFile:     tc.TLS.CAFile,
+		CAData:     tc.TLS.CAData,
+		CertFile:   tc.TLS.CertFile,
+		KeyFile:    tc.TLS.KeyFile,
 	}
-	if id.certFile != "" && cfg.Proxy == nil && tc.DialHolder == nil {
-		id.clientGoKey = &transport.TLSConfig{
-			Insecure:   tc.TLS.Insecure,
-			ServerName: tc.TLS.ServerName,
-			NextProtos: tc.TLS.NextProtos,
-			CAFile:     tc.TLS.CAFile,
-			CAData:     tc.TLS.CAData,
-			CertFile:   tc.TLS.CertFile,
-			KeyFile:    tc.TLS.KeyFile,
-		}
-	}
-	return id, true, nil
 }
 
 // setMaterial records where id's CA and client certificate come from. Like

@@ -731,16 +731,7 @@ func (p *Pool) connectHeaderFor(cfg *rest.Config) (h http.Header, fromWrappers, 
 func probeWrappers(wrap transport.WrapperFunc) (h http.Header, replaced, ok bool) {
 	probe := &http.Transport{Proxy: probeProxy, DialContext: probeDial}
 	pristine := probe.Clone()
-	var out http.RoundTripper
-	func() {
-		defer func() {
-			if recover() != nil {
-				out = nil
-			}
-		}()
-		out = wrap(probe)
-	}()
-	t := httpTransport(out)
+	t := httpTransport(runWrappers(wrap, probe))
 	if t == nil || t == probe {
 		// A wrapper may also change the transport it is handed in place:
 		// the pool's round tripper would hide that change from it too.
@@ -756,6 +747,17 @@ func probeWrappers(wrap transport.WrapperFunc) (h http.Header, replaced, ok bool
 		return nil, true, false
 	}
 	return t.ProxyConnectHeader.Clone(), true, true
+}
+
+// runWrappers returns what wrap makes of probe, or nil when it panics: a
+// wrapper written for client-go's transports may not expect a probe.
+func runWrappers(wrap transport.WrapperFunc, probe *http.Transport) (out http.RoundTripper) {
+	defer func() {
+		if recover() != nil {
+			out = nil
+		}
+	}()
+	return wrap(probe)
 }
 
 func isProbe(rt http.RoundTripper) bool {
