@@ -32,22 +32,27 @@ type entry struct {
 	// files, without the pool's bounds, so they are not asked.
 	filesBad atomic.Bool
 
-	// Guarded by pool.mu.
-	refs      int
-	idleTimer *time.Timer
-	watch     *identityWatch // nil unless id.watchesFiles()
+	refs      int            // wrapped configs and clients holding a lease; guarded by pool.mu
+	idleTimer *time.Timer    // releases the entry after the idle grace; guarded by pool.mu
+	watch     *identityWatch // set before the entry is in the pool, then fixed; nil unless id.watchesFiles()
 
-	checkMu sync.Mutex // serializes first looks at client-go transports (see clientTransport.check)
+	// checkMu serializes the looks at client-go transports that ask
+	// client-go's certificate-file refresher (see clientTransport.check); it
+	// guards no field.
+	checkMu sync.Mutex
 
 	// hosts is what the identity learnt about the hosts it talks to (the
 	// protocol each speaks), kept across rotations: every generation of the
-	// entry shares it (keepalive.go).
+	// entry shares it (gate.go).
 	hosts hostTable
 
 	stats      identityCounters              // the identity's share of the pool's counters
 	lastReload atomic.Pointer[reloadFailure] // the last reload rejected; nil: none
 
-	mu       sync.Mutex // guards draining, agreed and agreedNext
+	// mu guards draining, agreed and agreedNext. rotate swaps current and
+	// close sets closed while holding it, so a generation is never taken
+	// into use after the entry closed.
+	mu       sync.Mutex
 	draining map[*generation]*time.Timer
 	// client-go transports found to agree with a generation. client-go hands
 	// the same transport again for every config its cache can key, and

@@ -95,7 +95,7 @@ type generation struct {
 	// more and sends the requests waiting for a place back to the lease.
 	retired  atomic.Bool
 	shut     atomic.Bool
-	shutCh   chan struct{}
+	shutCh   chan struct{} // closed, once, with shut set
 	shutOnce sync.Once
 	settleMu sync.Mutex  // guards settle
 	settle   *time.Timer // closes idle connections after the last request of a retired generation

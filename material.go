@@ -371,10 +371,10 @@ type fileToRead struct {
 
 // readCall is the state one read shares with the goroutine doing it.
 type readCall struct {
-	current   int  // index of the file being read, -1 before the first
-	abandoned bool // the caller stopped waiting
-	err       error
-	done      chan struct{}
+	current   int           // index of the file being read, -1 before the first; guarded by fileReader.mu
+	abandoned bool          // the caller stopped waiting; guarded by fileReader.mu
+	err       error         // set before done is closed
+	done      chan struct{} // closed when the read returns
 }
 
 // read reads files in order. It returns when they are read, when timeout has

@@ -92,16 +92,21 @@ func identityPaths(id *identity) []string {
 // limits), the directories concerned are polled instead, every
 // options.fallbackPoll, and the watch is tried again at the same time.
 type fileWatcher struct {
-	pool   *Pool
-	done   chan struct{}
-	exited chan struct{}
-	wake   chan struct{}       // look again: a directory may miss its watch, or file events became available
-	loaded chan *identityWatch // a reload finished
-	loads  sync.WaitGroup      // reloads in flight
+	pool      *Pool
+	notifyOff bool                // test seam: no file events at all, and no fallback
+	done      chan struct{}       // closed by close: the run goroutine and reloads stop
+	exited    chan struct{}       // closed when the run goroutine has exited
+	wake      chan struct{}       // look again: a directory may miss its watch, or file events became available
+	loaded    chan *identityWatch // a reload finished
+	loads     sync.WaitGroup      // reloads in flight
 
-	mu         sync.Mutex        // guards the fields below, and the paths, dirs and stopped of every identityWatch
+	closeOnce sync.Once
+	closeErr  error // what closing notify returned; set once, by close
+
+	// mu guards the fields below, and the paths, dirs and stopped of every
+	// identityWatch.
+	mu         sync.Mutex
 	notify     *fsnotify.Watcher // nil while the kernel refuses an inotify instance, or when notifyOff
-	notifyOff  bool              // test seam: no file events at all, and no fallback
 	dirs       map[string]*watchedDir
 	byPath     map[string][]*identityWatch // the identities that read through a path
 	watches    map[*identityWatch]struct{}
@@ -218,10 +223,8 @@ func (iw *identityWatch) relook() {
 		w := iw.w
 		w.mu.Lock()
 		defer w.mu.Unlock()
-		select {
-		case <-w.done:
-			return // closed: no new watches
-		default:
+		if w.closing() {
+			return // no new watches
 		}
 		if !iw.stopped && !slices.Equal(paths, iw.paths) {
 			w.setPathsLocked(iw, paths)
@@ -292,7 +295,12 @@ func (w *fileWatcher) unrefDirLocked(d string) {
 }
 
 // watchLocked asks the kernel to watch d, which has no watch yet.
+// After close began it sets none: close closes notify under w.mu once the
+// run goroutine has exited, so a watcher made later would never be closed.
 func (w *fileWatcher) watchLocked(d string, wd *watchedDir) {
+	if w.closing() {
+		return
+	}
 	var err error
 	if w.notify == nil {
 		if w.notify, err = fsnotify.NewWatcher(); err != nil {
@@ -390,22 +398,30 @@ func (w *fileWatcher) poke() {
 }
 
 // close stops the watcher and waits for its goroutine and its reloads. A read
-// stuck in the kernel is not waited for (see fileReader).
+// stuck in the kernel is not waited for (see fileReader). Every call, the
+// first and any later or concurrent one, returns once the watcher has
+// stopped, with what closing its fsnotify watcher returned.
 func (w *fileWatcher) close() error {
+	w.closeOnce.Do(func() {
+		close(w.done)
+		<-w.exited
+		w.mu.Lock()
+		defer w.mu.Unlock()
+		if w.notify != nil {
+			w.closeErr = w.notify.Close()
+		}
+	})
+	return w.closeErr
+}
+
+// closing reports whether close has begun: no new watch is set from then on.
+func (w *fileWatcher) closing() bool {
 	select {
 	case <-w.done:
-		<-w.exited
-		return nil
+		return true
 	default:
+		return false
 	}
-	close(w.done)
-	<-w.exited
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	if w.notify != nil {
-		return w.notify.Close()
-	}
-	return nil
 }
 
 // run is the watcher's one goroutine: it turns file events into debounced

@@ -729,3 +729,32 @@ func (l *logLines) all() []string {
 	defer l.mu.Unlock()
 	return slices.Clone(l.lines)
 }
+
+// TestWatcherSetsNoWatchAfterClose: a config wrapped while the pool closes
+// (its entry is added to the file watcher after close) gets no new fsnotify
+// watcher, which nothing would close. The pool starts without one, as when
+// the kernel refused an inotify instance.
+func TestWatcherSetsNoWatchAfterClose(t *testing.T) {
+	p := New(WithLogger(klog.Background().V(10)))
+	w, err := p.fileWatcher()
+	if err != nil {
+		t.Fatal(err)
+	}
+	w.mu.Lock()
+	if w.notify != nil {
+		w.notify.Close()
+		w.notify = nil
+	}
+	w.mu.Unlock()
+	if err := p.Close(); err != nil {
+		t.Fatal(err)
+	}
+	w.add(&entry{id: &identity{caFile: filepath.Join(t.TempDir(), "ca.crt")}})
+	w.mu.Lock()
+	n := w.notify
+	w.mu.Unlock()
+	if n != nil {
+		n.Close()
+		t.Fatal("the closed watcher made an fsnotify watcher")
+	}
+}

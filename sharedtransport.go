@@ -45,15 +45,15 @@ var ErrClosed = errors.New("sharedtransport: pool is closed")
 // [rest.Config]s it wrapped that have the same TLS identity. The zero value is
 // not usable; create pools with [New]. A Pool is safe for concurrent use.
 type Pool struct {
-	opts    options
-	group   singleflight.Group // one build per identity under concurrent first use
-	watcher *fileWatcher       // nil until a config names certificate files
-	reader  fileReader         // bounds reads of certificate files
-	stats   counters
+	opts   options
+	group  singleflight.Group // one build per identity under concurrent first use
+	reader fileReader         // bounds reads of certificate files
+	stats  counters
 
-	mu      sync.Mutex // guards entries, closed and watcher creation
+	mu      sync.Mutex // guards entries, closed, watcher, and every entry's refs and idleTimer
 	entries map[identityKey]*entry
 	closed  bool
+	watcher *fileWatcher // nil until a config names certificate files
 }
 
 // New returns a pool configured by opts.
