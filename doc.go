@@ -6,9 +6,9 @@
 // key them. A config with a Proxy function, a custom Dial, or built afresh for
 // every request (an aggregated apiserver proxying to member clusters, a CLI
 // in a loop) gets a new transport each time, and every new transport opens
-// new TCP and TLS connections. Karmada saw 3,000 connections to one member
-// cluster this way. Different client certificates need different
-// connections; configs of one identity never do.
+// new TCP and TLS connections: under load, thousands to one server. Different
+// client certificates need different connections; configs of one identity
+// never do.
 //
 // One call installs the library on an existing config:
 //

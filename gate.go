@@ -23,7 +23,7 @@ import (
 
 const (
 	// streamsPerConn is kube-apiserver's default HTTP/2 stream limit
-	// (--http2-max-streams-per-connection, 100 since v1.25).
+	// (--http2-max-streams-per-connection).
 	streamsPerConn = 100
 	// streamsInFlight leaves a margin under it where the pool caps
 	// connections: a stream whose response body ended is still counted by

@@ -57,8 +57,7 @@ type generation struct {
 	// HTTP/2 it dials only for the requests hostConns sends to get a
 	// connection: left to itself, Go dials for every request that finds no
 	// free stream, so a burst of N concurrent first requests opens about N
-	// connections instead of ceil(N/streams) (seed 002: 300 requests, 320
-	// connections).
+	// connections instead of ceil(N/streams).
 	transport *http.Transport
 	// http1 offers HTTP/1.1 only: upgrades (websocket, SPDY), which Go
 	// sends over HTTP/1.1 on connections of their own and an HTTP/2

@@ -60,8 +60,8 @@ func defaultOptions() options {
 }
 
 // WithKeepAlive turns HTTP keep-alive on (the default) or off for the pool's
-// transports. With keep-alive off every request opens its own connection, as
-// Karmada's proxy does today; TLS session resumption (see
+// transports. With keep-alive off every request opens its own connection,
+// closed when the response ends; TLS session resumption (see
 // [WithSessionResumption]) keeps most of those handshakes cheap. Transports
 // client-go built for configs outside the pool are never touched.
 func WithKeepAlive(enabled bool) Option {

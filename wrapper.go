@@ -47,8 +47,8 @@ import (
 // The hook refers to its lease weakly. client-go keeps the WrapTransport of the
 // first config of every TLS cache key for as long as it keeps the transport it
 // cached for that key (the GetClientCertificate closure of the cached
-// transport's tls.Config captures the whole transport.Config), and before
-// v0.36 that cache is never pruned: a hook holding its lease strongly would
+// transport's tls.Config captures the whole transport.Config), and client-go
+// before v0.36 never prunes that cache: a hook holding its lease strongly would
 // keep every identity with a client certificate alive for good. Instead the
 // wrapped config holds the lease (Wrap attaches it), clients hold it through
 // the round tripper the hook returns, and a hook whose lease was collected
