@@ -111,14 +111,23 @@ type generation struct {
 // what the identity learnt about its hosts, with every other generation of e.
 func (p *Pool) newGeneration(e *entry, m *material) (*generation, error) {
 	id := e.id
+	if len(m.certPEM) > 0 && m.cert == nil {
+		return nil, errors.New("sharedtransport: internal error: a client certificate was not checked before use")
+	}
+	getCert := id.getCert
+	if m.cert != nil {
+		// The pair checkMaterial parsed, handed to client-go as a callback
+		// rather than as bytes for it to parse again. client-go gives
+		// inline data precedence over an exec plugin's callback: the pool
+		// replaces the callback the same way.
+		getCert = &transport.GetCertHolder{GetCert: func() (*tls.Certificate, error) { return m.cert, nil }}
+	}
 	tlsConfig, err := transport.TLSConfigFor(&transport.Config{TLS: transport.TLSConfig{
 		Insecure:      id.insecure,
 		ServerName:    id.serverName,
 		NextProtos:    id.nextProtos,
 		CAData:        m.caPEM,
-		CertData:      m.certPEM,
-		KeyData:       m.keyPEM,
-		GetCertHolder: id.getCert,
+		GetCertHolder: getCert,
 	}})
 	if err != nil {
 		return nil, err
@@ -134,9 +143,7 @@ func (p *Pool) newGeneration(e *entry, m *material) (*generation, error) {
 		conns:    map[*countedConn]struct{}{},
 	}
 	if tlsConfig != nil {
-		if err := p.setTLS(g, id, tlsConfig); err != nil {
-			return nil, err
-		}
+		p.setTLS(g, id, tlsConfig)
 	}
 	g.setTransports(id, p.opts.keepAlive, tlsConfig)
 	return g, nil
@@ -145,15 +152,10 @@ func (p *Pool) newGeneration(e *entry, m *material) (*generation, error) {
 // setTLS records what g authenticates with and completes tlsConfig, its TLS
 // configuration: handshakes are counted, and resumed from a session cache of
 // g's own when the pool resumes sessions.
-func (p *Pool) setTLS(g *generation, id *identity, tlsConfig *tls.Config) error {
-	m := g.material
+func (p *Pool) setTLS(g *generation, id *identity, tlsConfig *tls.Config) {
 	g.roots = tlsConfig.RootCAs
-	if len(m.certPEM) > 0 {
-		leaf, err := parseLeaf(m)
-		if err != nil {
-			return err
-		}
-		g.leaf, g.certCN, g.certNotAfter = leaf.Raw, leaf.Subject.CommonName, leaf.NotAfter
+	if c := g.material.cert; c != nil {
+		g.leaf, g.certCN, g.certNotAfter = c.Leaf.Raw, c.Leaf.Subject.CommonName, c.Leaf.NotAfter
 	}
 	if p.opts.sessionResumption && id.getCert == nil {
 		// One cache per generation: a resumed session carries the client
@@ -164,7 +166,6 @@ func (p *Pool) setTLS(g *generation, id *identity, tlsConfig *tls.Config) error 
 		tlsConfig.ClientSessionCache = tls.NewLRUClientSessionCache(p.opts.sessionCacheSz)
 	}
 	tlsConfig.VerifyConnection = g.countHandshake
-	return nil
 }
 
 // setTransports builds g's transports over tlsConfig (nil for plain http).
@@ -207,19 +208,6 @@ func http1Only(tlsConfig *tls.Config, nextProtos []string) *tls.Config {
 		c.NextProtos = []string{"http/1.1"}
 	}
 	return c
-}
-
-// parseLeaf returns the client certificate of m, which loadMaterial checked
-// against its key.
-func parseLeaf(m *material) (*x509.Certificate, error) {
-	cert, err := tls.X509KeyPair(m.certPEM, m.keyPEM)
-	if err != nil {
-		return nil, err
-	}
-	if cert.Leaf != nil {
-		return cert.Leaf, nil
-	}
-	return x509.ParseCertificate(cert.Certificate[0]) // GODEBUG x509keypairleaf=0
 }
 
 // newTransport builds one of g's transports as client-go's cache builds

@@ -35,6 +35,11 @@ const clockSkew = 5 * time.Minute
 // of its transport hands out in handshakes.
 type material struct {
 	caPEM, certPEM, keyPEM []byte
+	// cert is certPEM and keyPEM parsed, Leaf included, once checkMaterial
+	// accepted them; nil without a client certificate. The generation built
+	// from the material presents it as it is, so a pair is parsed once per
+	// load.
+	cert *tls.Certificate
 }
 
 func (m *material) equal(o *material) bool {
@@ -109,6 +114,7 @@ func (e *notYetValidError) Unwrap() error { return e.err }
 
 // checkMaterial validates m, id's material, at now: a CA bundle that can
 // verify a server, and a certificate that matches its key and is valid now.
+// It sets m.cert when the certificate is accepted.
 func checkMaterial(id *identity, m *material, now time.Time) error {
 	if len(m.caPEM) > 0 {
 		if err := checkCABundle(m.caPEM, now); err != nil {
@@ -137,6 +143,8 @@ func checkMaterial(id *identity, m *material, now time.Time) error {
 		}
 		return err2
 	}
+	cert.Leaf = leaf
+	m.cert = &cert
 	return nil
 }
 
