@@ -37,6 +37,10 @@ const (
 // request that used it let go.
 const retiredSettle = 50 * time.Millisecond
 
+// sessionCacheSize is how many TLS sessions a generation's session cache
+// keeps: one per server the identity talks to, with room to spare.
+const sessionCacheSize = 64
+
 // errNoDial is what the HTTP/2 transport's dialer answers a request the pool
 // did not send to get a connection: one that found no free stream where the
 // pool counted one (a connection that died or a server allowing fewer
@@ -163,7 +167,7 @@ func (p *Pool) setTLS(g *generation, id *identity, tlsConfig *tls.Config) {
 		// certificate can change without a new generation, and a resumed
 		// session would go on authenticating as the old one, so such
 		// identities do not resume.
-		tlsConfig.ClientSessionCache = tls.NewLRUClientSessionCache(p.opts.sessionCacheSz)
+		tlsConfig.ClientSessionCache = tls.NewLRUClientSessionCache(sessionCacheSize)
 	}
 	tlsConfig.VerifyConnection = g.countHandshake
 }

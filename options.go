@@ -27,18 +27,15 @@ type options struct {
 	logger            klog.Logger
 
 	// Test seams, never exported: how long file events settle before a
-	// reload and how long a busy file may put it off, whether fsnotify is
-	// used at all (so a test can prove the poll alone finds a change), how
-	// often directories the kernel refused to watch are polled, how long a
-	// read of a certificate file may take, and the clock certificates are
-	// checked against.
-	debounce       time.Duration
-	maxWait        time.Duration
-	disableNotify  bool
-	fallbackPoll   time.Duration
-	readTimeout    time.Duration
-	now            func() time.Time
-	sessionCacheSz int
+	// reload, whether fsnotify is used at all (so a test can prove the poll
+	// alone finds a change), how often directories the kernel refused to
+	// watch are polled, how long a read of a certificate file may take, and
+	// the clock certificates are checked against.
+	debounce      time.Duration
+	disableNotify bool
+	fallbackPoll  time.Duration
+	readTimeout   time.Duration
+	now           func() time.Time
 }
 
 func defaultOptions() options {
@@ -51,11 +48,9 @@ func defaultOptions() options {
 		expiryWarning:     24 * time.Hour,
 		logger:            klog.Background().WithName("sharedtransport"),
 		debounce:          100 * time.Millisecond,
-		maxWait:           500 * time.Millisecond,
 		fallbackPoll:      10 * time.Second,
 		readTimeout:       5 * time.Second,
 		now:               time.Now,
-		sessionCacheSz:    64,
 	}
 }
 
@@ -85,6 +80,8 @@ func WithSessionResumption(enabled bool) Option {
 // attach, port-forward sent through the pool's transport) run on
 // connections of their own and are not counted. Zero, the default, means no
 // cap; bursts still open no more connections than their concurrency needs.
+//
+// A negative n is ignored.
 func WithMaxConnsPerHost(n int) Option {
 	return func(o *options) {
 		if n >= 0 {
@@ -99,6 +96,8 @@ func WithMaxConnsPerHost(n int) Option {
 // member clusters) rely on this grace to reuse the connection between two
 // sparse requests. The default, 90 seconds, matches the idle-connection
 // timeout of client-go's transports.
+//
+// A negative d is ignored.
 func WithIdleTimeout(d time.Duration) Option {
 	return func(o *options) {
 		if d >= 0 {
@@ -134,6 +133,8 @@ func WithProxyConnectHeader(fn func(cfg *rest.Config) http.Header) Option {
 // read and a comparison. The default is 30 seconds; zero turns polling off.
 // Directories the kernel refuses to watch (its inotify limits) are polled
 // every 10 seconds whatever the interval, until their watch can be set.
+//
+// A negative d is ignored.
 func WithPollInterval(d time.Duration) Option {
 	return func(o *options) {
 		if d >= 0 {
@@ -148,6 +149,8 @@ func WithPollInterval(d time.Duration) Option {
 // soon as their requests end; a request not sent yet when they close is sent
 // with the new material. The default is 2 minutes, so informers re-list
 // once, spread out, instead of all at the moment of rotation.
+//
+// A negative d is ignored.
 func WithDrainTimeout(d time.Duration) Option {
 	return func(o *options) {
 		if d >= 0 {
@@ -163,6 +166,8 @@ func WithDrainTimeout(d time.Duration) Option {
 // certificate. The default is 24 hours; identities whose certificates live
 // less than a day warn about every certificate, so set a shorter lead for
 // them. Zero turns the warning off.
+//
+// A negative d is ignored.
 func WithExpiryWarning(d time.Duration) Option {
 	return func(o *options) {
 		if d >= 0 {

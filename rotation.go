@@ -27,6 +27,10 @@ import (
 // hung file system leave slots for the others.
 const maxLoads = 4
 
+// maxEventWait bounds how long events that keep coming put a reload off: a
+// file written to without pause is still read.
+const maxEventWait = 500 * time.Millisecond
+
 // readPaths returns the paths whose change changes what reading file gives:
 // every symbolic link met on the way to it (kubelet's "tls.crt" and "..data")
 // and the file it resolves to. Each lies in a directory free of links, the
@@ -579,11 +583,11 @@ func (w *fileWatcher) onEvent(ev fsnotify.Event) {
 }
 
 // due is when a pending reload starts: when events have been quiet for the
-// debounce, or when the first event is maxWait old, whichever comes first,
+// debounce, or when the first event is maxEventWait old, whichever comes first,
 // so a file written to without pause is still read.
 func (w *fileWatcher) due(iw *identityWatch) time.Time {
 	opts := &w.pool.opts
-	quiet, latest := iw.last.Add(opts.debounce), iw.first.Add(opts.maxWait)
+	quiet, latest := iw.last.Add(opts.debounce), iw.first.Add(maxEventWait)
 	if latest.Before(quiet) {
 		return latest
 	}

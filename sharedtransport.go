@@ -37,8 +37,8 @@ import (
 	"k8s.io/client-go/transport"
 )
 
-// ErrClosed is returned by [Pool.Wrap] on a closed pool, and by requests sent
-// through a closed pool's transports.
+// ErrClosed is returned by [Pool.Wrap] and [Pool.TransportFor] on a closed
+// pool, and by requests sent through a closed pool's transports.
 var ErrClosed = errors.New("sharedtransport: pool is closed")
 
 // A Pool shares one HTTP transport, and so one connection pool, among all the
@@ -162,10 +162,25 @@ func (p *Pool) isClosed() bool {
 
 // Stats are plain counters of what a pool did since it was created.
 type Stats struct {
-	Identities     int    // identities with a live transport
-	Hits           uint64 // Wrap calls that found their identity's transport
-	Misses         uint64 // Wrap calls that built a transport
-	PassThrough    uint64 // configs and round trippers left to client-go
+	Identities int // identities with a live transport
+
+	// Hits and Misses count the lookups of an identity's transport: one per
+	// [Pool.Wrap] and [Pool.TransportFor] of a config the pool shares, and
+	// one when a wrapped config's hook takes its identity again for a new
+	// client after the identity was released (see [WithIdleTimeout]). A
+	// miss built the transport; a hit found it, or waited for a concurrent
+	// lookup of the same identity to build it.
+	Hits   uint64
+	Misses uint64
+	// PassThrough counts configs and clients left to client-go's own
+	// transport, in one number: each config [Pool.Wrap] or
+	// [Pool.TransportFor] does not share (see [Pool.Wrap]), and each client
+	// of a wrapped config that keeps client-go's transport (a SPDY or
+	// websocket round tripper, a copy of the config whose TLS identity
+	// differs, a client built while the identity's files fail to load). A
+	// client counts once, however many requests it sends.
+	PassThrough uint64
+
 	WrapErrors     uint64 // configs the [Pool.WrapConfigFn] adapter left unwrapped
 	Dials          uint64 // TCP connections dialed
 	OpenConns      int    // TCP connections open now
