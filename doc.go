@@ -85,13 +85,18 @@
 //
 // # Limits of the platform
 //
-// inotify instances and watches are limited per user on a machine
-// (fs.inotify.max_user_instances and max_user_watches). When the kernel
-// refuses them, [Pool.Wrap] still works: the directories concerned are polled
-// every 10 seconds, the refusal is logged once and counted in
-// [Stats].UnwatchedDirs, and file events are taken again once the kernel
-// allows them. Network file systems report no events for changes made by
-// other machines; the poll finds those. A read of a hung mount is abandoned
-// after 5 seconds, holds up no other identity, and does not delay
+// On Linux a pool uses one inotify instance, and one inotify watch per
+// watched directory. The kernel limits both per user, across all of that
+// user's processes (fs.inotify.max_user_instances and
+// fs.inotify.max_user_watches). When it refuses one, [Pool.Wrap] still works:
+// the directories concerned are polled every 10 seconds, the refusal is logged
+// once and counted in [Stats].UnwatchedDirs, and file events are taken again
+// once the kernel allows them. On macOS and the BSDs, fsnotify's kqueue keeps
+// a file descriptor open for every watched directory and for every file in
+// it, against the process's open-file limit; a refusal there is handled the
+// same way. Events the kernel drops (its queue overflowed) make the pool read
+// every watched file again. Network file systems report no events for changes
+// made by other machines; the poll finds those. A read of a hung mount is
+// abandoned after 5 seconds, holds up no other identity, and does not delay
 // [Pool.Close].
 package sharedtransport
