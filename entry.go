@@ -184,6 +184,8 @@ func (p *Pool) release(e *entry) {
 	e.idleTimer = time.AfterFunc(p.opts.idleTimeout, func() { p.expire(e) })
 }
 
+// expire releases e when its idle grace ends, unless a lease was taken
+// meanwhile.
 func (p *Pool) expire(e *entry) {
 	p.mu.Lock()
 	if e.refs > 0 || p.entries[e.id.key] != e {
@@ -296,8 +298,8 @@ func (l *lease) roundTrip(req *http.Request, p picker, other http.RoundTripper) 
 
 // WrappedRoundTripper lets client-go helpers (utilnet.TLSClientConfig) see
 // the shared transport: the one that carries every request but upgrades,
-// which go over an HTTP/1.1 transport of their own. CloseIdleConnections
-// (keepalive.go) reaches both.
+// which go over an HTTP/1.1 transport of their own. CloseIdleConnections,
+// below, reaches both.
 func (l *lease) WrappedRoundTripper() http.RoundTripper { return l.e.current.Load().transport }
 
 var _ utilnet.RoundTripperWrapper = &lease{}
