@@ -398,7 +398,7 @@ func (p *Pool) identityAndTransportConfig(cfg *rest.Config) (id *identity, tc *t
 		return nil, nil, false, errors.New("sharedtransport: called with a nil *rest.Config")
 	}
 	if cfg.Transport != nil {
-		return nil, nil, false, nil // the caller brought its own transport: never replaced
+		return nil, nil, false, nil // pass through: the caller's own Transport is never replaced
 	}
 	if _, err := probeRequest(cfg); err != nil {
 		return nil, nil, false, err
