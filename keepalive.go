@@ -190,7 +190,7 @@ func (g *generation) setTransports(id *identity, keepAlive bool, tlsConfig *tls.
 		g.transport = g.newTransport(id, keepAlive, tlsConfig, dial, true)
 		// SetTransportDefaults leaves HTTP/2 off under DISABLE_HTTP2 and
 		// for ALPN lists without h2, as client-go does.
-		_, g.http2 = g.transport.TLSNextProto["h2"]
+		g.http2 = speaksHTTP2(g.transport)
 	}
 	if g.http2 {
 		g.http1 = g.newTransport(id, keepAlive, http1TLS, dial, false)
@@ -198,6 +198,40 @@ func (g *generation) setTransports(id *identity, keepAlive bool, tlsConfig *tls.
 		g.transport = g.newTransport(id, keepAlive, http1TLS, dial, false)
 		g.http1 = g.transport
 	}
+}
+
+// speaksHTTP2 reports whether SetTransportDefaults turned HTTP/2 on for t.
+// x/net's http2.ConfigureTransports does it in one of two ways: it registers
+// its own HTTP/2 under TLSNextProto["h2"], or, where it wraps net/http's own
+// HTTP/2 (newer x/net built with a Go that has it), it sets t.Protocols.
+func speaksHTTP2(t *http.Transport) bool {
+	if _, ok := t.TLSNextProto["h2"]; ok {
+		return true
+	}
+	return t.Protocols != nil && t.Protocols.HTTP2()
+}
+
+// settleProtocols has net/http finish configuring t's protocols before t is
+// shared. Where net/http's own HTTP/2 serves t (t.Protocols set), net/http
+// rewrites t.TLSClientConfig.NextProtos once, at first use; settled, the
+// list can be read without racing that write and compares alike with a
+// settled client-go transport's (see settledALPN). t has no connections
+// yet, so closing its idle ones closes nothing.
+func settleProtocols(t *http.Transport) {
+	t.CloseIdleConnections()
+}
+
+// settledALPN returns the protocols t offers in its TLS handshakes, as
+// settleProtocols leaves them. A transport of client-go's may be in use by
+// others: Clone settles it without touching its connections.
+func settledALPN(t *http.Transport) []string {
+	if t.Protocols != nil {
+		t = t.Clone()
+	}
+	if t.TLSClientConfig == nil {
+		return nil
+	}
+	return t.TLSClientConfig.NextProtos
 }
 
 // http1Only returns a copy of tlsConfig that offers HTTP/1.1 alone when the
@@ -217,7 +251,7 @@ func http1Only(tlsConfig *tls.Config, nextProtos []string) *tls.Config {
 // newTransport builds one of g's transports as client-go's cache builds
 // its own, dialing through g (see dialer).
 func (g *generation) newTransport(id *identity, keepAlive bool, tlsConfig *tls.Config, dial dialContextFunc, onlyLooked bool) *http.Transport {
-	return utilnet.SetTransportDefaults(&http.Transport{
+	t := utilnet.SetTransportDefaults(&http.Transport{
 		Proxy:               id.proxy, // nil: SetTransportDefaults installs the environment's proxy, like client-go
 		TLSHandshakeTimeout: tlsHandshakeTimeout,
 		TLSClientConfig:     tlsConfig,
@@ -227,6 +261,8 @@ func (g *generation) newTransport(id *identity, keepAlive bool, tlsConfig *tls.C
 		DisableKeepAlives:   !keepAlive,
 		ProxyConnectHeader:  id.connectHeader,
 	})
+	settleProtocols(t)
+	return t
 }
 
 type dialContextFunc = func(ctx context.Context, network, address string) (net.Conn, error)

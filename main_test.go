@@ -36,6 +36,8 @@ func TestMain(m *testing.M) {
 		goleak.IgnoreAnyFunction("k8s.io/client-go/transport.(*dynamicClientCert).processNextWorkItem"),
 		goleak.IgnoreAnyFunction("k8s.io/apimachinery/pkg/util/wait.PollImmediateUntilWithContext.poller.func1.1"),
 		goleak.IgnoreAnyFunction("k8s.io/apimachinery/pkg/util/wait.PollImmediateUntil"),
+		// The same poller as Go 1.27 names it.
+		goleak.IgnoreAnyFunction("k8s.io/apimachinery/pkg/util/wait.poller.func1.1"),
 		goleak.IgnoreAnyFunction("k8s.io/client-go/util/workqueue.(*delayingType[...]).waitingLoop"),
 	)
 }

@@ -575,10 +575,11 @@ func clientGoALPN(nextProtos []string, hasTLS bool) []string {
 		return v.([]string)
 	}
 	t := utilnet.SetTransportDefaults(&http.Transport{TLSClientConfig: &tls.Config{NextProtos: slices.Clone(nextProtos)}})
+	alpn := settledALPN(t)
 	if alpnCached.Add(1) <= maxALPNCached {
-		alpnCache.Store(k, t.TLSClientConfig.NextProtos)
+		alpnCache.Store(k, alpn)
 	}
-	return t.TLSClientConfig.NextProtos
+	return alpn
 }
 
 type alpnKey struct {

@@ -415,7 +415,7 @@ func sameShape(rt http.RoundTripper, got *http.Transport, g *generation, id *ide
 	}
 	if gotTLS.ServerName != wantTLS.ServerName || gotTLS.InsecureSkipVerify != wantTLS.InsecureSkipVerify ||
 		gotTLS.MinVersion != wantTLS.MinVersion || gotTLS.MaxVersion != wantTLS.MaxVersion ||
-		!slices.Equal(gotTLS.NextProtos, generationALPN(g, id)) ||
+		!slices.Equal(settledALPN(got), generationALPN(g, id)) ||
 		gotTLS.VerifyPeerCertificate != nil || gotTLS.VerifyConnection != nil || len(gotTLS.Certificates) > 0 {
 		return false
 	}
