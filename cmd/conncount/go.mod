@@ -7,6 +7,7 @@ require (
 	github.com/prometheus/common v0.72.0
 	github.com/sharedtransport/sharedtransport v0.0.0
 	github.com/sharedtransport/sharedtransport/metrics/prometheus v0.0.0
+	golang.org/x/sys v0.48.0
 	k8s.io/apimachinery v0.31.14
 	k8s.io/client-go v0.31.14
 )
@@ -43,7 +44,6 @@ require (
 	golang.org/x/net v0.59.0 // indirect
 	golang.org/x/oauth2 v0.37.0 // indirect
 	golang.org/x/sync v0.23.0 // indirect
-	golang.org/x/sys v0.48.0 // indirect
 	golang.org/x/term v0.46.0 // indirect
 	golang.org/x/text v0.42.0 // indirect
 	golang.org/x/time v0.3.0 // indirect
