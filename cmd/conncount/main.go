@@ -11,18 +11,27 @@
 // connections are counted from the kernel's socket tables. --repeat runs
 // the modes in rounds; each figure is then a median with its range.
 //
-//	go run ./cmd/conncount
-//	go run ./cmd/conncount --workers 20 --requests 5 --repeat 1 --json
-//	go run ./cmd/conncount --svg conns.svg
-//	go run ./cmd/conncount --kubeconfig ~/.kube/config --resource namespaces
+// conncount is a module of its own (it serves the pool's Prometheus
+// collector, and the library's module depends on no metrics library); from
+// the repository's root, run it with go -C, which also makes relative paths
+// such as --svg's relative to cmd/conncount:
+//
+//	go -C cmd/conncount run .
+//	go -C cmd/conncount run . --workers 20 --requests 5 --repeat 1 --json
+//	go -C cmd/conncount run . --svg conns.svg
+//	go -C cmd/conncount run . --kubeconfig ~/.kube/config --resource namespaces
 //
 // The proxy subcommand runs the seed's own scenario (proxy.go): the load goes
 // through a Karmada-style aggregated-apiserver front, which builds a config
-// per request from the member's Secret, to embedded member servers; the
-// load, the front and the members each run in fresh processes per run:
+// per request from the member's Secret, to embedded member servers (every
+// third one behind a CONNECT proxy that requires a header); the load, the
+// front and the members each run in fresh processes per run. After its
+// tables it prints the pool's own view of each member beside the members'
+// counts (poolview.go), and with --scrape the scrape of the pool's collector:
 //
-//	go run ./cmd/conncount proxy
-//	go run ./cmd/conncount proxy --members 3 --workers 100 --requests 50 --json
+//	go -C cmd/conncount run . proxy
+//	go -C cmd/conncount run . proxy --members 3 --workers 100 --requests 50 --json
+//	go -C cmd/conncount run . proxy --modes sharedtransport --scrape
 package main
 
 import (

@@ -10,10 +10,15 @@ import (
 	"io"
 	"net"
 	"os"
+	"os/exec"
 	"path/filepath"
+	"regexp"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/sharedtransport/sharedtransport/internal/testserver"
 )
@@ -199,9 +204,18 @@ func TestTableOutput(t *testing.T) {
 	}
 }
 
-// --kubeconfig: counts come from the kernel's socket tables, read for each
-// run's client process. The server runs in this process here.
+// --kubeconfig: conncount counts a cluster's connections in the kernel's
+// tables (Tcp ActiveOpens, the client process's sockets) and takes
+// handshakes from the library's Stats, or one full handshake per connection
+// for client-go. Every figure of every run is compared with what the API
+// server, here in the test's process, counted over that run, and the test
+// fails where they differ. ActiveOpens counts every connection of the
+// network namespace, so the test runs in a network namespace of its own,
+// where nothing but it and its children open connections.
 func TestClusterTarget(t *testing.T) {
+	if !inOwnNetworkNamespace(t) {
+		return
+	}
 	srv, err := testserver.Start(testserver.Options{})
 	if err != nil {
 		t.Fatal(err)
@@ -215,28 +229,122 @@ func TestClusterTarget(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	rep := runJSON(t, "--kubeconfig", p.Kubeconfig, "--workers", "5", "--requests", "4", "--repeat", "1",
-		"--resource", "namespaces", "--modes", "client-go-proxy,sharedtransport,sharedtransport-keepalive-off")
-	modes := byMode(t, rep)
-	if cp := modes["client-go-proxy"]; cp.Errors != 0 || cp.Accepted < 20 || cp.PeakOpen < 20 || cp.OpenAtEnd < 20 {
-		t.Errorf("client-go-proxy: %+v", cp)
-	} else if !strings.HasPrefix(cp.HandshakeSource, "inferred") {
-		t.Errorf("client-go-proxy handshakes from %q", cp.HandshakeSource)
+	const workers, requests = 5, 4
+	o, err := parseFlags([]string{"--kubeconfig", p.Kubeconfig, "--workers", fmt.Sprint(workers), "--requests", fmt.Sprint(requests),
+		"--repeat", "1", "--resource", "namespaces", "--progress=false"}, io.Discard)
+	if err != nil {
+		t.Fatal(err)
 	}
-	if st := modes["sharedtransport"]; st.Errors != 0 || st.PeakOpen > 2 || st.HandshakeSource != "library Stats" {
-		t.Errorf("sharedtransport: %+v", st)
+	ct, err := newClusterTarget(p.Kubeconfig)
+	if err != nil {
+		t.Fatal(err)
 	}
-	if so := modes["sharedtransport-keepalive-off"]; so.Errors != 0 || so.Resumed == 0 {
-		t.Errorf("sharedtransport-keepalive-off: %+v", so)
+	if !strings.Contains(ct.Sources()["accepted"], "ActiveOpens") {
+		t.Errorf("sources: %v", ct.Sources())
 	}
-	for _, r := range rep.Runs {
-		if r.PID == os.Getpid() || r.ServerPID != 0 || r.ServerCPUSeconds != nil {
-			t.Errorf("%s: client PID %d (the test is %d), server PID %d, server CPU %v; want a child and no server process", r.Mode, r.PID, os.Getpid(), r.ServerPID, r.ServerCPUSeconds)
+	const total = workers * requests
+	for i, tc := range []struct {
+		mode            string
+		handshakeSource string
+		accepted        uint64 // connections the server accepts
+		openAtEnd       int64  // -1: any
+	}{
+		// A transport, so a connection and a full handshake, per config; none closes.
+		{"client-go-proxy", "inferred (one per connection)", total, total},
+		// Karmada's keep-alive off: the same, each closed after its request.
+		{"client-go-keepalive-off", "inferred (one per connection)", total, -1},
+		// The pool: one connection.
+		{"sharedtransport", "library Stats", 1, 1},
+		// The pool with keep-alive off: a connection per request, most
+		// handshakes resumed.
+		{"sharedtransport-keepalive-off", "library Stats", total, -1},
+	} {
+		srv.ResetStats()
+		r, err := runOnce(context.Background(), o, ct, tc.mode, 1, i+1, io.Discard)
+		if err != nil {
+			t.Fatalf("%s: %v", tc.mode, err)
+		}
+		st := srv.Stats()
+		t.Logf("%-30s conncount: accepted %d, peak %d, open at end %d, full %d, resumed %d; server: accepted %d, peak %d, full %d, resumed %d, requests %d",
+			tc.mode, r.Accepted, r.PeakOpen, r.OpenAtEnd, r.FullHandshakes, r.Resumed, st.Accepted, st.PeakOpen, st.FullHandshakes, st.ResumedHandshakes, st.Requests)
+		if r.Requests != total || r.Errors != 0 || st.Requests != total {
+			t.Errorf("%s: conncount sent %d requests (%d errors: %s), the server served %d; want %d", tc.mode, r.Requests, r.Errors, r.FirstError, st.Requests, total)
+		}
+		if r.Accepted != int64(st.Accepted) || r.FullHandshakes != int64(st.FullHandshakes) || r.Resumed != int64(st.ResumedHandshakes) {
+			t.Errorf("%s: conncount says %d connections, %d full and %d resumed handshakes; the server counted %d, %d and %d",
+				tc.mode, r.Accepted, r.FullHandshakes, r.Resumed, st.Accepted, st.FullHandshakes, st.ResumedHandshakes)
+		}
+		// Open connections are sampled: never more than the server's peak.
+		if r.PeakOpen > int64(st.PeakOpen) || r.OpenAtEnd > r.PeakOpen {
+			t.Errorf("%s: conncount says peak %d, %d open at the end; the server's peak was %d", tc.mode, r.PeakOpen, r.OpenAtEnd, st.PeakOpen)
+		}
+		if st.Accepted != tc.accepted || tc.openAtEnd >= 0 && (r.OpenAtEnd != tc.openAtEnd || r.PeakOpen != int64(st.PeakOpen)) {
+			t.Errorf("%s: the server accepted %d (peak %d), conncount saw %d open at the end (peak %d); want %d accepted, %d open at the end",
+				tc.mode, st.Accepted, st.PeakOpen, r.OpenAtEnd, r.PeakOpen, tc.accepted, tc.openAtEnd)
+		}
+		if tc.mode == "sharedtransport-keepalive-off" && st.ResumedHandshakes == 0 {
+			t.Errorf("%s: no resumed handshake at the server", tc.mode)
+		}
+		if r.HandshakeSource != tc.handshakeSource {
+			t.Errorf("%s: handshakes from %q, want %q", tc.mode, r.HandshakeSource, tc.handshakeSource)
+		}
+		if r.PID == os.Getpid() || r.PID <= 0 || r.ServerPID != 0 || r.ServerCPUSeconds != nil {
+			t.Errorf("%s: client PID %d (the test is %d), server PID %d, server CPU %v; want a child and no server process", tc.mode, r.PID, os.Getpid(), r.ServerPID, r.ServerCPUSeconds)
 		}
 	}
-	if !strings.Contains(rep.Sources["accepted"], "ActiveOpens") {
-		t.Errorf("sources: %v", rep.Sources)
+}
+
+// inOwnNetworkNamespace runs the calling test again, alone, in a child
+// process in new user and network namespaces with the loopback interface up.
+// It returns true in the child, where the test goes on, and false in the
+// parent, which waits for the child and reports its result.
+func inOwnNetworkNamespace(t *testing.T) bool {
+	t.Helper()
+	const env = "CONNCOUNT_TEST_NETNS"
+	if os.Getenv(env) == t.Name() {
+		if err := loopbackUp(); err != nil {
+			t.Fatalf("bring lo up in the test's network namespace: %v", err)
+		}
+		return true
 	}
+	cmd := exec.Command(os.Args[0], "-test.run=^"+regexp.QuoteMeta(t.Name())+"$", "-test.v", "-test.count=1", "-test.timeout=5m")
+	cmd.Env = append(os.Environ(), env+"="+t.Name())
+	cmd.SysProcAttr = &syscall.SysProcAttr{
+		Cloneflags:  syscall.CLONE_NEWUSER | syscall.CLONE_NEWNET,
+		UidMappings: []syscall.SysProcIDMap{{ContainerID: 0, HostID: os.Getuid(), Size: 1}},
+		GidMappings: []syscall.SysProcIDMap{{ContainerID: 0, HostID: os.Getgid(), Size: 1}},
+	}
+	out, err := cmd.CombinedOutput()
+	var lines []string
+	for _, l := range strings.Split(string(out), "\n") {
+		if strings.Contains(l, "_test.go:") || strings.HasPrefix(strings.TrimSpace(l), "---") || strings.Contains(l, "panic") {
+			lines = append(lines, l)
+		}
+	}
+	t.Logf("in a network namespace of its own:\n%s", strings.Join(lines, "\n"))
+	if err != nil {
+		t.Fatalf("the test failed in its network namespace (or none could be made: this test needs unprivileged user namespaces): %v", err)
+	}
+	return false
+}
+
+// loopbackUp sets the lo interface of this network namespace up, as
+// "ip link set lo up" does.
+func loopbackUp() error {
+	fd, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return err
+	}
+	defer unix.Close(fd)
+	ifr, err := unix.NewIfreq("lo")
+	if err != nil {
+		return err
+	}
+	if err := unix.IoctlIfreq(fd, unix.SIOCGIFFLAGS, ifr); err != nil {
+		return err
+	}
+	ifr.SetUint16(ifr.Uint16() | unix.IFF_UP)
+	return unix.IoctlIfreq(fd, unix.SIOCSIFFLAGS, ifr)
 }
 
 func TestBadInput(t *testing.T) {

@@ -10,6 +10,7 @@ package main
 
 import (
 	"context"
+	"encoding/base64"
 	"encoding/json"
 	"errors"
 	"flag"
@@ -25,6 +26,7 @@ import (
 	"time"
 
 	"github.com/sharedtransport/sharedtransport"
+	"github.com/sharedtransport/sharedtransport/internal/connectproxy"
 	"github.com/sharedtransport/sharedtransport/internal/memberproxy"
 	"github.com/sharedtransport/sharedtransport/internal/testserver"
 	"k8s.io/client-go/rest"
@@ -86,6 +88,7 @@ type proxyOptions struct {
 	json                               bool
 	timeout                            time.Duration
 	progress                           bool
+	scrape                             bool
 }
 
 func parseProxyFlags(args []string, stderr io.Writer) (*proxyOptions, error) {
@@ -93,7 +96,7 @@ func parseProxyFlags(args []string, stderr io.Writer) (*proxyOptions, error) {
 	fs := flag.NewFlagSet("conncount proxy", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	var modes string
-	fs.IntVar(&o.members, "members", 3, "member clusters behind the front (odd ones authenticate the front by client certificate, even ones by token)")
+	fs.IntVar(&o.members, "members", 3, "member clusters behind the front (odd ones authenticate the front by client certificate, even ones by token; member-3, member-6, ... are reached through a CONNECT proxy that requires a Proxy-Authorization header)")
 	fs.IntVar(&o.workers, "workers", defaultWorkers, "concurrent clients of the front")
 	fs.IntVar(&o.requests, "requests", defaultProxyRequests, "requests per client, spread over the members")
 	fs.IntVar(&o.repeat, "repeat", defaultProxyRepeat, "rounds of all modes; each figure is the median of the rounds, with its range")
@@ -101,6 +104,7 @@ func parseProxyFlags(args []string, stderr io.Writer) (*proxyOptions, error) {
 	fs.BoolVar(&o.json, "json", false, "print the results as JSON instead of a table")
 	fs.DurationVar(&o.timeout, "timeout", 30*time.Second, "timeout of one request")
 	fs.BoolVar(&o.progress, "progress", true, "show progress on stderr while a mode runs")
+	fs.BoolVar(&o.scrape, "scrape", false, "pool modes: serve the pool's Prometheus collector (metrics/prometheus) from the front's process on loopback, scrape it after the load, and print the scrape of each pool mode's last run")
 	var modeHelp [][2]string
 	for _, m := range proxyModes {
 		modeHelp = append(modeHelp, [2]string{m.name, m.desc})
@@ -145,11 +149,16 @@ func findProxyMode(name string) *proxyModeDef {
 type memberResult struct {
 	Name      string `json:"name"`
 	Auth      string `json:"auth"`
+	URL       string `json:"url"`
+	ProxyURL  string `json:"proxy_url,omitempty"` // the CONNECT proxy the front reaches it through
 	Requests  int64  `json:"requests"`
 	Accepted  uint64 `json:"connections_accepted"`
 	Full      uint64 `json:"full_handshakes"`
 	Resumed   uint64 `json:"resumed_handshakes"`
 	OpenAtEnd int    `json:"open_at_end"`
+	// Tunnels the CONNECT proxy opened to the member; nil when the front
+	// reaches it directly.
+	ProxyTunnels *uint64 `json:"proxy_tunnels,omitempty"`
 }
 
 // proxyRun is one run of one proxy mode, from its three processes.
@@ -172,6 +181,13 @@ type proxyRun struct {
 	MembersCPUPerRequestUs float64                `json:"members_cpu_per_request_us"`
 	Members                []memberResult         `json:"members"`
 	Pool                   *sharedtransport.Stats `json:"pool_stats,omitempty"`
+	// The CONNECT proxy's counts over the load, when a member is behind it.
+	ConnectProxy *connectproxy.Stats `json:"connect_proxy,omitempty"`
+	// The pool's own view of each member (pool modes), and the scrape of
+	// its collector (--scrape), both taken in the front's process after the
+	// load.
+	PoolView []poolMember `json:"pool_view,omitempty"`
+	Scrape   string       `json:"scrape,omitempty"`
 }
 
 func (r *proxyRun) total(f func(memberResult) float64) float64 {
@@ -194,6 +210,8 @@ type proxyModeSummary struct {
 	FullHandshakes         figure   `json:"full_handshakes"`
 	Resumed                figure   `json:"resumed_handshakes"`
 	OpenAtEnd              figure   `json:"open_at_end"`
+	ProxyTunnels           *figure  `json:"proxy_tunnels,omitempty"`
+	ProxyRejected          *figure  `json:"proxy_rejected,omitempty"`
 	RequestsPerSecond      figure   `json:"requests_per_second"`
 	P50ms                  figure   `json:"p50_ms"`
 	P99ms                  figure   `json:"p99_ms"`
@@ -201,6 +219,10 @@ type proxyModeSummary struct {
 	MembersCPUPerRequestUs figure   `json:"members_cpu_per_request_us"`
 	FrontPeakHeapMiB       figure   `json:"front_peak_heap_mib"`
 	FrontMaxRSSMiB         figure   `json:"front_max_rss_mib"`
+	// Runs whose pool view agrees with the member servers' and the CONNECT
+	// proxy's counts, of the runs with a pool.
+	PoolViewAgrees int `json:"pool_view_agrees,omitempty"`
+	PoolViewRuns   int `json:"pool_view_runs,omitempty"`
 }
 
 type proxyReport struct {
@@ -256,7 +278,7 @@ func runProxyOnce(ctx context.Context, o *proxyOptions, name string, round, seq 
 	}
 	defer members.close()
 	var fr frontReady
-	front, err := startChild(ctx, "front", frontSpec{Mode: name, Clusters: mr.Clusters}, &fr, stderr)
+	front, err := startChild(ctx, "front", frontSpec{Mode: name, Clusters: mr.Clusters, Metrics: o.scrape}, &fr, stderr)
 	if err != nil {
 		return nil, err
 	}
@@ -289,14 +311,22 @@ func runProxyOnce(ctx context.Context, o *proxyOptions, name string, round, seq 
 	if err := front.call(ctx, "end", &fres); err != nil {
 		return nil, err
 	}
-	var ms serversStats
+	var scrape string
+	if fr.MetricsURL != "" {
+		if scrape, err = scrapeMetrics(ctx, fr.MetricsURL); err != nil {
+			return nil, err
+		}
+	}
+	var ms membersStats
 	if err := members.call(ctx, "stats", &ms); err != nil {
 		return nil, err
 	}
-	return newProxyRun(name, round, seq, mr, res, fres, ms), nil
+	r := newProxyRun(name, round, seq, mr, res, fres, ms)
+	r.Scrape = scrape
+	return r, nil
 }
 
-func newProxyRun(name string, round, seq int, mr membersReady, res proxyLoadResult, fres frontResult, ms serversStats) *proxyRun {
+func newProxyRun(name string, round, seq int, mr membersReady, res proxyLoadResult, fres frontResult, ms membersStats) *proxyRun {
 	r := &proxyRun{
 		Mode: name, Round: round, Seq: seq,
 		LoadPID: res.PID, FrontPID: fres.PID, MembersPID: ms.PID,
@@ -308,18 +338,26 @@ func newProxyRun(name string, round, seq int, mr membersReady, res proxyLoadResu
 		FrontMaxRSSBytes:       fres.MaxRSSBytes,
 		MembersCPUSeconds:      ms.CPU.Seconds(),
 		Pool:                   fres.Pool,
+		ConnectProxy:           ms.ConnectProxy,
 	}
 	if r.Requests > 0 {
 		r.FrontCPUPerRequestUs = r.FrontCPUSeconds * 1e6 / float64(r.Requests)
 		r.MembersCPUPerRequestUs = r.MembersCPUSeconds * 1e6 / float64(r.Requests)
 	}
 	for i, st := range ms.Servers {
-		m := memberResult{Name: mr.Clusters[i].Name, Auth: mr.Auth[i],
+		m := memberResult{Name: mr.Clusters[i].Name, Auth: mr.Auth[i], URL: mr.Clusters[i].APIEndpoint, ProxyURL: mr.Clusters[i].ProxyURL,
 			Accepted: st.Accepted, Full: st.FullHandshakes, Resumed: st.ResumedHandshakes, OpenAtEnd: st.Open}
 		if i < len(res.PerMember) {
 			m.Requests = res.PerMember[i]
 		}
+		if mr.Clusters[i].ProxyURL != "" {
+			n := ms.ProxyTunnels[i]
+			m.ProxyTunnels = &n
+		}
 		r.Members = append(r.Members, m)
+	}
+	if fres.Identities != nil {
+		r.PoolView = poolViewOf(fres.Identities, r.Members)
 	}
 	return r
 }
@@ -367,10 +405,21 @@ func (r *proxyReport) summarize(modes []string) {
 				return 0
 			}))
 		}
+		if len(runs) > 0 && runs[0].ConnectProxy != nil {
+			tunnels := fig(func(r *proxyRun) float64 { return float64(r.ConnectProxy.Tunnels) })
+			rejected := fig(func(r *proxyRun) float64 { return float64(r.ConnectProxy.Rejected) })
+			s.ProxyTunnels, s.ProxyRejected = &tunnels, &rejected
+		}
 		for _, run := range runs {
 			s.Errors += run.Errors
 			if s.FirstError == "" {
 				s.FirstError = run.FirstError
+			}
+			if run.PoolView != nil {
+				s.PoolViewRuns++
+				if poolViewAgrees(run.PoolView) {
+					s.PoolViewAgrees++
+				}
 			}
 		}
 		r.Modes = append(r.Modes, s)
@@ -391,13 +440,21 @@ func (r *proxyReport) writeTable(w io.Writer) {
 		header = append(header, fmt.Sprintf("member-%d conns", i+1))
 	}
 	header = append(header, "conns", "full handshakes", "resumed", "open at end")
+	proxied := len(r.Modes) > 0 && r.Modes[0].ProxyTunnels != nil
+	if proxied {
+		header = append(header, "proxy tunnels", "proxy 407s")
+	}
 	var rows [][]string
 	for _, m := range r.Modes {
 		row := []string{m.Mode, m.Requests.String(), fmt.Sprint(m.Errors)}
 		for _, c := range m.MemberConns {
 			row = append(row, c.String())
 		}
-		rows = append(rows, append(row, m.Accepted.String(), m.FullHandshakes.String(), m.Resumed.String(), m.OpenAtEnd.String()))
+		row = append(row, m.Accepted.String(), m.FullHandshakes.String(), m.Resumed.String(), m.OpenAtEnd.String())
+		if proxied {
+			row = append(row, m.ProxyTunnels.String(), m.ProxyRejected.String())
+		}
+		rows = append(rows, row)
 	}
 	table(w, header, rows)
 
@@ -418,8 +475,13 @@ func (r *proxyReport) writeTable(w io.Writer) {
 		}
 	}
 	if len(r.Auth) > 0 {
-		fmt.Fprintf(w, "the front authenticates by: %s\n", strings.Join(r.Auth, ", "))
+		fmt.Fprintf(w, "the front authenticates by: %s\n", strings.Join(r.Auth, "; "))
 	}
+	if proxied {
+		fmt.Fprintln(w, "proxy tunnels, 407s: counted by the CONNECT proxy, which runs in the members' process (its CPU is in members CPU)")
+	}
+	r.writePoolView(w)
+	r.writeScrapes(w)
 }
 
 // ---- the members' process ----
@@ -434,24 +496,98 @@ type membersReady struct {
 	Auth     []string              `json:"auth"`
 }
 
+// behindProxy says whether member i (from 0) is reached through the CONNECT
+// proxy: member-3, member-6, and so on.
+func behindProxy(i int) bool { return i%3 == 2 }
+
+// proxyCredential is the Proxy-Authorization value the CONNECT proxy wants
+// from the front for the named member: each member has credentials of its
+// own, as each Karmada cluster has its Spec.ProxyHeader.
+func proxyCredential(name string) string {
+	return "Basic " + base64.StdEncoding.EncodeToString([]byte("karmada-front:"+name+"-proxy-password"))
+}
+
+// membersRole serves the member servers and, when a member is behind one,
+// the CONNECT proxy, in one process. Commands are serversRole's; "reset"
+// zeroes the proxy's counts too, and "stats" adds them.
+type membersRole struct {
+	serversRole
+	proxy   *connectproxy.Proxy
+	targets []string // each member's host:port, the proxy's CONNECT target
+}
+
+type membersStats struct {
+	serversStats
+	ConnectProxy *connectproxy.Stats `json:"connect_proxy,omitempty"`
+	// ProxyTunnels are the tunnels the proxy opened to each member.
+	ProxyTunnels []uint64 `json:"proxy_tunnels,omitempty"`
+}
+
 func startMembersRole(specJSON []byte) (any, childRole, error) {
 	var spec membersSpec
 	if err := json.Unmarshal(specJSON, &spec); err != nil {
 		return nil, nil, err
 	}
-	r := &serversRole{}
+	r := &membersRole{}
+	var creds []string
+	for i := range spec.Members {
+		if behindProxy(i) {
+			creds = append(creds, proxyCredential(fmt.Sprintf("member-%d", i+1)))
+		}
+	}
+	if len(creds) > 0 {
+		var err error
+		if r.proxy, err = connectproxy.Start(connectproxy.Options{RequireHeader: "Proxy-Authorization", RequireValues: creds}); err != nil {
+			return nil, nil, err
+		}
+	}
 	ready := membersReady{PID: os.Getpid()}
 	for i := range spec.Members {
-		srv, cl, auth, err := startMember(i, r)
+		srv, cl, auth, err := startMember(i, &r.serversRole)
 		if err != nil {
 			r.close()
 			return nil, nil, err
 		}
+		if behindProxy(i) {
+			cl.ProxyURL = r.proxy.URL()
+			cl.ProxyHeader = http.Header{"Proxy-Authorization": {proxyCredential(cl.Name)}}
+			auth += ", through a CONNECT proxy that requires Proxy-Authorization"
+		}
 		r.servers = append(r.servers, srv)
+		r.targets = append(r.targets, srv.Addr())
 		ready.Clusters = append(ready.Clusters, cl)
 		ready.Auth = append(ready.Auth, auth)
 	}
 	return ready, r, nil
+}
+
+func (r *membersRole) handle(ctx context.Context, cmd string) (any, error) {
+	if r.proxy != nil && cmd == "reset" {
+		r.proxy.ResetStats()
+	}
+	v, err := r.serversRole.handle(ctx, cmd)
+	if err != nil || cmd != "stats" {
+		return v, err
+	}
+	st := membersStats{serversStats: v.(serversStats)}
+	if r.proxy != nil {
+		ps := r.proxy.Stats()
+		st.ConnectProxy = &ps
+		st.ProxyTunnels = make([]uint64, len(r.targets))
+		for _, t := range r.proxy.Tunnels() {
+			if i := slices.Index(r.targets, t.Target); i >= 0 {
+				st.ProxyTunnels[i]++
+			}
+		}
+	}
+	return st, nil
+}
+
+func (r *membersRole) close() {
+	if r.proxy != nil {
+		_ = r.proxy.Close()
+	}
+	r.serversRole.close()
 }
 
 // startMember starts member i: an embedded API server with a CA of its own.
@@ -493,11 +629,14 @@ func startMember(i int, r *serversRole) (*testserver.Server, memberproxy.Cluster
 type frontSpec struct {
 	Mode     string                `json:"mode"`
 	Clusters []memberproxy.Cluster `json:"clusters"`
+	// Metrics serves the pool's collector (pool modes).
+	Metrics bool `json:"metrics,omitempty"`
 }
 
 type frontReady struct {
-	PID int    `json:"pid"`
-	URL string `json:"url"`
+	PID        int    `json:"pid"`
+	URL        string `json:"url"`
+	MetricsURL string `json:"metrics_url,omitempty"`
 }
 
 // frontResult is what the front's process measured over the load.
@@ -508,16 +647,20 @@ type frontResult struct {
 	PeakHeapBytes   uint64                 `json:"peak_heap_bytes"`
 	MaxRSSBytes     int64                  `json:"max_rss_bytes"`
 	Pool            *sharedtransport.Stats `json:"pool_stats,omitempty"`
+	// Identities is the pool's snapshot, taken after the CPU time.
+	Identities []sharedtransport.IdentityInfo `json:"pool_identities,omitempty"`
 }
 
-// frontRole serves the front on a loopback port. Commands: "begin" starts
-// the CPU clock and the heap sampler, "end" answers a frontResult.
+// frontRole serves the front on a loopback port, and with frontSpec.Metrics
+// the pool's collector on another. Commands: "begin" starts the CPU clock
+// and the heap sampler, "end" answers a frontResult.
 type frontRole struct {
-	srv    *http.Server
-	pool   *sharedtransport.Pool
-	served atomic.Int64
-	cpu0   time.Duration
-	heap   *heapSampler
+	srv     *http.Server
+	metrics *http.Server
+	pool    *sharedtransport.Pool
+	served  atomic.Int64
+	cpu0    time.Duration
+	heap    *heapSampler
 }
 
 func startFrontRole(specJSON []byte) (any, childRole, error) {
@@ -548,7 +691,14 @@ func startFrontRole(specJSON []byte) (any, childRole, error) {
 		ReadHeaderTimeout: 30 * time.Second,
 	}
 	go func() { _ = r.srv.Serve(ln) }()
-	return frontReady{PID: os.Getpid(), URL: "http://" + ln.Addr().String()}, r, nil
+	ready := frontReady{PID: os.Getpid(), URL: "http://" + ln.Addr().String()}
+	if spec.Metrics && r.pool != nil {
+		if r.metrics, ready.MetricsURL, err = serveMetrics(r.pool); err != nil {
+			r.close()
+			return nil, nil, err
+		}
+	}
+	return ready, r, nil
 }
 
 func (r *frontRole) handle(_ context.Context, cmd string) (any, error) {
@@ -568,6 +718,7 @@ func (r *frontRole) handle(_ context.Context, cmd string) (any, error) {
 		if r.pool != nil {
 			st := r.pool.Stats()
 			res.Pool = &st
+			res.Identities = r.pool.Identities()
 		}
 		return res, nil
 	}
@@ -575,6 +726,9 @@ func (r *frontRole) handle(_ context.Context, cmd string) (any, error) {
 }
 
 func (r *frontRole) close() {
+	if r.metrics != nil {
+		_ = r.metrics.Close()
+	}
 	_ = r.srv.Close()
 	if r.pool != nil {
 		_ = r.pool.Close()

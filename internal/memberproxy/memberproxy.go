@@ -31,6 +31,7 @@ import (
 	utilnet "k8s.io/apimachinery/pkg/util/net"
 	"k8s.io/apimachinery/pkg/util/proxy"
 	"k8s.io/client-go/rest"
+	"k8s.io/client-go/transport"
 )
 
 // PathPrefix is where the front serves members, as Karmada's aggregated
@@ -52,6 +53,9 @@ type Cluster struct {
 	Name        string
 	APIEndpoint string // https://host:port
 	ProxyURL    string // optional HTTP proxy (CONNECT) in front of the member
+	// ProxyHeader is sent on every CONNECT to ProxyURL, as Karmada's
+	// Spec.ProxyHeader (typically the proxy's credentials).
+	ProxyHeader http.Header
 	Secret      Secret
 }
 
@@ -145,8 +149,29 @@ func RestConfig(cl Cluster) (*rest.Config, error) {
 			return nil, fmt.Errorf("proxy URL of cluster %q: %w", cl.Name, err)
 		}
 		cfg.Proxy = http.ProxyURL(u)
+		if len(cl.ProxyHeader) > 0 {
+			cfg.WrapTransport = proxyHeaderWrapper(cfg.WrapTransport, cl.ProxyHeader)
+		}
 	}
 	return cfg, nil
+}
+
+// proxyHeaderWrapper is a WrapTransport of the shape Karmada's config builder
+// uses for Spec.ProxyHeader: it clones the *http.Transport it is handed, sets
+// ProxyConnectHeader on the clone and hands that to next. Any other round
+// tripper goes to next unchanged (the wrapper cannot set a header on it).
+func proxyHeaderWrapper(next transport.WrapperFunc, h http.Header) transport.WrapperFunc {
+	return func(rt http.RoundTripper) http.RoundTripper {
+		if t, ok := rt.(*http.Transport); ok {
+			t = t.Clone()
+			t.ProxyConnectHeader = h.Clone()
+			rt = t
+		}
+		if next != nil {
+			rt = next(rt)
+		}
+		return rt
+	}
 }
 
 func (f *Front) ServeHTTP(w http.ResponseWriter, r *http.Request) {
@@ -186,7 +211,7 @@ func (f *Front) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	responder := errorResponder{cluster: name}
 	var h *proxy.UpgradeAwareHandler
 	if httpstream.IsUpgradeRequest(r) {
-		upgrade, err := upgradeTransport(cfg)
+		upgrade, err := upgradeTransport(cfg, cl.ProxyHeader)
 		if err != nil {
 			writeStatus(w, http.StatusInternalServerError, "InternalError", fmt.Sprintf("cluster %q: %v", name, err))
 			return
@@ -221,6 +246,8 @@ func (f *Front) roundTripper(cfg *rest.Config) (http.RoundTripper, error) {
 		Proxy:             cfg.Proxy,
 		DisableKeepAlives: f.Mode == NewTransportNoKeepAlive,
 	})
+	// The config's own wrappers (the proxy header's) come first, then its
+	// credentials.
 	return rest.HTTPWrappersForConfig(cfg, t)
 }
 
@@ -229,8 +256,8 @@ func (f *Front) roundTripper(cfg *rest.Config) (http.RoundTripper, error) {
 // UpgradeAwareHandler would dial with the dialer and TLS config it digs out
 // of the plain round tripper (the shared transport's, with the pool), and
 // would write the request without the bearer token that client-go's wrappers
-// add.
-func upgradeTransport(cfg *rest.Config) (proxy.UpgradeRequestRoundTripper, error) {
+// add. proxyHeader goes on the CONNECT when the config has a proxy.
+func upgradeTransport(cfg *rest.Config, proxyHeader http.Header) (proxy.UpgradeRequestRoundTripper, error) {
 	tlsConfig, err := rest.TLSConfigFor(cfg)
 	if err != nil {
 		return nil, err
@@ -247,16 +274,21 @@ func upgradeTransport(cfg *rest.Config) (proxy.UpgradeRequestRoundTripper, error
 	// and does the TLS handshake itself.
 	conn := &http.Transport{TLSClientConfig: tlsConfig}
 	if cfg.Proxy != nil {
-		conn.DialContext = connectDialer(cfg)
+		conn.DialContext = connectDialer(cfg, proxyHeader)
 	}
 	return proxy.NewUpgradeRequestRoundTripper(conn, headers), nil
 }
 
 // connectDialer dials addr through the config's HTTP proxy with CONNECT,
-// which apimachinery's upgrade dialing does not do by itself.
-func connectDialer(cfg *rest.Config) func(ctx context.Context, network, addr string) (net.Conn, error) {
+// which apimachinery's upgrade dialing does not do by itself; the CONNECT
+// carries header.
+func connectDialer(cfg *rest.Config, header http.Header) func(ctx context.Context, network, addr string) (net.Conn, error) {
 	return func(ctx context.Context, network, addr string) (net.Conn, error) {
-		req := &http.Request{Method: http.MethodConnect, URL: &url.URL{Scheme: "https", Host: addr}, Host: addr, Header: http.Header{}}
+		h := header.Clone()
+		if h == nil {
+			h = http.Header{}
+		}
+		req := &http.Request{Method: http.MethodConnect, URL: &url.URL{Scheme: "https", Host: addr}, Host: addr, Header: h}
 		proxyURL, err := cfg.Proxy(req)
 		if err != nil {
 			return nil, err
