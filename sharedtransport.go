@@ -1,8 +1,7 @@
-// The Pool API (New, Wrap, BuildConfigFromFlags, the cli-runtime and
-// clientcmd adapters, Stats, Close) and the identity configs are shared by:
-// identityFor computes it from a config, identityKey compares it.
-// An identity's entry and its lifetime are in entry.go, the hook Wrap
-// installs in wrapper.go.
+// The Pool API (New, Wrap, BuildConfigFromFlags, the clientcmd adapters,
+// Stats, Close) and what a pool shares transports by: a config's identity,
+// which identityFor computes and identityKey compares. An identity's entry
+// and its lifetime are in entry.go; the hook Wrap installs is in wrapper.go.
 
 package sharedtransport
 
