@@ -31,8 +31,9 @@ import (
 	"k8s.io/client-go/transport"
 )
 
-// ErrClosed is returned by [Pool.Wrap] on a closed pool, and by requests sent
-// through a closed pool's transports.
+// ErrClosed is returned by [Pool.Wrap] on a closed pool, by requests sent
+// through a closed pool's transports, and by requests and response bodies
+// whose connection [Pool.Close] closed under them.
 var ErrClosed = errors.New("sharedtransport: pool is closed")
 
 // A Pool shares one HTTP transport, and so one connection pool, among all the
@@ -130,7 +131,8 @@ func holdLease(*lease) {}
 
 // Close closes every connection of the pool, stops watching files and waits
 // for the pool's goroutines to exit. Requests sent afterwards through configs
-// the pool wrapped fail with [ErrClosed]. Close is idempotent.
+// the pool wrapped fail with [ErrClosed], as do requests in flight and reads
+// of response bodies whose connection it closed. Close is idempotent.
 func (p *Pool) Close() error {
 	p.mu.Lock()
 	if p.closed {
