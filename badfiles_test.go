@@ -319,97 +319,172 @@ type roundTripperFunc func(*http.Request) (*http.Response, error)
 
 func (f roundTripperFunc) RoundTrip(req *http.Request) (*http.Response, error) { return f(req) }
 
-// TestCANotACA: a CA file that holds only a certificate that is neither a CA
-// nor for server authentication (a client certificate put there by mistake)
-// can verify no server. A pinned self-signed server certificate that is not
-// a CA is a legitimate CA file (client-go accepts it) and must keep working.
+// TestCANotACA: a CA file whose certificates can verify no server (a client
+// certificate put there by mistake, a CA restricted to client
+// authentication) is refused at Wrap with the file's name, and after good
+// material is a rejected reload that keeps the old CA; a CA file that can
+// verify a server (a pinned self-signed serving certificate, which is not a
+// CA) is taken. Which is which is decided by client-go alone, through
+// crypto/tls, against the strongest servers the bundle's own key can set up:
+// one presenting the bundle's certificate itself, and one presenting a
+// serving certificate that certificate signed.
 func TestCANotACA(t *testing.T) {
 	f := newFixture(t, testserver.Options{})
 	p := newPool(t, withDebounce(10*time.Millisecond))
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 
-	t.Run("pinned self-signed server certificate", func(t *testing.T) {
-		pinned := selfSignedServing(t)
-		srv, err := testserver.Start(testserver.Options{CA: f.ca, ServerCert: pinned})
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer srv.Close()
-		cfg := &rest.Config{Host: srv.URL()}
-		cfg.CAData, cfg.CertData, cfg.KeyData = pinned.CertPEM, f.alice.CertPEM, f.alice.KeyPEM
-		if err := p.Wrap(cfg); err != nil {
-			t.Fatalf("Wrap: %v", err)
-		}
-		if err := listNodes(ctx, cfg); err != nil {
-			t.Fatalf("request: %v", err)
-		}
-	})
+	for _, tc := range []struct {
+		name     string
+		bundle   *testserver.KeyPair
+		verifies bool // what this test expects client-go to find
+	}{
+		{"pinned self-signed serving certificate", selfSignedServing(t), true},
+		{"client certificate", f.bob, false},
+		{"CA for client authentication only", clientAuthCA(t), false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			verifier := serverVerifiedBy(t, f, tc.bundle)
+			if verifies := verifier != ""; verifies != tc.verifies {
+				t.Fatalf("client-go alone verifies a server with this bundle: %v, the case expects %v", verifies, tc.verifies)
+			}
+			host := verifier
+			if host == "" {
+				host = f.srv.URL()
+			}
+			dir := filepath.Join(f.dir, strings.ReplaceAll(tc.name, " ", "-"))
 
-	// Whether the loader rejects such a bundle decides what must happen.
-	leaf := f.bob.CertPEM
-	rejects := checkCABundle(leaf, time.Now()) != nil
-	t.Logf("the CA loader rejects a bundle that can verify no server: %v", rejects)
+			// At Wrap.
+			c := writeCredFiles(t, filepath.Join(dir, "wrap"), tc.bundle.CertPEM, f.alice)
+			err := p.Wrap(c.config(host))
+			switch {
+			case tc.verifies && err != nil:
+				t.Fatalf("Wrap refused a CA file client-go verifies a server with: %v", err)
+			case tc.verifies:
+				if err := listNodes(ctx, c.config(host)); err != nil {
+					t.Errorf("request to the server the CA file verifies: %v", err)
+				}
+			case err == nil:
+				t.Errorf("Wrap accepted a CA file that verifies no server")
+			case !strings.Contains(err.Error(), c.ca) || !strings.Contains(err.Error(), "holds no CA certificate"):
+				t.Errorf("Wrap: %q, want an error naming %s and saying it holds no CA certificate", err, c.ca)
+			}
 
-	c := writeCredFiles(t, filepath.Join(f.dir, "not-a-ca"), leaf, f.alice)
-	err := p.Wrap(c.config(f.srv.URL()))
-	switch {
-	case rejects && err == nil:
-		t.Fatal("Wrap accepted a CA file with no CA")
-	case rejects:
-		if !strings.Contains(err.Error(), c.ca) {
-			t.Errorf("error %q does not name %s", err, c.ca)
-		}
-	case err != nil:
-		t.Fatalf("Wrap: %v", err)
-	default:
-		// Accepted, as client-go does: the failure shows on the request,
-		// as a verification error.
-		err := listNodes(ctx, c.config(f.srv.URL()))
-		if err == nil || !strings.Contains(err.Error(), "x509: certificate signed by unknown authority") {
-			t.Errorf("request through a CA file with no CA: %v, want a verification error", err)
-		}
+			// After good material: the CA file replaced, with a client built
+			// before the change, as in TestBadFilesAfterGood.
+			good := writeCredFiles(t, filepath.Join(dir, "rotates"), f.ca.CertPEM(), f.alice)
+			cfg := good.config(f.srv.URL())
+			if err := p.Wrap(cfg); err != nil {
+				t.Fatal(err)
+			}
+			cs, err := kubernetes.NewForConfig(cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if _, err := cs.CoreV1().Nodes().List(ctx, metav1.ListOptions{}); err != nil {
+				t.Fatal(err)
+			}
+			before := p.Stats()
+			writeAtomic(t, good.ca, tc.bundle.CertPEM)
+			waitFor(t, "the reload", func() bool {
+				st := p.Stats()
+				return st.RotationErrors > before.RotationErrors || st.Rotations > before.Rotations
+			})
+			after := p.Stats()
+			if tc.verifies {
+				if after.Rotations != before.Rotations+1 || after.RotationErrors != before.RotationErrors {
+					t.Fatalf("%d rotations and %d rejected reloads, want the CA file taken once",
+						after.Rotations-before.Rotations, after.RotationErrors-before.RotationErrors)
+				}
+				// The identity's transport trusts the new CA: a client the
+				// pool builds for the files (client-go's own transport for
+				// them may still trust the old one, see the README's
+				// Copies) reaches the server the new CA verifies.
+				vcfg := good.config(verifier)
+				hc, err := p.HTTPClientFor(vcfg)
+				if err != nil {
+					t.Fatal(err)
+				}
+				vcs, err := kubernetes.NewForConfigAndClient(vcfg, hc)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if _, err := vcs.CoreV1().Nodes().List(ctx, metav1.ListOptions{}); err != nil {
+					t.Errorf("request to the server the new CA file verifies, through the pool: %v", err)
+				}
+				return
+			}
+			if after.Rotations != before.Rotations || after.RotationErrors != before.RotationErrors+1 {
+				t.Fatalf("%d rotations and %d rejected reloads, want the CA file rejected once",
+					after.Rotations-before.Rotations, after.RotationErrors-before.RotationErrors)
+			}
+			// The next handshake still verifies the server with the old CA.
+			f.srv.CloseClientConnections()
+			waitFor(t, "the pool sees its connection closed", func() bool { return p.Stats().OpenConns == 0 })
+			if _, err := cs.CoreV1().Nodes().List(ctx, metav1.ListOptions{}); err != nil {
+				t.Errorf("request after a rejected CA file: %v", err)
+			}
+		})
 	}
+}
 
-	// After good material: a CA file replaced by a non-CA certificate. As
-	// in TestBadFilesAfterGood, the client is built before the change.
-	good := writeCredFiles(t, filepath.Join(f.dir, "ca-rotates"), f.ca.CertPEM(), f.alice)
-	cfg := good.config(f.srv.URL())
-	if err := p.Wrap(cfg); err != nil {
-		t.Fatal(err)
+// serverVerifiedBy starts the servers a CA bundle holding only kp's
+// certificate could verify: one presenting kp itself, and one presenting a
+// serving certificate for 127.0.0.1 that kp signed. It returns the URL of the
+// first one client-go alone, trusting that bundle, completes a request to
+// ("" if none), and logs what crypto/tls said of each.
+func serverVerifiedBy(t *testing.T, f *fixture, kp *testserver.KeyPair) string {
+	t.Helper()
+	key, ok := privateKey(t, kp).(*ecdsa.PrivateKey)
+	if !ok {
+		t.Fatal("not an ECDSA key")
 	}
-	cs, err := kubernetes.NewForConfig(cfg)
+	signed, err := (&testserver.CA{Cert: kp.Cert, Key: key}).IssueServer()
 	if err != nil {
 		t.Fatal(err)
 	}
-	list := func() error {
-		_, err := cs.CoreV1().Nodes().List(ctx, metav1.ListOptions{})
-		return err
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	verified := ""
+	for _, serving := range []struct {
+		name string
+		kp   *testserver.KeyPair
+	}{{"presenting the certificate itself", kp}, {"presenting a certificate it signed", signed}} {
+		srv, err := testserver.Start(testserver.Options{CA: f.ca, ServerCert: serving.kp})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { srv.Close() })
+		cfg := &rest.Config{Host: srv.URL()}
+		cfg.CAData, cfg.CertData, cfg.KeyData = kp.CertPEM, f.alice.CertPEM, f.alice.KeyPEM
+		err = listNodes(ctx, cfg)
+		t.Logf("client-go alone, server %s: %v", serving.name, err)
+		if err == nil && verified == "" {
+			verified = srv.URL()
+		}
 	}
-	if err := list(); err != nil {
+	return verified
+}
+
+// clientAuthCA is a CA whose extended key usage allows client
+// authentication only: crypto/x509 lets no server chain end in it.
+func clientAuthCA(t testing.TB) *testserver.KeyPair {
+	t.Helper()
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
 		t.Fatal(err)
 	}
-	before := p.Stats()
-	writeAtomic(t, good.ca, leaf)
-	waitFor(t, "the reload", func() bool {
-		st := p.Stats()
-		return st.RotationErrors > before.RotationErrors || st.Rotations > before.Rotations
-	})
-	f.srv.CloseClientConnections()
-	waitFor(t, "the pool sees its connection closed", func() bool { return p.Stats().OpenConns == 0 })
-	err = list()
-	if rejects {
-		if err != nil {
-			t.Errorf("request after a rejected CA file: %v", err)
-		}
-	} else {
-		// Known gap until the loader checks for a CA: the reload is
-		// taken and new handshakes fail.
-		t.Logf("KNOWN GAP: a CA file replaced by a non-CA certificate was taken into use; request: %v", err)
-		if err == nil {
-			t.Errorf("request verified a server against a non-CA certificate")
-		}
+	tmpl := &x509.Certificate{
+		SerialNumber:          big.NewInt(43),
+		Subject:               pkix.Name{CommonName: "clients-only-ca"},
+		NotBefore:             time.Now().Add(-time.Hour),
+		NotAfter:              time.Now().Add(24 * time.Hour),
+		KeyUsage:              x509.KeyUsageCertSign | x509.KeyUsageDigitalSignature,
+		ExtKeyUsage:           []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth},
+		BasicConstraintsValid: true,
+		IsCA:                  true,
 	}
+	return selfSigned(t, tmpl, key)
 }
 
 // selfSignedServing is a serving certificate for 127.0.0.1 that signs
@@ -431,6 +506,12 @@ func selfSignedServing(t testing.TB) *testserver.KeyPair {
 		IsCA:                  false,
 		IPAddresses:           []net.IP{net.ParseIP("127.0.0.1")},
 	}
+	return selfSigned(t, tmpl, key)
+}
+
+// selfSigned signs tmpl with key, its own.
+func selfSigned(t testing.TB, tmpl *x509.Certificate, key *ecdsa.PrivateKey) *testserver.KeyPair {
+	t.Helper()
 	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
 	if err != nil {
 		t.Fatal(err)

@@ -64,8 +64,9 @@ func waitReleased(t testing.TB, p *Pool) {
 }
 
 // TestChurnMemory: 10,000 identities created, used to build clients and
-// dropped: the heap comes back to its starting size, and a second round
-// leaves no more behind than the first (flat, not linear).
+// dropped: each takes at most 16 KiB of heap while live, the heap comes back
+// to its starting size, and a second round leaves no more behind than the
+// first (flat, not linear).
 func TestChurnMemory(t *testing.T) {
 	const n, again = 10000, 2000
 	f := newFixture(t, testserver.Options{})
@@ -99,6 +100,9 @@ func TestChurnMemory(t *testing.T) {
 	// (the idle timers of 10,000 identities released together: about
 	// 3 MiB). Nothing of the identities themselves: a tenth of what they
 	// held is far above that and far below client-go's linear growth.
+	if perLive > 16<<10 {
+		t.Errorf("%d bytes of heap per live identity, want at most 16 KiB", perLive)
+	}
 	if left, heldBytes := int64(after1)-int64(start), int64(held)-int64(start); left > heldBytes/10 {
 		t.Errorf("%d KiB left after dropping identities that held %d KiB", left>>10, heldBytes>>10)
 	}

@@ -10,6 +10,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"sort"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -33,245 +34,434 @@ func countFDs(t testing.TB) int {
 }
 
 // TestConcurrency races Wrap, requests, rotations of watched files, garbage
-// collection of identities and Close against each other, pool after pool,
-// for about five seconds. Run it under -race. Nothing may fail before Close
-// starts; afterwards only with ErrClosed or a closed connection. Every
-// request carries the certificate its config holds. Goroutines (goleak in
-// TestMain) and file descriptors come back to where they were.
+// collection of identities and Close against each other, pool after pool
+// (a subtest each), for about five seconds. Run it under -race. In each
+// round every client completes requests before Close starts, and every Wrap
+// and request ends one of two ways: it succeeds, or, once Close has started,
+// it fails with ErrClosed. Once Close has returned, Wrap and the requests of
+// clients that only the pool can carry fail with ErrClosed. Every request
+// carries the certificate its config holds. Goroutines (goleak in TestMain)
+// and file descriptors come back to where they were.
 func TestConcurrency(t *testing.T) {
 	total := 5 * time.Second
 	if testing.Short() {
 		total = time.Second
 	}
-	var violations atomic.Int64
-	var firstViolation atomic.Value
-	f := newFixture(t, testserver.Options{OnRequest: func(ri testserver.RequestInfo) {
-		tg, cn, ok := parseTag(ri.UserAgent)
-		if !ok {
-			return
+	h := newRaceHarness(t)
+	h.round(t, 200*time.Millisecond) // warm-up: lazily opened descriptors exist from now on
+	h.closeOthers(t)
+	baseline := countFDs(t)
+
+	var sum raceTally
+	start := time.Now()
+	for i := 0; time.Since(start) < total; i++ {
+		t.Run(fmt.Sprintf("round %d", i), func(t *testing.T) { sum.add(h.round(t, time.Second)) })
+	}
+	t.Logf("%v: %s", time.Since(start).Round(time.Millisecond), &sum)
+
+	t.Run("file descriptors back to the baseline", func(t *testing.T) {
+		h.closeOthers(t)
+		var fds int
+		waitFor(t, "file descriptors back to the baseline", func() bool { fds = countFDs(t); return fds <= baseline })
+		t.Logf("fds %d -> %d", baseline, fds)
+	})
+	t.Run("every request carried its own certificate", func(t *testing.T) {
+		if n := h.violations.Load(); n > 0 {
+			t.Errorf("%d requests carried the wrong certificate; first: %v", n, h.firstViolation.Load())
 		}
-		okCN := ri.CertCN == cn
-		if tg == "files" {
-			okCN = strings.HasPrefix(ri.CertCN, "alice-v") // rotating: any version of alice
-		}
-		if !okCN {
-			violations.Add(1)
-			firstViolation.CompareAndSwap(nil, fmt.Sprintf("config %s got a connection authenticated as %q", tg, ri.CertCN))
-		}
-	}})
+	})
+}
+
+// raceHarness is what every round of TestConcurrency shares: the server,
+// which checks every request's certificate, and the configs' material.
+type raceHarness struct {
+	f        *fixture
+	proxy    *forwarder
+	versions []*testserver.KeyPair // alice's certificate over one key: every mix read from disk is a pair
+	bundles  [][]byte
+	files    credFiles
+	configs  atomic.Int64
+
+	violations     atomic.Int64
+	firstViolation atomic.Value
+}
+
+func newRaceHarness(t *testing.T) *raceHarness {
+	h := &raceHarness{}
+	// Every request spends a moment at the server, so that Close finds
+	// requests in flight to cut.
+	h.f = newFixture(t, testserver.Options{OnRequest: h.checkCertificate, Latency: 2 * time.Millisecond})
 	otherCA, err := testserver.NewCA("other-ca")
 	if err != nil {
 		t.Fatal(err)
 	}
-	proxy := newConnectProxy(t)
-	var versions []*testserver.KeyPair
+	h.proxy = newConnectProxy(t)
 	for i := range 8 {
-		versions = append(versions, issueForKey(t, f.ca, fmt.Sprintf("alice-v%d", i), f.alice))
+		h.versions = append(h.versions, issueForKey(t, h.f.ca, fmt.Sprintf("alice-v%d", i), h.f.alice))
 	}
-	caBundles := [][]byte{f.ca.CertPEM(), append(f.ca.CertPEM(), otherCA.CertPEM()...)}
-	files := writeCredFiles(t, filepath.Join(f.dir, "race"), caBundles[0], versions[0])
+	h.bundles = [][]byte{h.f.ca.CertPEM(), append(h.f.ca.CertPEM(), otherCA.CertPEM()...)}
+	h.files = writeCredFiles(t, filepath.Join(h.f.dir, "race"), h.bundles[0], h.versions[0])
+	return h
+}
 
-	var configs atomic.Int64
-	newConfig := func(kind int) *rest.Config {
-		var cfg *rest.Config
-		switch kind {
-		case 0:
-			cfg = files.config(f.srv.URL())
-			tag(cfg, "files", "")
-		case 1:
-			cfg = f.srv.RestConfig(f.alice)
-			tag(cfg, "alice", "alice")
-		case 2:
-			cfg = f.srv.RestConfig(f.bob)
-			tag(cfg, "bob", "bob")
-		default:
-			// A new identity every time (the proxy ignores the user
-			// name), collected once dropped.
-			cfg = f.srv.RestConfig(f.carol)
-			u, _ := url.Parse(proxy.url())
-			u.User = url.User(fmt.Sprintf("u%d", configs.Add(1)))
-			cfg.Proxy = http.ProxyURL(u)
-			tag(cfg, "proxied", "carol")
-		}
-		cfg.QPS, cfg.Burst = 1e6, 1e6
-		return cfg
+func (h *raceHarness) checkCertificate(ri testserver.RequestInfo) {
+	tg, cn, ok := parseTag(ri.UserAgent)
+	if !ok {
+		return
 	}
-
-	type tally struct {
-		wraps, requests, rotations, gcs, afterClose, closes, passThrough atomic.Int64
+	okCN := ri.CertCN == cn
+	if tg == "files" {
+		okCN = strings.HasPrefix(ri.CertCN, "alice-v") // rotating: any version of alice
 	}
-	var counts tally
-	var unexpected sync.Map // message -> count
-	round := func(length time.Duration) {
-		p := New(WithIdleTimeout(0), withDebounce(time.Millisecond), WithPollInterval(20*time.Millisecond))
-		var closing atomic.Bool
-		check := func(what string, err error) {
-			if err == nil {
-				return
-			}
-			if closing.Load() && closedError(err) {
-				counts.afterClose.Add(1)
-				return
-			}
-			msg := fmt.Sprintf("%s (closing: %v): %v", what, closing.Load(), reason(err))
-			n, _ := unexpected.LoadOrStore(msg, new(atomic.Int64))
-			n.(*atomic.Int64).Add(1)
-		}
-		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-		defer cancel()
-		stop := make(chan struct{})
-		var wg sync.WaitGroup
-		spawn := func(fn func(r *rand.Rand)) {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				r := rand.New(rand.NewPCG(rand.Uint64(), rand.Uint64()))
-				for {
-					select {
-					case <-stop:
-						return
-					default:
-					}
-					fn(r)
-				}
-			}()
-		}
-		list := func(cs *kubernetes.Clientset) error {
-			_, err := cs.CoreV1().Nodes().List(ctx, metav1.ListOptions{})
-			return err
-		}
-
-		// Wrap fresh configs of every kind, use them once, drop them.
-		for range 4 {
-			spawn(func(r *rand.Rand) {
-				cfg := newConfig(r.IntN(4))
-				err := p.Wrap(cfg)
-				check("Wrap", err)
-				if err != nil {
-					return
-				}
-				counts.wraps.Add(1)
-				cs, err := kubernetes.NewForConfig(cfg)
-				check("NewForConfig", err)
-				if err == nil {
-					err = list(cs)
-					check("request on a fresh config", err)
-					if err == nil {
-						counts.requests.Add(1)
-					}
-				}
-			})
-		}
-		// Long-lived clients, built once.
-		for kind := range 4 {
-			cfg := newConfig(kind)
-			if err := p.Wrap(cfg); err != nil {
-				t.Fatal(err)
-			}
-			cs, err := kubernetes.NewForConfig(cfg)
-			if err != nil {
-				t.Fatal(err)
-			}
-			for range 2 {
-				spawn(func(*rand.Rand) {
-					err := list(cs)
-					check("request on a long-lived client", err)
-					if err == nil {
-						counts.requests.Add(1)
-					}
-				})
-			}
-		}
-		// Rotate the certificate (same key, new certificate: every mix of
-		// versions read from disk is a valid pair) and the CA bundle.
-		spawn(func(r *rand.Rand) {
-			writeAtomic(t, files.cert, versions[r.IntN(len(versions))].CertPEM)
-			writeAtomic(t, files.ca, caBundles[r.IntN(2)])
-			counts.rotations.Add(1)
-			time.Sleep(time.Duration(5+r.IntN(20)) * time.Millisecond)
-		})
-		spawn(func(r *rand.Rand) {
-			runtime.GC()
-			counts.gcs.Add(1)
-			time.Sleep(time.Duration(r.IntN(10)) * time.Millisecond)
-		})
-		spawn(func(*rand.Rand) {
-			_ = p.Stats()
-			time.Sleep(time.Millisecond)
-		})
-
-		time.Sleep(length * time.Duration(50+rand.IntN(40)) / 100)
-		closing.Store(true)
-		var closers sync.WaitGroup
-		for range 2 { // Close is idempotent, also when raced
-			closers.Add(1)
-			go func() {
-				defer closers.Done()
-				if err := p.Close(); err != nil {
-					t.Errorf("Close: %v", err)
-				}
-				counts.closes.Add(1)
-			}()
-		}
-		closers.Wait()
-		time.Sleep(length / 10) // everyone keeps going against the closed pool
-		close(stop)
-		wg.Wait()
-		// A connection dialed by a request that raced Close must be
-		// closed too, not left for the server's or the idle timeout.
-		deadline := time.Now().Add(5 * time.Second)
-		for p.Stats().OpenConns != 0 && time.Now().Before(deadline) {
-			time.Sleep(10 * time.Millisecond)
-		}
-		if st := p.Stats(); st.OpenConns != 0 {
-			t.Errorf("a closed pool still counts %d open connections", st.OpenConns)
-		}
-		counts.passThrough.Add(int64(p.Stats().PassThrough))
-	}
-
-	// Connections the pool does not own: a file config whose files changed
-	// since the pool last read them is passed through to client-go's own
-	// transport (its material differs), and client-go keeps those idle.
-	closeOthers := func() {
-		f.srv.CloseClientConnections()
-		waitFor(t, "server connections closed", func() bool { return f.srv.OpenConns() == 0 })
-	}
-	round(200 * time.Millisecond) // warm-up: lazily opened descriptors exist from now on
-	closeOthers()
-	baseline := countFDs(t)
-	start := time.Now()
-	rounds := 0
-	for time.Since(start) < total {
-		round(time.Second)
-		rounds++
-	}
-	closeOthers()
-	var fds int
-	waitFor(t, "file descriptors back to the baseline", func() bool { fds = countFDs(t); return fds <= baseline })
-
-	t.Logf("%d rounds in %v: %d Wraps and %d requests succeeded, %d rotations written, %d GCs, %d Closes; %d failures after Close (ErrClosed or closed connection); %d pass-throughs; fds %d -> %d",
-		rounds, time.Since(start).Round(time.Millisecond), counts.wraps.Load(), counts.requests.Load(), counts.rotations.Load(),
-		counts.gcs.Load(), counts.closes.Load(), counts.afterClose.Load(), counts.passThrough.Load(), baseline, fds)
-	unexpected.Range(func(k, v any) bool {
-		t.Errorf("%dx %s", v.(*atomic.Int64).Load(), k)
-		return true
-	})
-	if n := violations.Load(); n > 0 {
-		t.Errorf("%d requests carried the wrong certificate; first: %v", n, firstViolation.Load())
+	if !okCN {
+		h.violations.Add(1)
+		h.firstViolation.CompareAndSwap(nil, fmt.Sprintf("config %s got a connection authenticated as %q", tg, ri.CertCN))
 	}
 }
 
-// closedError reports whether err is how a request or Wrap fails because the
-// pool was closed under it.
-func closedError(err error) bool {
-	if errors.Is(err, ErrClosed) {
-		return true
+// The kinds of config a round uses.
+var raceKinds = []string{"files", "alice", "bob", "proxied"}
+
+// newConfig returns a fresh config of kind: certificate files that rotate,
+// alice or bob inline, or carol through a CONNECT proxy under a user name of
+// its own, a new identity every time (the proxy ignores the user name),
+// collected once dropped.
+func (h *raceHarness) newConfig(kind string) *rest.Config {
+	var cfg *rest.Config
+	switch kind {
+	case "files":
+		cfg = h.files.config(h.f.srv.URL())
+		tag(cfg, "files", "")
+	case "alice":
+		cfg = h.f.srv.RestConfig(h.f.alice)
+		tag(cfg, "alice", "alice")
+	case "bob":
+		cfg = h.f.srv.RestConfig(h.f.bob)
+		tag(cfg, "bob", "bob")
+	default:
+		cfg = h.f.srv.RestConfig(h.f.carol)
+		u, _ := url.Parse(h.proxy.url())
+		u.User = url.User(fmt.Sprintf("u%d", h.configs.Add(1)))
+		cfg.Proxy = http.ProxyURL(u)
+		tag(cfg, "proxied", "carol")
 	}
-	msg := err.Error()
-	for _, s := range []string{"use of closed network connection", "client connection lost", "connection reset by peer", "EOF", "http2: client conn is closed", "force closed"} {
-		if strings.Contains(msg, s) {
-			return true
+	cfg.QPS, cfg.Burst = 1e6, 1e6
+	return cfg
+}
+
+// closeOthers closes connections the pool does not own: a file config whose
+// files changed since the pool last read them is passed through to
+// client-go's own transport (its material differs), and client-go keeps
+// those idle.
+func (h *raceHarness) closeOthers(t *testing.T) {
+	h.f.srv.CloseClientConnections()
+	waitFor(t, "server connections closed", func() bool { return h.f.srv.OpenConns() == 0 })
+}
+
+// Where a round is, for each Wrap and request to be judged by.
+const (
+	running = iota
+	closing // Close called
+	closed  // Close returned
+)
+
+// raceTally counts how a round's calls ended.
+type raceTally struct {
+	wraps, requests, beforeClose, closedErrs, afterClosedErrs, rotations, gcs, passThrough int64
+}
+
+func (s *raceTally) add(o raceTally) {
+	s.wraps += o.wraps
+	s.requests += o.requests
+	s.beforeClose += o.beforeClose
+	s.closedErrs += o.closedErrs
+	s.afterClosedErrs += o.afterClosedErrs
+	s.rotations += o.rotations
+	s.gcs += o.gcs
+	s.passThrough += o.passThrough
+}
+
+func (s *raceTally) String() string {
+	return fmt.Sprintf("%d Wraps and %d requests succeeded (%d requests before Close started), %d failed with ErrClosed once Close started "+
+		"(%d of them sent after it returned), %d rotations written, %d GCs, %d pass-throughs",
+		s.wraps, s.requests, s.beforeClose, s.closedErrs, s.afterClosedErrs, s.rotations, s.gcs, s.passThrough)
+}
+
+// raceRound is one pool's life in TestConcurrency.
+type raceRound struct {
+	h     *raceHarness
+	p     *Pool
+	ctx   context.Context
+	phase atomic.Int32
+	stop  chan struct{}
+	wg    sync.WaitGroup
+
+	mu         sync.Mutex // guards the fields below
+	tally      raceTally
+	started    int64            // Wraps and requests started
+	ended      int64            // Wraps and requests that returned
+	progress   map[string]int64 // requests that succeeded before Close, per loop
+	afterClose map[string]int64 // Wraps and requests started after Close returned, per loop
+	unexpected map[string]int64 // message -> count
+}
+
+// round runs one pool for about length and then closes it under load.
+func (h *raceHarness) round(t *testing.T, length time.Duration) raceTally {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	r := &raceRound{h: h, p: New(WithIdleTimeout(0), withDebounce(time.Millisecond), WithPollInterval(20*time.Millisecond)),
+		ctx: ctx, stop: make(chan struct{}), progress: map[string]int64{}, afterClose: map[string]int64{}, unexpected: map[string]int64{}}
+	for i := range 4 {
+		r.spawnFresh(fmt.Sprintf("fresh configs %d", i))
+	}
+	for _, kind := range raceKinds {
+		r.spawnLongLived(t, kind)
+	}
+	r.spawnChurn(t)
+
+	time.Sleep(length * time.Duration(50+rand.IntN(40)) / 100)
+	r.await(t, "a request succeeded before Close", r.progress)
+	r.closeUnderLoad(t)
+
+	// A connection dialed by a request that raced Close must be closed too,
+	// not left for the server's or the idle timeout.
+	deadline := time.Now().Add(5 * time.Second)
+	for r.p.Stats().OpenConns != 0 && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
+	if st := r.p.Stats(); st.OpenConns != 0 {
+		t.Errorf("a closed pool still counts %d open connections", st.OpenConns)
+	}
+	r.tally.passThrough = int64(r.p.Stats().PassThrough)
+	r.check(t)
+	return r.tally
+}
+
+// spawn runs fn in a loop until the round stops.
+func (r *raceRound) spawn(fn func(rnd *rand.Rand)) {
+	r.wg.Add(1)
+	go func() {
+		defer r.wg.Done()
+		rnd := rand.New(rand.NewPCG(rand.Uint64(), rand.Uint64()))
+		for {
+			select {
+			case <-r.stop:
+				return
+			default:
+			}
+			fn(rnd)
 		}
+	}()
+}
+
+// spawnFresh wraps fresh configs of every kind, uses each once, and drops it.
+func (r *raceRound) spawnFresh(loop string) {
+	r.mu.Lock()
+	r.progress[loop] = 0
+	r.mu.Unlock()
+	r.spawn(func(rnd *rand.Rand) {
+		cfg := r.h.newConfig(raceKinds[rnd.IntN(len(raceKinds))])
+		start := r.begin()
+		err := r.p.Wrap(cfg)
+		r.end(start, "Wrap", loop, false, true, err)
+		if err != nil {
+			return
+		}
+		cs, err := kubernetes.NewForConfig(cfg)
+		if err != nil {
+			r.fail("NewForConfig", err)
+			return
+		}
+		start = r.begin()
+		r.end(start, "request on a fresh config", loop, true, false, r.list(cs))
+	})
+}
+
+// spawnLongLived builds one client of kind and sends requests through it
+// from two loops. Inline identities never rotate, so only the pool carries
+// their requests, and once Close has returned each must fail.
+func (r *raceRound) spawnLongLived(t *testing.T, kind string) {
+	cfg := r.h.newConfig(kind)
+	if err := r.p.Wrap(cfg); err != nil {
+		t.Fatal(err)
 	}
-	return false
+	cs, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	onlyPool := kind != "files" // a files client may be handed back to client-go's transport
+	for i := range 2 {
+		loop := fmt.Sprintf("long-lived %s client, loop %d", kind, i)
+		r.mu.Lock()
+		r.progress[loop] = 0
+		r.mu.Unlock()
+		r.spawn(func(*rand.Rand) {
+			start := r.begin()
+			r.end(start, "request on a long-lived "+kind+" client", loop, true, onlyPool, r.list(cs))
+		})
+	}
+}
+
+// spawnChurn rotates the certificate and the CA bundle, collects garbage
+// (and so unreferenced identities), and reads Stats.
+func (r *raceRound) spawnChurn(t *testing.T) {
+	files := r.h.files
+	r.spawn(func(rnd *rand.Rand) {
+		writeAtomic(t, files.cert, r.h.versions[rnd.IntN(len(r.h.versions))].CertPEM)
+		writeAtomic(t, files.ca, r.h.bundles[rnd.IntN(len(r.h.bundles))])
+		r.count(func(s *raceTally) { s.rotations++ })
+		time.Sleep(time.Duration(5+rnd.IntN(20)) * time.Millisecond)
+	})
+	r.spawn(func(rnd *rand.Rand) {
+		runtime.GC()
+		r.count(func(s *raceTally) { s.gcs++ })
+		time.Sleep(time.Duration(rnd.IntN(10)) * time.Millisecond)
+	})
+	r.spawn(func(*rand.Rand) {
+		_ = r.p.Stats()
+		time.Sleep(time.Millisecond)
+	})
+}
+
+func (r *raceRound) list(cs *kubernetes.Clientset) error {
+	_, err := cs.CoreV1().Nodes().List(r.ctx, metav1.ListOptions{})
+	return err
+}
+
+// begin counts a Wrap or request as started and returns the phase it
+// started in.
+func (r *raceRound) begin() int32 {
+	r.mu.Lock()
+	r.started++
+	r.mu.Unlock()
+	return r.phase.Load()
+}
+
+// end judges a Wrap or request of loop that started in phase start and
+// returned err. It may succeed, unless it started after Close returned and
+// only the pool can carry it (a Wrap, a request through a client only the
+// pool carries); it may fail only with ErrClosed, and only once Close has
+// started.
+func (r *raceRound) end(start int32, what, loop string, request, onlyPool bool, err error) {
+	now := r.phase.Load()
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.ended++
+	if start == closed {
+		r.afterClose[loop]++
+	}
+	switch {
+	case err == nil && start == closed && onlyPool:
+		r.unexpected[what+": succeeded, sent after Close returned"]++
+	case err == nil && !request:
+		r.tally.wraps++
+	case err == nil:
+		r.tally.requests++
+		if now == running {
+			r.tally.beforeClose++
+			r.progress[loop]++
+		}
+	case now != running && errors.Is(err, ErrClosed):
+		r.tally.closedErrs++
+		if start == closed {
+			r.tally.afterClosedErrs++
+		}
+	default:
+		r.unexpected[fmt.Sprintf("%s (%s): %v", what, [...]string{"before Close", "while Close ran", "after Close"}[now], reason(err))]++
+	}
+}
+
+func (r *raceRound) fail(what string, err error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.unexpected[fmt.Sprintf("%s: %v", what, reason(err))]++
+}
+
+func (r *raceRound) count(fn func(*raceTally)) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	fn(&r.tally)
+}
+
+// await waits, at most 30 s, until every loop has a count in counts (what
+// it waits for is what the counts count), and reports the loops that have
+// none.
+func (r *raceRound) await(t *testing.T, what string, counts map[string]int64) {
+	const timeout = 30 * time.Second
+	deadline := time.Now().Add(timeout)
+	for {
+		r.mu.Lock()
+		var idle []string
+		for loop := range r.progress { // every loop
+			if counts[loop] == 0 {
+				idle = append(idle, loop)
+			}
+		}
+		r.mu.Unlock()
+		if len(idle) == 0 {
+			return
+		}
+		if time.Now().After(deadline) {
+			sort.Strings(idle)
+			t.Errorf("not within %v: %s, on %s", timeout, what, strings.Join(idle, "; "))
+			return
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// closeUnderLoad closes the pool from two goroutines at once (Close is
+// idempotent, also when raced), lets every loop go on against the closed
+// pool until each has started a Wrap or request after Close returned, and
+// stops them.
+func (r *raceRound) closeUnderLoad(t *testing.T) {
+	r.phase.Store(closing)
+	var closers sync.WaitGroup
+	for range 2 {
+		closers.Add(1)
+		go func() {
+			defer closers.Done()
+			if err := r.p.Close(); err != nil {
+				t.Errorf("Close: %v", err)
+			}
+		}()
+	}
+	closers.Wait()
+	r.phase.Store(closed)
+	r.await(t, "a Wrap or request sent after Close returned", r.afterClose)
+	close(r.stop)
+	done := make(chan struct{})
+	go func() { r.wg.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(30 * time.Second):
+		r.mu.Lock()
+		defer r.mu.Unlock()
+		t.Fatalf("%d Wraps or requests have not returned 30 s after the pool closed", r.started-r.ended)
+	}
+}
+
+// check asserts what the round's calls came to: none lost, none failed
+// otherwise than as allowed.
+func (r *raceRound) check(t *testing.T) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.started != r.ended {
+		t.Errorf("%d Wraps and requests started, %d returned", r.started, r.ended)
+	}
+	if got := r.tally.wraps + r.tally.requests + r.tally.closedErrs + sumCounts(r.unexpected); got != r.ended {
+		t.Errorf("%d Wraps and requests returned, %d accounted for", r.ended, got)
+	}
+	for msg, n := range r.unexpected {
+		t.Errorf("%dx %s", n, msg)
+	}
+	t.Logf("%s", &r.tally)
+}
+
+func sumCounts(m map[string]int64) int64 {
+	var n int64
+	for _, v := range m {
+		n += v
+	}
+	return n
 }

@@ -283,46 +283,72 @@ func TestBlackHole(t *testing.T) {
 }
 
 // TestGoaway: the server sends GOAWAY on 30% of responses (kube-apiserver's
-// --goaway-chance): every request succeeds and connections stay bounded.
-// After each GOAWAY, Go's HTTP/2 client dials a connection for every request
-// waiting at that moment, with or without the pool (client-go alone does the
-// same); WithMaxConnsPerHost(1) turns that into one dial.
+// --goaway-chance) to 20 workers x 30 requests, each through a fresh config:
+// every request succeeds, and the server's counts stay bounded. After a
+// GOAWAY, Go's HTTP/2 client dials for the requests waiting at that moment;
+// the pool accepts fewer such dials than client-go alone (run first, as the
+// control), and never more connections open than the workers' requests can
+// hold: one per request in flight on a connection that got GOAWAY (it
+// finishes its streams), one per request waiting for a dial. With
+// WithMaxConnsPerHost(1) every connection beyond the first replaces one that
+// got GOAWAY, and one connection takes requests at a time.
 func TestGoaway(t *testing.T) {
 	const workers, requests = 20, 30
+	load := func(t *testing.T, wrap func(*rest.Config) error) (*testserver.Server, testserver.Stats) {
+		f := newFixture(t, testserver.Options{GoawayChance: 0.3})
+		kubeconfig := f.kubeconfig(t, "alice", f.alice).Kubeconfig
+		start := time.Now()
+		seedLoad(t, workers, requests, func() (*rest.Config, error) {
+			cfg, err := clientcmd.BuildConfigFromFlags("", kubeconfig)
+			if err != nil {
+				return nil, err
+			}
+			return cfg, wrap(cfg)
+		})
+		st := f.srv.Stats()
+		t.Logf("%d requests in %v, all ok; server sent %d GOAWAYs, accepted %d connections, at most %d open at once",
+			workers*requests, time.Since(start).Round(time.Millisecond), st.Goaways, st.Accepted, st.PeakOpen)
+		if st.Goaways < workers*requests/5 {
+			t.Errorf("only %d GOAWAYs: the test did not test that", st.Goaways)
+		}
+		return f.srv, st
+	}
+
+	var clientGo testserver.Stats
+	t.Run("client-go alone", func(t *testing.T) {
+		_, clientGo = load(t, func(*rest.Config) error { return nil })
+	})
 	for _, tc := range []struct {
-		name     string
-		opts     []Option
-		peakOpen int // most connections open at once
+		name string
+		opts []Option
+		// check the server's counts
+		check func(t *testing.T, st testserver.Stats)
 	}{
-		{"defaults", nil, workers},
-		{"WithMaxConnsPerHost(1)", []Option{WithMaxConnsPerHost(1)}, 10},
+		{"defaults", nil, func(t *testing.T, st testserver.Stats) {
+			if st.Accepted >= clientGo.Accepted {
+				t.Errorf("the server accepted %d connections, client-go alone %d: the pool does not hold dials back", st.Accepted, clientGo.Accepted)
+			}
+			if st.PeakOpen > 2*workers {
+				t.Errorf("%d connections open at once, want at most %d (two per worker)", st.PeakOpen, 2*workers)
+			}
+		}},
+		{"WithMaxConnsPerHost(1)", []Option{WithMaxConnsPerHost(1)}, func(t *testing.T, st testserver.Stats) {
+			if st.Accepted > st.Goaways+1 {
+				t.Errorf("the server accepted %d connections and sent %d GOAWAYs: more than one connection per GOAWAY", st.Accepted, st.Goaways)
+			}
+			if st.PeakOpen > workers+1 {
+				t.Errorf("%d connections open at once, want at most %d (one per worker plus one)", st.PeakOpen, workers+1)
+			}
+		}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			f := newFixture(t, testserver.Options{GoawayChance: 0.3})
-			kubeconfig := f.kubeconfig(t, "alice", f.alice).Kubeconfig
 			p := newPool(t, tc.opts...)
-			start := time.Now()
-			seedLoad(t, workers, requests, func() (*rest.Config, error) {
-				cfg, err := clientcmd.BuildConfigFromFlags("", kubeconfig)
-				if err != nil {
-					return nil, err
-				}
-				return cfg, p.Wrap(cfg)
-			})
-			took := time.Since(start)
-			st := f.srv.Stats()
+			srv, st := load(t, p.Wrap)
+			tc.check(t, st)
 			// A connection that got GOAWAY closes when its last stream ends.
 			waitFor(t, "at most one connection left, counted alike by pool and server", func() bool {
-				return p.Stats().OpenConns == f.srv.OpenConns() && f.srv.OpenConns() <= 1
+				return p.Stats().OpenConns == srv.OpenConns() && srv.OpenConns() <= 1
 			})
-			t.Logf("%d requests in %v, all ok; server sent %d GOAWAYs, accepted %d connections, at most %d open at once, %d open at the end",
-				workers*requests, took.Round(time.Millisecond), st.Goaways, st.Accepted, st.PeakOpen, f.srv.OpenConns())
-			if st.Goaways < workers*requests/5 {
-				t.Errorf("only %d GOAWAYs: the test did not test that", st.Goaways)
-			}
-			if st.PeakOpen > tc.peakOpen {
-				t.Errorf("%d connections open at once, want at most %d", st.PeakOpen, tc.peakOpen)
-			}
 		})
 	}
 }

@@ -10,6 +10,7 @@ import (
 	"context"
 	"crypto/tls"
 	"errors"
+	"fmt"
 	"io"
 	"net/http"
 	"net/http/httptrace"
@@ -546,11 +547,18 @@ type leasedBody struct {
 func (b *leasedBody) Read(p []byte) (int, error) {
 	n, err := b.ReadCloser.Read(p)
 	switch {
-	case err == nil || b.hc == nil:
+	case err == nil:
 	case err == io.EOF:
-		b.endSoon()
+		if b.hc != nil {
+			b.endSoon()
+		}
 	default:
 		b.end()
+		if b.lease.e.closed.Load() {
+			// Close cut the connection under the body: say so, as
+			// RoundTrip does for a request Close cut.
+			err = fmt.Errorf("%w while the response was read: %w", ErrClosed, err)
+		}
 	}
 	return n, err
 }

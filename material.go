@@ -183,7 +183,7 @@ func checkCABundle(b []byte, now time.Time) error {
 	case s.certs == 0:
 		return errors.New("holds no PEM certificate")
 	case s.verifiers == 0:
-		return errors.New("holds no CA certificate: none of its certificates is a CA or usable for server authentication, so it can verify no server (a client certificate in the CA file?)")
+		return errors.New("holds no CA certificate for servers: none of its certificates allows server authentication, so it can verify no server (a client certificate, or a CA for clients only, in the CA file?)")
 	case s.valid == 0 && s.firstStart.IsZero():
 		return fmt.Errorf("holds no CA certificate valid now: every one has expired, the last at %s (it is %s here): write the current CA", stamp(s.lastExpiry), stamp(now))
 	case s.valid == 0:
@@ -273,15 +273,21 @@ func tornBlock(b []byte) int {
 	}
 }
 
-// canVerifyServers reports whether cert can anchor a server's chain: a CA,
-// or a certificate pinned directly (self-signed server certificates, which
-// client-go accepts as roots too).
+// canVerifyServers reports whether cert can end a server's chain: as a CA or
+// pinned directly (a self-signed serving certificate, which client-go takes
+// as a root too), as long as its extended key usages allow server
+// authentication. crypto/x509 holds every certificate of a chain, the root
+// included, to its extended key usages, so a CA restricted to client
+// authentication verifies no server.
 func canVerifyServers(cert *x509.Certificate) bool {
-	if cert.BasicConstraintsValid && cert.IsCA || len(cert.ExtKeyUsage) == 0 {
+	if len(cert.ExtKeyUsage) == 0 && len(cert.UnknownExtKeyUsage) == 0 {
 		return true
 	}
 	for _, u := range cert.ExtKeyUsage {
-		if u == x509.ExtKeyUsageServerAuth || u == x509.ExtKeyUsageAny {
+		switch u {
+		case x509.ExtKeyUsageServerAuth, x509.ExtKeyUsageAny,
+			// crypto/x509 takes the server-gated-crypto usages as server authentication.
+			x509.ExtKeyUsageMicrosoftServerGatedCrypto, x509.ExtKeyUsageNetscapeServerGatedCrypto:
 			return true
 		}
 	}

@@ -37,7 +37,8 @@ import (
 )
 
 // ErrClosed is returned by [Pool.Wrap] and [Pool.TransportFor] on a closed
-// pool, and by requests sent through a closed pool's transports.
+// pool, by requests sent through a closed pool's transports, and by requests
+// and response bodies whose connection [Pool.Close] closed under them.
 var ErrClosed = errors.New("sharedtransport: pool is closed")
 
 // A Pool shares one HTTP transport, and so one connection pool, among all the
@@ -131,7 +132,8 @@ func (p *Pool) Wrap(cfg *rest.Config) error {
 
 // Close closes every connection of the pool, stops watching files and waits
 // for the pool's goroutines to exit. Requests sent afterwards through configs
-// the pool wrapped fail with [ErrClosed]. Close is idempotent.
+// the pool wrapped fail with [ErrClosed], as do requests in flight and reads
+// of response bodies whose connection it closed. Close is idempotent.
 func (p *Pool) Close() error {
 	p.mu.Lock()
 	if p.closed {
