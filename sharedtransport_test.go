@@ -417,46 +417,6 @@ func TestHookComposition(t *testing.T) {
 	})
 }
 
-func TestKeepAliveOff(t *testing.T) {
-	f := newFixture(t, testserver.Options{})
-	p := newPool(t, WithKeepAlive(false))
-	ctx := context.Background()
-	const n = 10
-	for range n {
-		cfg := f.srv.RestConfig(f.alice)
-		if err := p.Wrap(cfg); err != nil {
-			t.Fatal(err)
-		}
-		if err := listNodes(ctx, cfg); err != nil {
-			t.Fatal(err)
-		}
-	}
-	st := f.srv.Stats()
-	if st.Accepted != n {
-		t.Errorf("keep-alive off: %d requests, %d connections, want one each", n, st.Accepted)
-	}
-	if st.Open > 1 {
-		t.Errorf("keep-alive off left %d connections open", st.Open)
-	}
-
-	// client-go's own transport for an unrelated config keeps its connection.
-	f.srv.ResetStats()
-	plain := f.srv.RestConfig(f.bob)
-	cs, err := kubernetes.NewForConfig(plain)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for range n {
-		if _, err := cs.CoreV1().Nodes().List(ctx, metav1.ListOptions{}); err != nil {
-			t.Fatal(err)
-		}
-	}
-	if st := f.srv.Stats(); st.Accepted != 1 {
-		t.Errorf("client-go's own transport opened %d connections for %d requests, want 1: the pool touched it", st.Accepted, n)
-	}
-	f.srv.CloseClientConnections()
-}
-
 // TestClients: every kind of client-go client works through the pool.
 func TestClients(t *testing.T) {
 	f := newFixture(t, testserver.Options{})
