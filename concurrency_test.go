@@ -7,7 +7,6 @@ import (
 	"math/rand/v2"
 	"net/http"
 	"net/url"
-	"os"
 	"path/filepath"
 	"runtime"
 	"strings"
@@ -22,15 +21,6 @@ import (
 
 	"github.com/sharedtransport/sharedtransport/internal/testserver"
 )
-
-func countFDs(t testing.TB) int {
-	t.Helper()
-	entries, err := os.ReadDir("/proc/self/fd")
-	if err != nil {
-		t.Fatal(err)
-	}
-	return len(entries)
-}
 
 // TestConcurrency races Wrap, requests, rotations of watched files, garbage
 // collection of identities and Close against each other, pool after pool,

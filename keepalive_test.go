@@ -212,7 +212,7 @@ func TestCloseIdleConnectionsFor(t *testing.T) {
 		proxy := newConnectProxy(t)
 		p := newPool(t)
 		cfg := f.srv.RestConfig(f.alice)
-		cfg.Proxy = http.ProxyURL(&url.URL{Scheme: "http", Host: proxy.addr()})
+		cfg.Proxy = http.ProxyURL(&url.URL{Scheme: "http", Host: proxy.Addr()})
 		if err := p.Wrap(cfg); err != nil {
 			t.Fatal(err)
 		}

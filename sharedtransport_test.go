@@ -6,10 +6,8 @@ import (
 	"fmt"
 	"net/http"
 	"net/url"
-	"os"
 	"path/filepath"
 	"runtime"
-	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -560,63 +558,5 @@ func waitFor(t testing.TB, what string, cond func() bool) {
 			t.Fatalf("timed out waiting: %s", what)
 		}
 		time.Sleep(10 * time.Millisecond)
-	}
-}
-
-func TestBadInput(t *testing.T) {
-	f := newFixture(t, testserver.Options{})
-	p := newPool(t)
-	paths := f.kubeconfig(t, "alice", f.alice)
-	bobPaths := f.kubeconfig(t, "bob", f.bob)
-
-	for _, tc := range []struct {
-		name  string
-		cfg   func() *rest.Config
-		inErr []string
-	}{
-		{"missing certificate file", func() *rest.Config {
-			c := &rest.Config{Host: f.srv.URL()}
-			c.CAFile, c.CertFile, c.KeyFile = paths.CA, filepath.Join(f.dir, "missing.crt"), paths.Key
-			return c
-		}, []string{"missing.crt"}},
-		{"unreadable key file", func() *rest.Config {
-			dir := filepath.Join(f.dir, "unreadable")
-			if err := os.Mkdir(dir, 0o700); err != nil {
-				t.Fatal(err)
-			}
-			c := &rest.Config{Host: f.srv.URL()}
-			// A directory where a file is expected cannot be read as one,
-			// even by root.
-			c.CAFile, c.CertFile, c.KeyFile = paths.CA, paths.Cert, dir
-			return c
-		}, []string{"unreadable"}},
-		{"key of another certificate", func() *rest.Config {
-			c := &rest.Config{Host: f.srv.URL()}
-			c.CAFile, c.CertFile, c.KeyFile = paths.CA, paths.Cert, bobPaths.Key
-			return c
-		}, []string{paths.Cert, bobPaths.Key, "do not form a valid pair"}},
-		{"missing CA file", func() *rest.Config {
-			c := &rest.Config{Host: f.srv.URL()}
-			c.CAFile, c.CertFile, c.KeyFile = filepath.Join(f.dir, "nope-ca.crt"), paths.Cert, paths.Key
-			return c
-		}, []string{"nope-ca.crt"}},
-	} {
-		t.Run(tc.name, func(t *testing.T) {
-			err := p.Wrap(tc.cfg())
-			if err == nil {
-				t.Fatal("Wrap succeeded")
-			}
-			for _, s := range tc.inErr {
-				if !strings.Contains(err.Error(), s) {
-					t.Errorf("error %q does not mention %q", err, s)
-				}
-			}
-			if strings.Contains(err.Error(), "PRIVATE KEY") {
-				t.Errorf("error leaks key material: %q", err)
-			}
-		})
-	}
-	if err := p.Wrap(nil); err == nil {
-		t.Error("Wrap(nil) succeeded")
 	}
 }
