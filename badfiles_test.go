@@ -3,13 +3,7 @@ package sharedtransport
 import (
 	"bytes"
 	"context"
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
-	"crypto/x509"
-	"crypto/x509/pkix"
-	"encoding/pem"
-	"math/big"
+	"fmt"
 	"net"
 	"net/http"
 	"os"
@@ -127,24 +121,12 @@ func issueValid(t testing.TB, ca *testserver.CA, cn string, from, until time.Dur
 // expiredCA is a self-signed CA certificate that expired a day ago.
 func expiredCA(t testing.TB, cn string) []byte {
 	t.Helper()
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	kp, err := testserver.SelfSigned(testserver.CertSpec{CommonName: cn, CA: true,
+		NotBefore: time.Now().Add(-365 * 24 * time.Hour), NotAfter: time.Now().Add(-24 * time.Hour)})
 	if err != nil {
 		t.Fatal(err)
 	}
-	tmpl := &x509.Certificate{
-		SerialNumber:          big.NewInt(7),
-		Subject:               pkix.Name{CommonName: cn},
-		NotBefore:             time.Now().Add(-365 * 24 * time.Hour),
-		NotAfter:              time.Now().Add(-24 * time.Hour),
-		KeyUsage:              x509.KeyUsageCertSign,
-		BasicConstraintsValid: true,
-		IsCA:                  true,
-	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der})
+	return kp.CertPEM
 }
 
 // TestBadFilesAtWrap: when nothing good was ever loaded, Wrap fails with an
@@ -263,9 +245,10 @@ func TestBadFilesAfterGood(t *testing.T) {
 			if bf.more != nil {
 				want = append(want, bf.more(c)...)
 			}
-			if !logs.has(append(want, "Keeping the last good TLS material")...) {
-				t.Errorf("no log line keeps the last good material saying %q", want)
-			}
+			// The line is logged just after the rejection is counted.
+			waitFor(t, fmt.Sprintf("a log line keeping the last good material, saying %q", want), func() bool {
+				return logs.has(append(want, "Keeping the last good TLS material")...)
+			})
 			newConnection(t)
 			if err := list(longLived); err != nil {
 				t.Fatalf("a client built before the files went bad: %v", err)
@@ -413,38 +396,12 @@ func TestCANotACA(t *testing.T) {
 // itself and is not a CA: what a CA file pins for some clusters.
 func selfSignedServing(t testing.TB) *testserver.KeyPair {
 	t.Helper()
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	kp, err := testserver.SelfSigned(testserver.CertSpec{CommonName: "pinned", Server: true,
+		IPAddresses: []net.IP{net.ParseIP("127.0.0.1")}})
 	if err != nil {
 		t.Fatal(err)
 	}
-	tmpl := &x509.Certificate{
-		SerialNumber:          big.NewInt(42),
-		Subject:               pkix.Name{CommonName: "pinned"},
-		NotBefore:             time.Now().Add(-time.Hour),
-		NotAfter:              time.Now().Add(24 * time.Hour),
-		KeyUsage:              x509.KeyUsageDigitalSignature,
-		ExtKeyUsage:           []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
-		BasicConstraintsValid: true,
-		IsCA:                  false,
-		IPAddresses:           []net.IP{net.ParseIP("127.0.0.1")},
-	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cert, err := x509.ParseCertificate(der)
-	if err != nil {
-		t.Fatal(err)
-	}
-	keyDER, err := x509.MarshalECPrivateKey(key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return &testserver.KeyPair{
-		CertPEM: pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}),
-		KeyPEM:  pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: keyDER}),
-		Cert:    cert,
-	}
+	return kp
 }
 
 // TestCertificateValidity: at Wrap a NotBefore within the clock-skew

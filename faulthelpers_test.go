@@ -7,15 +7,12 @@ package sharedtransport
 
 import (
 	"context"
-	"crypto"
-	"crypto/rand"
+	"crypto/ecdsa"
 	"crypto/x509"
-	"crypto/x509/pkix"
 	"encoding/json"
 	"encoding/pem"
 	"errors"
 	"fmt"
-	"math/big"
 	"net"
 	"net/http"
 	"os"
@@ -245,35 +242,15 @@ func (f *forwarder) dial() func(ctx context.Context, network, address string) (n
 // test can vary the certificate while the key stays the same.
 func issueForKey(t testing.TB, ca *testserver.CA, cn string, key *testserver.KeyPair) *testserver.KeyPair {
 	t.Helper()
-	serial, err := rand.Int(rand.Reader, new(big.Int).Lsh(big.NewInt(1), 127))
+	kp, err := ca.Issue(testserver.CertSpec{CommonName: cn, Client: true, Key: privateKey(t, key)})
 	if err != nil {
 		t.Fatal(err)
 	}
-	tmpl := &x509.Certificate{
-		SerialNumber: serial,
-		Subject:      pkix.Name{CommonName: cn},
-		NotBefore:    time.Now().Add(-time.Hour),
-		NotAfter:     time.Now().Add(24 * time.Hour),
-		KeyUsage:     x509.KeyUsageDigitalSignature,
-		ExtKeyUsage:  []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth},
-	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, ca.Cert, key.Cert.PublicKey, ca.Key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cert, err := x509.ParseCertificate(der)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return &testserver.KeyPair{
-		CertPEM: pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}),
-		KeyPEM:  key.KeyPEM,
-		Cert:    cert,
-	}
+	return kp
 }
 
 // privateKey parses a key pair's private key.
-func privateKey(t testing.TB, kp *testserver.KeyPair) crypto.PrivateKey {
+func privateKey(t testing.TB, kp *testserver.KeyPair) *ecdsa.PrivateKey {
 	t.Helper()
 	block, _ := pem.Decode(kp.KeyPEM)
 	if block == nil {
