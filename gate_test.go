@@ -89,27 +89,12 @@ func wrappedClient(t testing.TB, p *Pool, cfg *rest.Config) kubernetes.Interface
 // burst sends n node lists through cs all at once and fails t if any fails.
 func burst(t testing.TB, cs kubernetes.Interface, n int) {
 	t.Helper()
-	start := make(chan struct{})
-	var wg sync.WaitGroup
-	errs := make(chan error, n)
-	for range n {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			<-start
-			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-			defer cancel()
-			if _, err := cs.CoreV1().Nodes().List(ctx, metav1.ListOptions{}); err != nil {
-				errs <- err
-			}
-		}()
-	}
-	close(start)
-	wg.Wait()
-	close(errs)
-	for err := range errs {
-		t.Fatal(err)
-	}
+	requireNoErrors(t, runClients(n, 1, func(int, int) error {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
+		_, err := cs.CoreV1().Nodes().List(ctx, metav1.ListOptions{})
+		return err
+	}))
 }
 
 // httpClient wraps cfg with p and returns an HTTP client built from it by

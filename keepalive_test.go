@@ -53,26 +53,11 @@ func TestSessionResumption(t *testing.T) {
 				clients[name] = cs
 			}
 			const n = 1000
-			var wg sync.WaitGroup
-			errs := make(chan error, 8)
-			for w := range 8 {
-				wg.Add(1)
-				go func() {
-					defer wg.Done()
-					for i := range n / 8 {
-						name := []string{"alice", "bob"}[(w+i)%2]
-						if _, err := clients[name].CoreV1().Nodes().List(context.Background(), metav1.ListOptions{}); err != nil {
-							errs <- err
-							return
-						}
-					}
-				}()
-			}
-			wg.Wait()
-			close(errs)
-			for err := range errs {
-				t.Fatal(err)
-			}
+			requireNoErrors(t, runClients(8, n/8, func(w, i int) error {
+				name := []string{"alice", "bob"}[(w+i)%2]
+				_, err := clients[name].CoreV1().Nodes().List(context.Background(), metav1.ListOptions{})
+				return err
+			}))
 			st := f.srv.Stats()
 			t.Logf("%s, keep-alive off: %d requests, %d connections, %d full handshakes, %d resumed; pool %+v",
 				tls.VersionName(version), n, st.Accepted, st.FullHandshakes, st.ResumedHandshakes, p.Stats())

@@ -91,31 +91,6 @@ func (fr *front) listNodes(ctx context.Context, cluster, userAgent string) error
 	return nil
 }
 
-// runClients runs clients goroutines of requests calls each and returns the
-// errors.
-func runClients(clients, requests int, call func(client, i int) error) []error {
-	var (
-		wg   sync.WaitGroup
-		mu   sync.Mutex
-		errs []error
-	)
-	for c := range clients {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for i := range requests {
-				if err := call(c, i); err != nil {
-					mu.Lock()
-					errs = append(errs, err)
-					mu.Unlock()
-				}
-			}
-		}()
-	}
-	wg.Wait()
-	return errs
-}
-
 // raceDetector reports whether the test binary was built with -race. The
 // race detector slows TLS handshakes about tenfold, so the load tests send
 // fewer requests under it; every path is still raced.
@@ -130,17 +105,6 @@ func raceDetector() bool {
 		}
 	}
 	return false
-}
-
-func checkNoErrors(t testing.TB, errs []error) {
-	t.Helper()
-	for i, err := range errs {
-		if i == 5 {
-			t.Errorf("... %d errors in all", len(errs))
-			break
-		}
-		t.Error(err)
-	}
 }
 
 func certCluster(name string, f *fixture, kp *testserver.KeyPair) memberproxy.Cluster {

@@ -95,29 +95,13 @@ func seedLoad(t testing.TB, workers, requests int, newConfig func() (*rest.Confi
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	var wg sync.WaitGroup
-	errs := make(chan error, workers)
-	for range workers {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for range requests {
-				cfg, err := newConfig()
-				if err == nil {
-					err = listNodes(ctx, cfg)
-				}
-				if err != nil {
-					errs <- err
-					return
-				}
-			}
-		}()
-	}
-	wg.Wait()
-	close(errs)
-	for err := range errs {
-		t.Fatal(err)
-	}
+	requireNoErrors(t, runClients(workers, requests, func(int, int) error {
+		cfg, err := newConfig()
+		if err != nil {
+			return err
+		}
+		return listNodes(ctx, cfg)
+	}))
 }
 
 func TestSeedLoad(t *testing.T) {

@@ -51,7 +51,7 @@ func TestCARotation(t *testing.T) {
 	kubeconfig := filepath.Join(t.TempDir(), "ca-rotation.kubeconfig")
 	if err := writeKubeconfig(kubeconfig,
 		&clientcmdapi.Cluster{Server: c.url(), CertificateAuthority: caFile},
-		&clientcmdapi.AuthInfo{ClientCertificate: filepath.Join(c.dir, "pki", "admin.crt"), ClientKey: filepath.Join(c.dir, "pki", "admin.KeyPEM")},
+		&clientcmdapi.AuthInfo{ClientCertificate: filepath.Join(c.dir, "pki", "admin.crt"), ClientKey: filepath.Join(c.dir, "pki", "admin.key")},
 	); err != nil {
 		t.Fatal(err)
 	}
