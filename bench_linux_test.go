@@ -27,7 +27,7 @@ import (
 func BenchmarkFileIdentities(b *testing.B) {
 	const n, polls = 2000, 5
 	f := newFixture(b, testserver.Options{})
-	files := make([]credFiles, n)
+	files := make([]*certDir, n)
 	for i := range files {
 		files[i] = writeCredFiles(b, filepath.Join(f.dir, "identities", strconv.Itoa(i)), f.ca.CertPEM(), f.alice)
 	}

@@ -7,7 +7,6 @@ import (
 	"math/rand/v2"
 	"net/http"
 	"net/url"
-	"os"
 	"path/filepath"
 	"runtime"
 	"sort"
@@ -23,15 +22,6 @@ import (
 
 	"github.com/sharedtransport/sharedtransport/internal/testserver"
 )
-
-func countFDs(t testing.TB) int {
-	t.Helper()
-	entries, err := os.ReadDir("/proc/self/fd")
-	if err != nil {
-		t.Fatal(err)
-	}
-	return len(entries)
-}
 
 // TestConcurrency races Wrap, requests, rotations of watched files, garbage
 // collection of identities and Close against each other, pool after pool
@@ -76,10 +66,10 @@ func TestConcurrency(t *testing.T) {
 // which checks every request's certificate, and the configs' material.
 type raceHarness struct {
 	f        *fixture
-	proxy    *forwarder
+	proxy    *connectProxy
 	versions []*testserver.KeyPair // alice's certificate over one key: every mix read from disk is a pair
 	bundles  [][]byte
-	files    credFiles
+	files    *certDir
 	configs  atomic.Int64
 
 	violations     atomic.Int64

@@ -94,3 +94,11 @@ func checkExecRotation(t *testing.T, opts ...Option) {
 func TestExecCertRotation(t *testing.T) {
 	checkExecRotation(t, WithSessionResumption(false))
 }
+
+// TestExecCertRotationResumption: with the default options (session
+// resumption on), the connection after an exec plugin's certificate changed
+// must authenticate with the new certificate, not resume a session of the
+// old one.
+func TestExecCertRotationResumption(t *testing.T) {
+	checkExecRotation(t)
+}

@@ -1,27 +1,23 @@
 package sharedtransport
 
 // Test doubles for the fault and isolation tests: a TCP relay that can stop
-// forwarding without closing, an HTTP CONNECT proxy, a client-go exec
-// credential plugin, and certificates that share a key.
+// forwarding without closing, internal/connectproxy's CONNECT proxy as the
+// tests use it, a client-go exec credential plugin, and certificates that
+// share a key.
 
 import (
-	"bufio"
 	"context"
-	"crypto"
-	"crypto/rand"
+	"crypto/ecdsa"
 	"crypto/x509"
-	"crypto/x509/pkix"
 	"encoding/json"
 	"encoding/pem"
 	"errors"
 	"fmt"
-	"io"
-	"math/big"
 	"net"
 	"net/http"
 	"os"
 	"path/filepath"
-	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -32,6 +28,7 @@ import (
 	"k8s.io/client-go/rest"
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 
+	"github.com/sharedtransport/sharedtransport/internal/connectproxy"
 	"github.com/sharedtransport/sharedtransport/internal/testserver"
 )
 
@@ -41,22 +38,12 @@ import (
 // stateful firewall or a dead peer behind a NAT would do.
 type forwarder struct {
 	ln net.Listener
-	// upstream dials the other side for a new client connection; for the
-	// CONNECT proxy it is decided per request, so it may be nil.
+	// upstream dials the other side for a new client connection.
 	upstream func() (net.Conn, error)
-	connect  bool // act as an HTTP CONNECT proxy
-	// requireHeader, when set, is a header every CONNECT must carry with one
-	// of the given values; others get 407.
-	requireHeader string
-	requireValues []string
 
 	accepted       atomic.Int64 // client connections accepted
-	rejected       atomic.Int64 // CONNECT requests answered 407
-	tunnelMu       sync.Mutex
-	tunnels        map[string]http.Header // upstream local address -> the CONNECT request's header
-	upstreams      sync.Map               // local address of every open upstream connection -> the client's address
-	hops           sync.Map               // "local|remote" of every open upstream connection -> [2]string{client's address, f's address}
-	closedByClient atomic.Int64           // client connections that ended from the client's side
+	hops           sync.Map     // "local|remote" of every open upstream connection -> [2]string{client's address, f's address}
+	closedByClient atomic.Int64 // client connections that ended from the client's side
 
 	mu     sync.Mutex // guards pipes and closed
 	pipes  map[*pipe]struct{}
@@ -75,11 +62,41 @@ func newRelay(t testing.TB, target string) *forwarder {
 	return startForwarder(t, &forwarder{upstream: func() (net.Conn, error) { return net.Dial("tcp", target) }})
 }
 
-// newConnectProxy is an HTTP proxy that only speaks CONNECT, which is all an
-// https:// request through a proxy needs.
-func newConnectProxy(t testing.TB) *forwarder {
+// connectProxy is internal/connectproxy's CONNECT proxy, closed when the
+// test ends.
+type connectProxy struct{ *connectproxy.Proxy }
+
+// newConnectProxy is a CONNECT proxy that accepts every CONNECT.
+func newConnectProxy(t testing.TB) *connectProxy {
 	t.Helper()
-	return startForwarder(t, &forwarder{connect: true})
+	return startConnectProxy(t, connectproxy.Options{})
+}
+
+// newAuthProxy is a CONNECT proxy that answers 407 to a CONNECT whose
+// Proxy-Authorization is not one of values.
+func newAuthProxy(t testing.TB, values ...string) *connectProxy {
+	t.Helper()
+	return startConnectProxy(t, connectproxy.Options{RequireHeader: "Proxy-Authorization", RequireValues: values})
+}
+
+func startConnectProxy(t testing.TB, o connectproxy.Options) *connectProxy {
+	t.Helper()
+	p, err := connectproxy.Start(o)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { p.Close() })
+	return &connectProxy{p}
+}
+
+func (p *connectProxy) url() string { return p.URL() }
+
+// carriedTo reports whether the connection a server at dest sees from addr
+// came through a tunnel of p, and returns the ends of the client's
+// connection to p, as forwarder.carriedTo does.
+func (p *connectProxy) carriedTo(addr, dest string) (from, fromDest string, ok bool) {
+	tn, ok := p.Carried(addr, dest)
+	return tn.Client, tn.Proxy, ok
 }
 
 func startForwarder(t testing.TB, f *forwarder) *forwarder {
@@ -117,56 +134,14 @@ func (f *forwarder) serve() {
 }
 
 func (f *forwarder) handle(c net.Conn) {
-	var up net.Conn
-	var err error
-	var buffered []byte
-	var connectHeader http.Header
-	if f.connect {
-		br := bufio.NewReader(c)
-		req, rerr := http.ReadRequest(br)
-		if rerr != nil || req.Method != http.MethodConnect {
-			c.Close()
-			return
-		}
-		if f.requireHeader != "" && !slices.Contains(f.requireValues, req.Header.Get(f.requireHeader)) {
-			f.rejected.Add(1)
-			fmt.Fprintf(c, "HTTP/1.1 407 Proxy Authentication Required\r\nContent-Length: 0\r\n\r\n")
-			c.Close()
-			return
-		}
-		connectHeader = req.Header
-		if up, err = net.Dial("tcp", req.Host); err != nil {
-			fmt.Fprintf(c, "HTTP/1.1 502 Bad Gateway\r\nContent-Length: 0\r\n\r\n")
-			c.Close()
-			return
-		}
-		if _, err := io.WriteString(c, "HTTP/1.1 200 Connection established\r\n\r\n"); err != nil {
-			c.Close()
-			up.Close()
-			return
-		}
-		if n := br.Buffered(); n > 0 {
-			buffered, _ = br.Peek(n)
-			buffered = append([]byte(nil), buffered...)
-		}
-	} else if up, err = f.upstream(); err != nil {
+	up, err := f.upstream()
+	if err != nil {
 		c.Close()
 		return
 	}
-	upAddr := up.LocalAddr().String()
-	if f.connect {
-		f.tunnelMu.Lock()
-		if f.tunnels == nil {
-			f.tunnels = map[string]http.Header{}
-		}
-		f.tunnels[upAddr] = connectHeader
-		f.tunnelMu.Unlock()
-	}
-	f.upstreams.Store(upAddr, c.RemoteAddr().String())
-	defer f.upstreams.Delete(upAddr) // a closed connection's port is reused
-	hop := upAddr + "|" + up.RemoteAddr().String()
+	hop := up.LocalAddr().String() + "|" + up.RemoteAddr().String()
 	f.hops.Store(hop, [2]string{c.RemoteAddr().String(), c.LocalAddr().String()})
-	defer f.hops.Delete(hop)
+	defer f.hops.Delete(hop) // a closed connection's port is reused
 	p := &pipe{client: c, upstream: up}
 	f.mu.Lock()
 	if f.closed {
@@ -177,12 +152,6 @@ func (f *forwarder) handle(c net.Conn) {
 	}
 	f.pipes[p] = struct{}{}
 	f.mu.Unlock()
-	if len(buffered) > 0 {
-		if _, err := up.Write(buffered); err != nil {
-			c.Close()
-			up.Close()
-		}
-	}
 
 	done := make(chan struct{}, 2)
 	go func() { p.copy(up, c, func() { f.closedByClient.Add(1) }); done <- struct{}{} }()
@@ -227,35 +196,10 @@ func (f *forwarder) blackhole() int {
 	return len(f.pipes)
 }
 
-// tunnelHeader returns the CONNECT header of the tunnel whose upstream
-// connection the server sees as addr.
-func (f *forwarder) tunnelHeader(addr string) http.Header {
-	f.tunnelMu.Lock()
-	defer f.tunnelMu.Unlock()
-	return f.tunnels[addr]
-}
-
-// tunnelCount is how many tunnels f opened.
-func (f *forwarder) tunnelCount() int {
-	f.tunnelMu.Lock()
-	defer f.tunnelMu.Unlock()
-	return len(f.tunnels)
-}
-
-// carried reports whether the server-side remote address addr is one of the
-// forwarder's upstream connections (the request it saw came through f), and
-// the address of the client connection it forwards.
-func (f *forwarder) carried(addr string) (client string, ok bool) {
-	v, ok := f.upstreams.Load(addr)
-	if !ok {
-		return "", false
-	}
-	return v.(string), true
-}
-
-// carriedTo is carried for the connection from addr to dest: an ephemeral
-// port is unique per destination only, so both ends name a connection. It
-// returns the client connection's two ends.
+// carriedTo reports whether the connection a server at dest sees from addr
+// is one of f's upstream connections, and returns the ends of the client
+// connection it forwards. An ephemeral port is unique per destination only,
+// so both ends name a connection.
 func (f *forwarder) carriedTo(addr, dest string) (from, fromDest string, ok bool) {
 	v, ok := f.hops.Load(addr + "|" + dest)
 	if !ok {
@@ -298,35 +242,15 @@ func (f *forwarder) dial() func(ctx context.Context, network, address string) (n
 // test can vary the certificate while the key stays the same.
 func issueForKey(t testing.TB, ca *testserver.CA, cn string, key *testserver.KeyPair) *testserver.KeyPair {
 	t.Helper()
-	serial, err := rand.Int(rand.Reader, new(big.Int).Lsh(big.NewInt(1), 127))
+	kp, err := ca.Issue(testserver.CertSpec{CommonName: cn, Client: true, Key: privateKey(t, key)})
 	if err != nil {
 		t.Fatal(err)
 	}
-	tmpl := &x509.Certificate{
-		SerialNumber: serial,
-		Subject:      pkix.Name{CommonName: cn},
-		NotBefore:    time.Now().Add(-time.Hour),
-		NotAfter:     time.Now().Add(24 * time.Hour),
-		KeyUsage:     x509.KeyUsageDigitalSignature,
-		ExtKeyUsage:  []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth},
-	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, ca.Cert, key.Cert.PublicKey, ca.Key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cert, err := x509.ParseCertificate(der)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return &testserver.KeyPair{
-		CertPEM: pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}),
-		KeyPEM:  key.KeyPEM,
-		Cert:    cert,
-	}
+	return kp
 }
 
 // privateKey parses a key pair's private key.
-func privateKey(t testing.TB, kp *testserver.KeyPair) crypto.PrivateKey {
+func privateKey(t testing.TB, kp *testserver.KeyPair) *ecdsa.PrivateKey {
 	t.Helper()
 	block, _ := pem.Decode(kp.KeyPEM)
 	if block == nil {
@@ -558,3 +482,26 @@ func (h *requestHold) onRequest(ri testserver.RequestInfo) {
 }
 
 func (h *requestHold) releaseAll() { h.once.Do(func() { close(h.release) }) }
+
+// openFDs returns the numbers of this process's open file descriptors
+// (/proc/self/fd).
+func openFDs(t testing.TB) []int {
+	t.Helper()
+	entries, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		t.Fatal(err)
+	}
+	fds := make([]int, 0, len(entries))
+	for _, e := range entries {
+		if fd, err := strconv.Atoi(e.Name()); err == nil {
+			fds = append(fds, fd)
+		}
+	}
+	return fds
+}
+
+// countFDs is how many file descriptors this process has open.
+func countFDs(t testing.TB) int {
+	t.Helper()
+	return len(openFDs(t))
+}

@@ -76,13 +76,13 @@ func TestIdentitySnapshot(t *testing.T) {
 	proxy := newConnectProxy(t)
 	password := randomSecret(t, "proxy-password-")
 	proxyCfg := f.srv.RestConfig(f.bob)
-	proxyURL, _ := url.Parse("http://someone:" + password + "@" + proxy.addr())
+	proxyURL, _ := url.Parse("http://someone:" + password + "@" + proxy.Addr())
 	proxyCfg.Proxy = http.ProxyURL(proxyURL)
 	if err := p.Wrap(proxyCfg); err != nil {
 		t.Fatal(err)
 	}
 	isFile := func(i IdentityInfo) bool { return len(i.Files) > 0 }
-	isProxy := func(i IdentityInfo) bool { return strings.Contains(i.Proxy, proxy.addr()) }
+	isProxy := func(i IdentityInfo) bool { return strings.Contains(i.Proxy, proxy.Addr()) }
 
 	// Readers and churn run through everything below.
 	stop := make(chan struct{})
@@ -189,7 +189,7 @@ func TestIdentitySnapshot(t *testing.T) {
 			t.Errorf("%s: auth %q", c.name, c.info.Auth)
 		}
 	}
-	if prox.Proxy != "http://someone:xxxxx@"+proxy.addr() {
+	if prox.Proxy != "http://someone:xxxxx@"+proxy.Addr() {
 		t.Errorf("proxy shown as %q, want its password redacted", prox.Proxy)
 	}
 	if file.CertSubject != "carol" || file.Rotations != 1 || file.RotationErrors != 1 {

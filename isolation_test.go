@@ -78,7 +78,7 @@ func TestIsolation(t *testing.T) {
 			return c
 		}}
 	}
-	proxied := func(p *forwarder) func(*rest.Config) {
+	proxied := func(p *connectProxy) func(*rest.Config) {
 		return func(c *rest.Config) {
 			u, _ := url.Parse(p.url())
 			c.Proxy = func(*http.Request) (*url.URL, error) { return u, nil } // a new closure per config

@@ -1,29 +1,17 @@
 package sharedtransport
 
 import (
-	"bufio"
 	"context"
 	"crypto/tls"
-	"errors"
 	"fmt"
-	"io"
-	"log"
-	"net"
 	"net/http"
-	"net/http/httptest"
-	"net/http/httputil"
 	"net/url"
-	"runtime"
-	"strings"
 	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
-	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	utilnet "k8s.io/apimachinery/pkg/util/net"
-	"k8s.io/apimachinery/pkg/watch"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 
@@ -66,26 +54,11 @@ func TestSessionResumption(t *testing.T) {
 				clients[name] = cs
 			}
 			const n, workers = 1000, 8
-			var wg sync.WaitGroup
-			errs := make(chan error, workers)
-			for w := range workers {
-				wg.Add(1)
-				go func() {
-					defer wg.Done()
-					for i := range n / workers {
-						name := []string{"alice", "bob"}[(w+i)%2]
-						if _, err := clients[name].CoreV1().Nodes().List(context.Background(), metav1.ListOptions{}); err != nil {
-							errs <- err
-							return
-						}
-					}
-				}()
-			}
-			wg.Wait()
-			close(errs)
-			for err := range errs {
-				t.Fatal(err)
-			}
+			requireNoErrors(t, runClients(workers, n/workers, func(w, i int) error {
+				name := []string{"alice", "bob"}[(w+i)%2]
+				_, err := clients[name].CoreV1().Nodes().List(context.Background(), metav1.ListOptions{})
+				return err
+			}))
 			st := f.srv.Stats()
 			t.Logf("%s, keep-alive off: %d requests, %d connections, %d full handshakes, %d resumed; pool %+v",
 				tls.VersionName(version), n, st.Accepted, st.FullHandshakes, st.ResumedHandshakes, p.Stats())
@@ -127,431 +100,6 @@ func TestSessionResumption(t *testing.T) {
 	})
 }
 
-// TestColdStartBurst: a burst of first requests through one new client waits
-// for the first connection instead of dialing one each.
-func TestColdStartBurst(t *testing.T) {
-	for _, n := range []int{100, 300} {
-		t.Run(fmt.Sprint(n), func(t *testing.T) {
-			f := newFixture(t, testserver.Options{})
-			p := newPool(t)
-			burst(t, wrappedClient(t, p, f.srv.RestConfig(f.alice)), n)
-			st := f.srv.Stats()
-			// The physical minimum is one connection per 100 concurrent
-			// streams, the server's limit. Beyond the first 100, Go may
-			// finish a dial whose request was served meanwhile; the server
-			// sees it closed as surplus at once, so what it holds open is
-			// the minimum.
-			limit := (n + 99) / 100
-			t.Logf("burst of %d: server accepted %d connections (minimum %d), peak open %d", n, st.Accepted, limit, st.PeakOpen)
-			if st.PeakOpen > limit || (n <= 100 && st.Accepted != 1) {
-				t.Errorf("burst of %d first requests: %d connections accepted, %d open at once; want at most %d open", n, st.Accepted, st.PeakOpen, limit)
-			}
-		})
-	}
-}
-
-// TestConnectionCap: a cap of 1 with 500 concurrent requests against a
-// server allowing 100 streams per connection: one connection, every request
-// succeeds, the ones beyond the stream limit queue.
-func TestConnectionCap(t *testing.T) {
-	f := newFixture(t, testserver.Options{Latency: 20 * time.Millisecond})
-	p := newPool(t, WithMaxConnsPerHost(1))
-	const n = 500
-	burst(t, wrappedClient(t, p, f.srv.RestConfig(f.alice)), n)
-	st := f.srv.Stats()
-	t.Logf("cap 1, %d concurrent requests: server accepted %d connections, peak open %d", n, st.Accepted, st.PeakOpen)
-	if st.Accepted != 1 {
-		t.Errorf("cap 1: the server accepted %d connections", st.Accepted)
-	}
-}
-
-// wrappedClient wraps cfg with p and returns a clientset without client-side
-// rate limiting: the load is the point.
-func wrappedClient(t testing.TB, p *Pool, cfg *rest.Config) kubernetes.Interface {
-	t.Helper()
-	cfg.QPS = -1
-	if err := p.Wrap(cfg); err != nil {
-		t.Fatal(err)
-	}
-	cs, err := kubernetes.NewForConfig(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return cs
-}
-
-// burst sends n node lists through cs all at once and fails t if any fails.
-func burst(t testing.TB, cs kubernetes.Interface, n int) {
-	t.Helper()
-	start := make(chan struct{})
-	var wg sync.WaitGroup
-	errs := make(chan error, n)
-	for range n {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			<-start
-			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-			defer cancel()
-			if _, err := cs.CoreV1().Nodes().List(ctx, metav1.ListOptions{}); err != nil {
-				errs <- err
-			}
-		}()
-	}
-	close(start)
-	wg.Wait()
-	close(errs)
-	for err := range errs {
-		t.Fatal(err)
-	}
-}
-
-// httpClient wraps cfg with p and returns an HTTP client built from it by
-// client-go, for requests whose headers a test sets itself.
-func httpClient(t testing.TB, p *Pool, cfg *rest.Config) *http.Client {
-	t.Helper()
-	if err := p.Wrap(cfg); err != nil {
-		t.Fatal(err)
-	}
-	c, err := rest.HTTPClientFor(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return c
-}
-
-// getUA lists nodes at base through client with the given User-Agent, reads
-// the body to its end and closes it, and returns the response's protocol.
-func getUA(ctx context.Context, client *http.Client, base, ua string) (string, error) {
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, base+"/api/v1/nodes", nil)
-	if err != nil {
-		return "", err
-	}
-	req.Header.Set("User-Agent", ua)
-	resp, err := client.Do(req)
-	if err != nil {
-		return "", err
-	}
-	defer resp.Body.Close()
-	if _, err := io.Copy(io.Discard, resp.Body); err != nil {
-		return "", err
-	}
-	if resp.StatusCode != http.StatusOK {
-		return "", fmt.Errorf("%s: %s", base, resp.Status)
-	}
-	return resp.Proto, nil
-}
-
-// concurrentGets sends n lists at once and returns the protocols the
-// responses came over, counted, or the first error.
-func concurrentGets(ctx context.Context, client *http.Client, base, ua string, n int) (map[string]int, error) {
-	var mu sync.Mutex
-	protos := map[string]int{}
-	var wg sync.WaitGroup
-	errs := make(chan error, n)
-	for range n {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			proto, err := getUA(ctx, client, base, ua)
-			if err != nil {
-				errs <- err
-				return
-			}
-			mu.Lock()
-			protos[proto]++
-			mu.Unlock()
-		}()
-	}
-	wg.Wait()
-	close(errs)
-	return protos, <-errs
-}
-
-// wantSharedHTTP2 sends n lists at once to base through client and fails t
-// unless every one went over HTTP/2 and srv accepted at most newConns
-// connections meanwhile (fewer when a connection open before, a dial that
-// raced a failover say, carried them).
-func wantSharedHTTP2(ctx context.Context, t testing.TB, client *http.Client, base string, srv *testserver.Server, n int, newConns uint64, what string) {
-	t.Helper()
-	before := srv.Stats().Accepted
-	protos, err := concurrentGets(ctx, client, base, what, n)
-	accepted := srv.Stats().Accepted - before
-	t.Logf("%s: %d concurrent lists: %v %v over %d new connections", what, n, protos, err, accepted)
-	if err != nil || protos["HTTP/2.0"] != n || accepted > newConns {
-		t.Errorf("%s: %d concurrent lists: %v %v over %d new connections, want all HTTP/2 over at most %d", what, n, protos, err, accepted, newConns)
-	}
-}
-
-// TestGateWaitsForConnection: after a rotation, the new generation's first
-// request is a list the server takes its time over; a request sent behind
-// it waits for a connection, never for that list's response.
-func TestGateWaitsForConnection(t *testing.T) {
-	hold := newRequestHold(t)
-	f := newFixture(t, testserver.Options{OnRequest: hold.onRequest})
-	dave, err := f.ca.IssueClient("dave")
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, rotate := range []bool{false, true} {
-		t.Run(fmt.Sprintf("rotation=%v", rotate), func(t *testing.T) {
-			p := newPool(t, WithPollInterval(0))
-			d := newCertDir(t, secretVolume, f.alice, f.ca.CertPEM())
-			client := httpClient(t, p, d.config(f.srv.URL()))
-			if rotate {
-				if _, err := getUA(context.Background(), client, f.srv.URL(), "warm-up"); err != nil {
-					t.Fatal(err)
-				}
-				d.write(t, dave, f.ca.CertPEM())
-				waitFor(t, "rotation", func() bool { return p.Stats().Rotations == 1 })
-			}
-			held := hold.held.Load()
-			slow := make(chan error, 1)
-			go func() {
-				_, err := getUA(context.Background(), client, f.srv.URL(), "hold")
-				slow <- err
-			}()
-			waitFor(t, "the first request reaches the server", func() bool { return hold.held.Load() == held+1 })
-			// The held request is answered only when the test ends: a gate
-			// waiting for its response would hold this one until its
-			// context ends.
-			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-			defer cancel()
-			if _, err := getUA(ctx, client, f.srv.URL(), "behind"); err != nil {
-				t.Errorf("a request behind a held first request failed: %v", err)
-			}
-			select {
-			case err := <-slow:
-				t.Errorf("the held first request ended (%v) before the request behind it was answered: nothing was held", err)
-			default:
-			}
-		})
-	}
-}
-
-// TestFailedFirstRequestHandsLead: when the first request of an identity
-// gives up (its context ends while its dial or its response is slow), the
-// requests waiting behind it go out on one connection, not one each.
-func TestFailedFirstRequestHandsLead(t *testing.T) {
-	// With the first request, 100 streams: one connection's worth.
-	const waiters = 99
-	for _, slow := range []string{"dial", "response"} {
-		t.Run(slow, func(t *testing.T) {
-			hold := newRequestHold(t)
-			f := newFixture(t, testserver.Options{OnRequest: hold.onRequest})
-			cfg := f.srv.RestConfig(f.alice)
-			var dials atomic.Int64
-			opts := []Option{}
-			if slow == "dial" {
-				opts = append(opts, WithDialIdentity(func(*rest.Config) string { return "slow first dial" }))
-				cfg.Dial = func(ctx context.Context, network, addr string) (net.Conn, error) {
-					if dials.Add(1) == 1 {
-						time.Sleep(time.Second)
-					}
-					var d net.Dialer
-					return d.DialContext(ctx, network, addr)
-				}
-			}
-			p := newPool(t, opts...)
-			client := httpClient(t, p, cfg)
-			first := make(chan error, 1)
-			ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
-			defer cancel()
-			go func() {
-				_, err := getUA(ctx, client, f.srv.URL(), "hold first")
-				first <- err
-			}()
-			if slow == "dial" {
-				waitFor(t, "the first dial starts", func() bool { return dials.Load() == 1 })
-			} else {
-				waitFor(t, "the first request reaches the server", func() bool { return hold.held.Load() == 1 })
-			}
-			protos, err := concurrentGets(context.Background(), client, f.srv.URL(), "waiter", waiters)
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Logf("first request: %v; %d requests behind it: %v; server accepted %d connections", <-first, waiters, protos, f.srv.Stats().Accepted)
-			if st := f.srv.Stats(); st.Accepted != 1 || protos["HTTP/2.0"] != waiters {
-				t.Errorf("the %d requests behind a failed first request made the server accept %d connections (%v), want 1, HTTP/2", waiters, st.Accepted, protos)
-			}
-		})
-	}
-}
-
-// protocolBackends are two servers of one CA behind one relay address: one
-// speaking HTTP/2, one HTTP/1.1 only.
-type protocolBackends struct {
-	h2, h1 *testserver.Server
-	relay  *switchRelay
-}
-
-func newProtocolBackends(t testing.TB, f *fixture) *protocolBackends {
-	t.Helper()
-	serving, err := f.ca.IssueServer()
-	if err != nil {
-		t.Fatal(err)
-	}
-	b := &protocolBackends{}
-	for _, s := range []struct {
-		srv     **testserver.Server
-		disable bool
-	}{{&b.h2, false}, {&b.h1, true}} {
-		srv, err := testserver.Start(testserver.Options{CA: f.ca, ServerCert: serving, DisableHTTP2: s.disable})
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { srv.Close() })
-		*s.srv = srv
-	}
-	b.relay = newSwitchRelay(t, b.h2.Addr())
-	return b
-}
-
-func (b *protocolBackends) url() string { return "https://" + b.relay.addr() }
-
-// TestProtocolSwitch: a backend fails over from HTTP/2 to HTTP/1.1 at the
-// same address and back. Over HTTP/1.1, concurrent watches each run at once
-// (no request queues behind another's watch); when HTTP/2 is back, a burst
-// shares one connection again.
-func TestProtocolSwitch(t *testing.T) {
-	f := newFixture(t, testserver.Options{})
-	b := newProtocolBackends(t, f)
-	p := newPool(t)
-	cfg := f.srv.RestConfig(f.alice)
-	cfg.Host = b.url()
-	client := httpClient(t, p, rest.CopyConfig(cfg))
-	cs := wrappedClient(t, p, cfg)
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	if protos, err := concurrentGets(ctx, client, b.url(), "before", 40); err != nil || protos["HTTP/2.0"] != 40 {
-		t.Fatalf("before the switch: %v %v", protos, err)
-	}
-
-	b.relay.switchTo(b.h1.Addr())
-	// The failover cut every connection: wait until the pool saw it (a dial
-	// that raced the switch reached the new backend and stays).
-	waitFor(t, "the pool sees its connections to the HTTP/2 backend closed", func() bool { return p.Stats().OpenConns == b.relay.open() })
-	const watches = 5
-	started := make(chan watch.Interface, watches)
-	for range watches {
-		go func() {
-			wctx, cancel := context.WithTimeout(ctx, 10*time.Second)
-			defer cancel()
-			w, err := cs.CoreV1().Nodes().Watch(wctx, metav1.ListOptions{})
-			if err != nil {
-				t.Errorf("watch over HTTP/1.1: %v", err)
-				started <- nil
-				return
-			}
-			started <- w
-			for range w.ResultChan() { // a watch's reader, as an informer's
-			}
-		}()
-	}
-	running := 0
-	for range watches {
-		if w := <-started; w != nil {
-			running++
-			defer w.Stop()
-		}
-	}
-	protos, err := concurrentGets(ctx, client, b.url(), "on HTTP/1.1", 40)
-	t.Logf("HTTP/1.1 backend: %d of %d watches started together; 40 lists beside them: %v %v; accepted %d", running, watches, protos, err, b.h1.Stats().Accepted)
-	if err != nil {
-		t.Errorf("lists beside watches over HTTP/1.1: %v", err)
-	}
-
-	b.relay.switchTo(b.h2.Addr())
-	waitFor(t, "the pool sees its connections to the HTTP/1.1 backend closed", func() bool { return p.Stats().OpenConns == b.relay.open() })
-	wantSharedHTTP2(ctx, t, client, b.url(), b.h2, 40, 1, "after HTTP/2 came back")
-}
-
-// TestProtocolPerHost: what the pool learns about one host does not decide
-// how it talks to another host of the same identity.
-func TestProtocolPerHost(t *testing.T) {
-	f := newFixture(t, testserver.Options{})
-	b := newProtocolBackends(t, f)
-	p := newPool(t)
-	client := httpClient(t, p, f.srv.RestConfig(f.alice))
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	if proto, err := getUA(ctx, client, "https://"+b.h1.Addr(), "h1"); err != nil || proto != "HTTP/1.1" {
-		t.Fatalf("HTTP/1.1 host: %s %v", proto, err)
-	}
-	wantSharedHTTP2(ctx, t, client, f.srv.URL(), f.srv, 40, 1, "the HTTP/2 host after a list to an HTTP/1.1 host")
-}
-
-// TestConnectionCapPerHost: WithMaxConnsPerHost caps each host on its own:
-// watches filling host A's connection leave host B untouched.
-func TestConnectionCapPerHost(t *testing.T) {
-	f := newFixture(t, testserver.Options{})
-	other, err := testserver.Start(testserver.Options{CA: f.ca})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { other.Close() })
-	p := newPool(t, WithMaxConnsPerHost(1))
-	cs := wrappedClient(t, p, f.srv.RestConfig(f.alice))
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	if _, err := cs.CoreV1().Nodes().List(ctx, metav1.ListOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	const watches = 90
-	for range watches {
-		w, err := cs.CoreV1().Nodes().Watch(ctx, metav1.ListOptions{})
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer w.Stop()
-	}
-	cfgB := f.srv.RestConfig(f.alice)
-	cfgB.Host = other.URL()
-	csB := wrappedClient(t, p, cfgB)
-	bctx, bcancel := context.WithTimeout(ctx, 5*time.Second)
-	defer bcancel()
-	_, err = csB.CoreV1().Nodes().List(bctx, metav1.ListOptions{})
-	t.Logf("cap 1, %d watches on host A: a list to host B: %v; B accepted %d connections", watches, err, other.Stats().Accepted)
-	if err != nil || other.Stats().Accepted != 1 {
-		t.Errorf("a list to host B beside %d watches on host A: %v, B accepted %d connections", watches, err, other.Stats().Accepted)
-	}
-}
-
-// TestSlotReleasedAtEOF: under a cap, a response body read to its end frees
-// its stream slot even if it is never closed, and a body read to its end and
-// then closed frees it once.
-func TestSlotReleasedAtEOF(t *testing.T) {
-	f := newFixture(t, testserver.Options{})
-	p := newPool(t, WithMaxConnsPerHost(1))
-	client := httpClient(t, p, f.srv.RestConfig(f.alice))
-	for i := range 200 {
-		closeBody := i%2 == 1
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		req, err := http.NewRequestWithContext(ctx, http.MethodGet, f.srv.URL()+"/api/v1/nodes", nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		resp, err := client.Do(req)
-		if err == nil {
-			_, err = io.ReadAll(resp.Body)
-			if closeBody {
-				resp.Body.Close()
-			}
-		}
-		cancel()
-		if err != nil {
-			t.Fatalf("request %d, bodies read to EOF and every other one never closed: %v", i+1, err)
-		}
-	}
-	// Released twice, a slot would let more than the cap's share of
-	// requests out at once, and Go would dial a second connection.
-	f.srv.SetLatency(20 * time.Millisecond)
-	burst(t, wrappedClient(t, p, f.srv.RestConfig(f.alice)), 500)
-	if st := f.srv.Stats(); st.Accepted != 1 {
-		t.Errorf("cap 1: the server accepted %d connections", st.Accepted)
-	}
-}
-
 // TestRotationClosesOldConnsWhenIdle: a connection busy at the moment of a
 // rotation closes as soon as its request ends, not at the drain timeout or
 // the idle timeout.
@@ -588,206 +136,6 @@ func TestRotationClosesOldConnsWhenIdle(t *testing.T) {
 			done := time.Now()
 			waitFor(t, "the old generation's connection closed once idle", func() bool { return f.srv.Stats().Open == 1 })
 			t.Logf("the old connection closed %v after its request ended", time.Since(done).Round(time.Millisecond))
-		})
-	}
-}
-
-// upgradeEcho sends an upgrade request for proto (websocket, SPDY/3.1) to
-// url through rt, checks the 101, and that what it writes on the upgraded
-// connection comes back.
-func upgradeEcho(ctx context.Context, rt http.RoundTripper, url, proto string) error {
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url+"/api/v1/namespaces/kube-system/pods/kube-proxy-0/exec", nil)
-	if err != nil {
-		return err
-	}
-	req.Header.Set("Connection", "Upgrade")
-	req.Header.Set("Upgrade", proto)
-	if proto == "websocket" {
-		req.Header.Set("Sec-WebSocket-Version", "13")
-		req.Header.Set("Sec-WebSocket-Key", "dGhlIHNhbXBsZSBub25jZQ==")
-		req.Header.Set("Sec-WebSocket-Protocol", "v5.channel.k8s.io")
-	} else {
-		req.Header.Set("X-Stream-Protocol-Version", "v4.channel.k8s.io")
-	}
-	resp, err := rt.RoundTrip(req)
-	if err != nil {
-		return err
-	}
-	defer resp.Body.Close()
-	if resp.StatusCode != http.StatusSwitchingProtocols {
-		b, _ := io.ReadAll(io.LimitReader(resp.Body, 200))
-		return fmt.Errorf("upgrade answered %s: %s", resp.Status, b)
-	}
-	conn, ok := resp.Body.(io.ReadWriteCloser)
-	if !ok {
-		return fmt.Errorf("the 101 response's body (%T) is not writable", resp.Body)
-	}
-	const payload = "stdin of an exec session"
-	if _, err := io.WriteString(conn, payload); err != nil {
-		return err
-	}
-	got := make([]byte, len(payload))
-	if _, err := io.ReadFull(conn, got); err != nil {
-		return err
-	}
-	if string(got) != payload {
-		return fmt.Errorf("the upgraded connection echoed %q", got)
-	}
-	return nil
-}
-
-// reverseProxyFront is a multi-cluster front in its simplest form: an
-// httputil.ReverseProxy to target over rt, upgrades included.
-func reverseProxyFront(t testing.TB, target string, rt http.RoundTripper) string {
-	t.Helper()
-	u, err := url.Parse(target)
-	if err != nil {
-		t.Fatal(err)
-	}
-	front := httptest.NewServer(&httputil.ReverseProxy{
-		Rewrite:   func(r *httputil.ProxyRequest) { r.SetURL(u) },
-		Transport: rt,
-		ErrorLog:  log.New(io.Discard, "", 0),
-	})
-	t.Cleanup(front.Close)
-	return front.URL
-}
-
-// TestUpgrades: websocket and SPDY upgrades through a transport from a
-// wrapped config (rest.TransportFor), sent directly and through a reverse
-// proxy front, with and without a cap. Each works (the 101's body is
-// writable), takes no stream slot, and says nothing about HTTP/2: a burst
-// after them stays on the one HTTP/2 connection. client-go alone is the
-// control.
-func TestUpgrades(t *testing.T) {
-	for _, mode := range []string{"client-go", "pool", "pool, cap 1"} {
-		for _, proto := range []string{"websocket", "SPDY/3.1"} {
-			for _, via := range []string{"direct", "reverse proxy"} {
-				t.Run(strings.Join([]string{mode, proto, via}, ", "), func(t *testing.T) {
-					f := newFixture(t, testserver.Options{})
-					cfg := f.srv.RestConfig(f.alice)
-					upgrades := 3
-					switch mode {
-					case "pool":
-						if err := newPool(t).Wrap(cfg); err != nil {
-							t.Fatal(err)
-						}
-					case "pool, cap 1":
-						upgrades = 95 // more than one connection's stream slots
-						if err := newPool(t, WithMaxConnsPerHost(1)).Wrap(cfg); err != nil {
-							t.Fatal(err)
-						}
-					}
-					rt, err := rest.TransportFor(cfg)
-					if err != nil {
-						t.Fatal(err)
-					}
-					defer utilnet.CloseIdleConnectionsFor(rt)
-					client := &http.Client{Transport: rt}
-					ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-					defer cancel()
-					if protos, err := concurrentGets(ctx, client, f.srv.URL(), "before", 30); err != nil || protos["HTTP/2.0"] != 30 {
-						t.Fatalf("before the upgrades: %v %v", protos, err)
-					}
-					target, upgradeRT := f.srv.URL(), rt
-					if via == "reverse proxy" {
-						target, upgradeRT = reverseProxyFront(t, f.srv.URL(), rt), &http.Transport{}
-					}
-					failed := 0
-					var firstErr error
-					for range upgrades {
-						if err := upgradeEcho(ctx, upgradeRT, target, proto); err != nil {
-							failed++
-							if firstErr == nil {
-								firstErr = err
-							}
-						}
-					}
-					st := f.srv.Stats()
-					t.Logf("%d upgrades, %d failed (%v); server: %d accepted, %d upgrades", upgrades, failed, firstErr, st.Accepted, st.Upgrades)
-					if mode == "client-go" && proto != "websocket" && failed == upgrades {
-						// Go sends only websocket upgrades over HTTP/1.1 on its
-						// own; client-go's transport offers a SPDY upgrade to its
-						// HTTP/2 connection, which refuses it.
-						t.Logf("client-go alone cannot send this upgrade: %v", firstErr)
-					} else if failed > 0 {
-						t.Errorf("%d of %d upgrades failed: %v", failed, upgrades, firstErr)
-					}
-					wantSharedHTTP2(ctx, t, client, f.srv.URL(), f.srv, 90, 0, "after the upgrades")
-				})
-			}
-		}
-	}
-}
-
-// TestBodyKeepsIdentity: a watch or a followed log whose clientset and config
-// were dropped keeps its identity, and its connection, alive: with a short
-// idle timeout and garbage collections forced, it goes on delivering.
-func TestBodyKeepsIdentity(t *testing.T) {
-	f := newFixture(t, testserver.Options{BookmarkInterval: 50 * time.Millisecond, LogInterval: 50 * time.Millisecond})
-	for _, kind := range []string{"watch", "log stream"} {
-		t.Run(kind, func(t *testing.T) {
-			p := newPool(t, WithIdleTimeout(10*time.Millisecond))
-			ctx, cancel := context.WithCancel(context.Background())
-			defer cancel()
-			var events atomic.Int64
-			ended := make(chan struct{})
-			// Only the result channel or the stream outlives this function.
-			func() {
-				cs := wrappedClient(t, p, f.srv.RestConfig(f.alice))
-				if kind == "watch" {
-					w, err := cs.CoreV1().Nodes().Watch(ctx, metav1.ListOptions{AllowWatchBookmarks: true})
-					if err != nil {
-						t.Fatal(err)
-					}
-					go func() {
-						defer close(ended)
-						for range w.ResultChan() {
-							events.Add(1)
-						}
-					}()
-					return
-				}
-				stream, err := cs.CoreV1().Pods("kube-system").GetLogs("kube-proxy-0", &corev1.PodLogOptions{Follow: true}).Stream(ctx)
-				if err != nil {
-					t.Fatal(err)
-				}
-				go func() {
-					defer close(ended)
-					defer stream.Close()
-					sc := bufio.NewScanner(stream)
-					for sc.Scan() {
-						events.Add(1)
-					}
-				}()
-			}()
-			// Collect for longer than the idle timeout many times over; then
-			// the stream must still deliver, and its identity still be there.
-			for range 30 {
-				runtime.GC()
-				select {
-				case <-ended:
-					t.Fatalf("the %s ended after %d events once its clientset was unreachable (identities %d)", kind, events.Load(), p.Stats().Identities)
-				case <-time.After(100 * time.Millisecond):
-				}
-			}
-			after := events.Load()
-			waitFor(t, "5 more events after the forced collections", func() bool {
-				runtime.GC()
-				select {
-				case <-ended:
-					t.Fatalf("the %s ended after %d events once its clientset was unreachable", kind, events.Load())
-				default:
-				}
-				return events.Load() >= after+5
-			})
-			t.Logf("%s: %d events across forced GCs; identities %d, server open connections %d",
-				kind, events.Load(), p.Stats().Identities, f.srv.Stats().Open)
-			if n := p.Stats().Identities; n != 1 {
-				t.Errorf("%s: %d identities while its stream runs, want 1", kind, n)
-			}
-			cancel()
-			<-ended
 		})
 	}
 }
@@ -853,7 +201,7 @@ func TestCloseIdleConnectionsFor(t *testing.T) {
 		proxy := newConnectProxy(t)
 		p := newPool(t)
 		cfg := f.srv.RestConfig(f.alice)
-		cfg.Proxy = http.ProxyURL(&url.URL{Scheme: "http", Host: proxy.addr()})
+		cfg.Proxy = http.ProxyURL(&url.URL{Scheme: "http", Host: proxy.Addr()})
 		if err := p.Wrap(cfg); err != nil {
 			t.Fatal(err)
 		}
@@ -874,52 +222,42 @@ func TestCloseIdleConnectionsFor(t *testing.T) {
 	})
 }
 
-// TestRetiredGenerationRetried: with WithDrainTimeout(0), a request whose
-// dial outlives the rotation is sent with the new certificate, and ErrClosed
-// stays the error of a closed pool.
-func TestRetiredGenerationRetried(t *testing.T) {
-	rec := &cnRecorder{}
-	f := newFixture(t, testserver.Options{OnRequest: rec.record})
-	dave, err := f.ca.IssueClient("dave")
+func TestKeepAliveOff(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	p := newPool(t, WithKeepAlive(false))
+	ctx := context.Background()
+	const n = 10
+	for range n {
+		cfg := f.srv.RestConfig(f.alice)
+		if err := p.Wrap(cfg); err != nil {
+			t.Fatal(err)
+		}
+		if err := listNodes(ctx, cfg); err != nil {
+			t.Fatal(err)
+		}
+	}
+	st := f.srv.Stats()
+	if st.Accepted != n {
+		t.Errorf("keep-alive off: %d requests, %d connections, want one each", n, st.Accepted)
+	}
+	if st.Open > 1 {
+		t.Errorf("keep-alive off left %d connections open", st.Open)
+	}
+
+	// client-go's own transport for an unrelated config keeps its connection.
+	f.srv.ResetStats()
+	plain := f.srv.RestConfig(f.bob)
+	cs, err := kubernetes.NewForConfig(plain)
 	if err != nil {
 		t.Fatal(err)
 	}
-	p := newPool(t, WithPollInterval(0), WithDrainTimeout(0), WithDialIdentity(func(*rest.Config) string { return "held first dial" }))
-	d := newCertDir(t, secretVolume, f.alice, f.ca.CertPEM())
-	cfg := d.config(f.srv.URL())
-	var dials atomic.Int64
-	release := make(chan struct{})
-	cfg.Dial = func(ctx context.Context, network, addr string) (net.Conn, error) {
-		if dials.Add(1) == 1 {
-			<-release
+	for range n {
+		if _, err := cs.CoreV1().Nodes().List(ctx, metav1.ListOptions{}); err != nil {
+			t.Fatal(err)
 		}
-		var d net.Dialer
-		return d.DialContext(ctx, network, addr)
 	}
-	client := httpClient(t, p, cfg)
-	result := make(chan error, 1)
-	go func() {
-		_, err := getUA(context.Background(), client, f.srv.URL(), "dials across a rotation")
-		result <- err
-	}()
-	waitFor(t, "the first dial starts", func() bool { return dials.Load() == 1 })
-	d.write(t, dave, f.ca.CertPEM())
-	waitFor(t, "rotation", func() bool { return p.Stats().Rotations == 1 })
-	// The request is checked again before it is resent: past client-go's
-	// one-second cache of the files, client-go's transport for the config
-	// presents dave too, so the request may go with the new material.
-	time.Sleep(certFileSettle + 300*time.Millisecond)
-	close(release)
-	err = <-result
-	t.Logf("a request whose dial outlived the rotation: %v; server saw %v", err, rec.cns())
-	if err != nil {
-		t.Errorf("a request whose generation retired before it was sent failed: %v (errors.Is ErrClosed: %v)", err, errors.Is(err, ErrClosed))
+	if st := f.srv.Stats(); st.Accepted != 1 {
+		t.Errorf("client-go's own transport opened %d connections for %d requests, want 1: the pool touched it", st.Accepted, n)
 	}
-	if got := rec.cns(); got["dave"] != 1 || got["alice"] != 0 {
-		t.Errorf("the server saw %v, want the request once, with the new certificate", got)
-	}
-	p.Close()
-	if _, err := getUA(context.Background(), client, f.srv.URL(), "closed"); !errors.Is(err, ErrClosed) {
-		t.Errorf("a request through a closed pool: %v, want ErrClosed", err)
-	}
+	f.srv.CloseClientConnections()
 }

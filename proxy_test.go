@@ -91,31 +91,6 @@ func (fr *front) listNodes(ctx context.Context, cluster, userAgent string) error
 	return nil
 }
 
-// runClients runs clients goroutines of requests calls each and returns the
-// errors.
-func runClients(clients, requests int, call func(client, i int) error) []error {
-	var (
-		wg   sync.WaitGroup
-		mu   sync.Mutex
-		errs []error
-	)
-	for c := range clients {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for i := range requests {
-				if err := call(c, i); err != nil {
-					mu.Lock()
-					errs = append(errs, err)
-					mu.Unlock()
-				}
-			}
-		}()
-	}
-	wg.Wait()
-	return errs
-}
-
 // raceDetector reports whether the test binary was built with -race. The
 // race detector slows TLS handshakes about tenfold, so the load tests send
 // fewer requests under it; every path is still raced.
@@ -130,17 +105,6 @@ func raceDetector() bool {
 		}
 	}
 	return false
-}
-
-func checkNoErrors(t testing.TB, errs []error) {
-	t.Helper()
-	for i, err := range errs {
-		if i == 5 {
-			t.Errorf("... %d errors in all", len(errs))
-			break
-		}
-		t.Error(err)
-	}
 }
 
 func certCluster(name string, f *fixture, kp *testserver.KeyPair) memberproxy.Cluster {
@@ -163,75 +127,6 @@ func resetMember(t testing.TB, f *fixture) {
 	f.srv.ResetStats()
 }
 
-// tunnelProxy is an HTTP proxy that serves CONNECT only, as the proxies in
-// front of Karmada member clusters do, and counts the tunnels it opened.
-type tunnelProxy struct {
-	url     string
-	tunnels atomic.Int64
-
-	mu    sync.Mutex // guards conns
-	conns map[net.Conn]struct{}
-	wg    sync.WaitGroup
-}
-
-func newTunnelProxy(t testing.TB) *tunnelProxy {
-	t.Helper()
-	p := &tunnelProxy{conns: map[net.Conn]struct{}{}}
-	srv := httptest.NewServer(p)
-	p.url = srv.URL
-	t.Cleanup(func() {
-		srv.Close()
-		p.closeTunnels()
-		p.wg.Wait()
-	})
-	return p
-}
-
-func (p *tunnelProxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
-	if r.Method != http.MethodConnect {
-		http.Error(w, "CONNECT only", http.StatusMethodNotAllowed)
-		return
-	}
-	dst, err := net.DialTimeout("tcp", r.Host, 30*time.Second)
-	if err != nil {
-		http.Error(w, err.Error(), http.StatusBadGateway)
-		return
-	}
-	src, buf, err := w.(http.Hijacker).Hijack()
-	if err != nil {
-		dst.Close()
-		return
-	}
-	p.tunnels.Add(1)
-	p.mu.Lock()
-	p.conns[src], p.conns[dst] = struct{}{}, struct{}{}
-	p.mu.Unlock()
-	if _, err := src.Write([]byte("HTTP/1.1 200 Connection established\r\n\r\n")); err != nil {
-		p.closePair(src, dst)
-		return
-	}
-	p.wg.Add(2)
-	go func() { defer p.wg.Done(); _, _ = io.Copy(dst, buf); p.closePair(src, dst) }()
-	go func() { defer p.wg.Done(); _, _ = io.Copy(src, dst); p.closePair(src, dst) }()
-}
-
-func (p *tunnelProxy) closePair(a, b net.Conn) {
-	a.Close()
-	b.Close()
-	p.mu.Lock()
-	delete(p.conns, a)
-	delete(p.conns, b)
-	p.mu.Unlock()
-}
-
-func (p *tunnelProxy) closeTunnels() {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	for c := range p.conns {
-		c.Close()
-	}
-}
-
 // TestProxySeedLoad: 100 clients x 20 requests through the front, spread
 // over three members (client certificate, token, and a client certificate
 // through an HTTP proxy). With the pool each member accepts at most two
@@ -247,11 +142,11 @@ func TestProxySeedLoad(t *testing.T) {
 		Tokens:     map[string]string{"front-token": "karmada-front"},
 	})
 	proxiedMember := newFixture(t, testserver.Options{})
-	httpProxy := newTunnelProxy(t)
+	httpProxy := newConnectProxy(t)
 
 	clusters := memberproxy.NewClusters()
 	proxied := certCluster("member-3", proxiedMember, proxiedMember.alice)
-	proxied.ProxyURL = httpProxy.url
+	proxied.ProxyURL = httpProxy.URL()
 	for _, cl := range []memberproxy.Cluster{
 		certCluster("member-1", certMember, certMember.alice),
 		tokenCluster("member-2", tokenMember, "front-token"),
@@ -287,7 +182,7 @@ func TestProxySeedLoad(t *testing.T) {
 			for _, m := range members {
 				resetMember(t, m)
 			}
-			httpProxy.tunnels.Store(0)
+			httpProxy.ResetStats()
 			f := &memberproxy.Front{Clusters: clusters, Mode: tc.mode}
 			var p *Pool
 			if tc.pool {
@@ -315,21 +210,21 @@ func TestProxySeedLoad(t *testing.T) {
 				line = append(line, fmt.Sprintf("%s %d requests, %d connections, %d full handshakes", names[m], perMember[m], st.Accepted, st.FullHandshakes))
 				tc.check(t, m, st.Accepted)
 			}
-			t.Logf("%s: %d requests in %v: %s; HTTP proxy tunnels %d", tc.name, clients*requests, elapsed.Round(time.Millisecond), strings.Join(line, "; "), httpProxy.tunnels.Load())
+			t.Logf("%s: %d requests in %v: %s; HTTP proxy tunnels %d", tc.name, clients*requests, elapsed.Round(time.Millisecond), strings.Join(line, "; "), httpProxy.Stats().Tunnels)
 			if tc.pool {
 				if st := p.Stats(); st.Identities != 3 || st.Misses != 3 {
 					t.Errorf("pool %+v, want 3 identities built once each", st)
 				}
-				if n := httpProxy.tunnels.Load(); n > 2 {
+				if n := httpProxy.Stats().Tunnels; n > 2 {
 					t.Errorf("HTTP proxy opened %d tunnels with the pool, want at most 2", n)
 				}
-			} else if n := httpProxy.tunnels.Load(); n != int64(perMember[2]) {
+			} else if n := httpProxy.Stats().Tunnels; n != uint64(perMember[2]) {
 				t.Errorf("HTTP proxy opened %d tunnels for %d requests, want one per request", n, perMember[2])
 			}
 			for _, m := range members {
 				resetMember(t, m)
 			}
-			httpProxy.closeTunnels()
+			httpProxy.CloseTunnels()
 		})
 	}
 }
@@ -799,12 +694,12 @@ func TestProxyUpgrade(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	httpProxy := newTunnelProxy(t)
+	httpProxy := newConnectProxy(t)
 	secret := memberproxy.Secret{CAData: member.ca.CertPEM(), CertData: front1.CertPEM, KeyData: front1.KeyPEM}
 	clusters := memberproxy.NewClusters()
 	clusters.Set(memberproxy.Cluster{Name: "by-cert", APIEndpoint: member.url, Secret: secret})
 	clusters.Set(memberproxy.Cluster{Name: "by-token", APIEndpoint: member.url, Secret: memberproxy.Secret{CAData: member.ca.CertPEM(), Token: "exec-token"}})
-	clusters.Set(memberproxy.Cluster{Name: "by-proxy", APIEndpoint: member.url, ProxyURL: httpProxy.url, Secret: secret})
+	clusters.Set(memberproxy.Cluster{Name: "by-proxy", APIEndpoint: member.url, ProxyURL: httpProxy.URL(), Secret: secret})
 	p := newPool(t)
 	fr := newFront(t, &memberproxy.Front{Clusters: clusters, TransportFor: p.TransportFor})
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
@@ -820,7 +715,7 @@ func TestProxyUpgrade(t *testing.T) {
 					t.Fatalf("plain request: %d %q %v", code, body, err)
 				}
 			}
-			accepted, tunnels, pool := member.accepted.Load(), httpProxy.tunnels.Load(), p.Stats()
+			accepted, tunnels, pool := member.accepted.Load(), httpProxy.Stats().Tunnels, p.Stats()
 
 			payload := "echo me, " + tc.cluster
 			got, err := fr.exec(ctx, tc.cluster, payload)
@@ -844,7 +739,7 @@ func TestProxyUpgrade(t *testing.T) {
 				t.Errorf("the upgrade went through the pool: dials %d -> %d, handshakes %d -> %d", pool.Dials, after.Dials, pool.Handshakes, after.Handshakes)
 			}
 			if tc.cluster == "by-proxy" {
-				if n := httpProxy.tunnels.Load() - tunnels; n != 1 {
+				if n := httpProxy.Stats().Tunnels - tunnels; n != 1 {
 					t.Errorf("the upgrade opened %d tunnels through the HTTP proxy, want 1", n)
 				}
 			}

@@ -141,7 +141,7 @@ func TestRotationUnreadableFiles(t *testing.T) {
 	t.Run("after good material", func(t *testing.T) {
 		type badIdentity struct {
 			u  unreadable
-			c  credFiles
+			c  *certDir
 			cs *kubernetes.Clientset
 		}
 		var bad []badIdentity
@@ -270,20 +270,13 @@ func inUserNamespace(t *testing.T, limits map[string]int) bool {
 // instance of this process, by descriptor, from /proc/self/fdinfo.
 func inotifyWatches(t testing.TB) map[int]int {
 	t.Helper()
-	entries, err := os.ReadDir("/proc/self/fd")
-	if err != nil {
-		t.Fatal(err)
-	}
 	out := map[int]int{}
-	for _, e := range entries {
-		fd, err := strconv.Atoi(e.Name())
-		if err != nil {
+	for _, fd := range openFDs(t) {
+		name := strconv.Itoa(fd)
+		if target, err := os.Readlink("/proc/self/fd/" + name); err != nil || target != "anon_inode:inotify" {
 			continue
 		}
-		if target, err := os.Readlink("/proc/self/fd/" + e.Name()); err != nil || target != "anon_inode:inotify" {
-			continue
-		}
-		info, err := os.ReadFile("/proc/self/fdinfo/" + e.Name())
+		info, err := os.ReadFile("/proc/self/fdinfo/" + name)
 		if err != nil {
 			continue // closed meanwhile
 		}
@@ -384,7 +377,7 @@ func TestInotifyLimits(t *testing.T) {
 		p := newPool(t, WithPollInterval(0), WithIdleTimeout(0), WithLogger(logs.logger()), func(o *options) { o.fallbackPoll = fallback })
 		// Four identities in four directories: two watches, two refused.
 		var cfgs [4]*rest.Config
-		var files [4]credFiles
+		var files [4]*certDir
 		for i := range cfgs {
 			files[i] = writeCredFiles(t, filepath.Join(f.dir, strconv.Itoa(i)), f.ca.CertPEM(), f.alice)
 			cfgs[i] = files[i].config(f.srv.URL())
@@ -423,7 +416,7 @@ func TestInotifyLimits(t *testing.T) {
 // rotate writes kp into c (key first, then certificate, each renamed over),
 // waits for the pool to take it, and checks on a new connection that the
 // server sees it through cfg.
-func rotate(t *testing.T, p *Pool, rec *cnRecorder, cfg *rest.Config, c credFiles, kp *testserver.KeyPair) {
+func rotate(t *testing.T, p *Pool, rec *cnRecorder, cfg *rest.Config, c *certDir, kp *testserver.KeyPair) {
 	t.Helper()
 	before := p.Stats().Rotations
 	writeAtomic(t, c.key, kp.KeyPEM)

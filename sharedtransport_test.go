@@ -6,10 +6,8 @@ import (
 	"fmt"
 	"net/http"
 	"net/url"
-	"os"
 	"path/filepath"
 	"runtime"
-	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -97,29 +95,13 @@ func seedLoad(t testing.TB, workers, requests int, newConfig func() (*rest.Confi
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	var wg sync.WaitGroup
-	errs := make(chan error, workers)
-	for range workers {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for range requests {
-				cfg, err := newConfig()
-				if err == nil {
-					err = listNodes(ctx, cfg)
-				}
-				if err != nil {
-					errs <- err
-					return
-				}
-			}
-		}()
-	}
-	wg.Wait()
-	close(errs)
-	for err := range errs {
-		t.Fatal(err)
-	}
+	requireNoErrors(t, runClients(workers, requests, func(int, int) error {
+		cfg, err := newConfig()
+		if err != nil {
+			return err
+		}
+		return listNodes(ctx, cfg)
+	}))
 }
 
 // TestSeedLoad: the seed's load, 100 workers x 20 requests, each through a
@@ -423,46 +405,6 @@ func TestHookComposition(t *testing.T) {
 	})
 }
 
-func TestKeepAliveOff(t *testing.T) {
-	f := newFixture(t, testserver.Options{})
-	p := newPool(t, WithKeepAlive(false))
-	ctx := context.Background()
-	const n = 10
-	for range n {
-		cfg := f.srv.RestConfig(f.alice)
-		if err := p.Wrap(cfg); err != nil {
-			t.Fatal(err)
-		}
-		if err := listNodes(ctx, cfg); err != nil {
-			t.Fatal(err)
-		}
-	}
-	st := f.srv.Stats()
-	if st.Accepted != n {
-		t.Errorf("keep-alive off: %d requests, %d connections, want one each", n, st.Accepted)
-	}
-	if st.Open > 1 {
-		t.Errorf("keep-alive off left %d connections open", st.Open)
-	}
-
-	// client-go's own transport for an unrelated config keeps its connection.
-	f.srv.ResetStats()
-	plain := f.srv.RestConfig(f.bob)
-	cs, err := kubernetes.NewForConfig(plain)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for range n {
-		if _, err := cs.CoreV1().Nodes().List(ctx, metav1.ListOptions{}); err != nil {
-			t.Fatal(err)
-		}
-	}
-	if st := f.srv.Stats(); st.Accepted != 1 {
-		t.Errorf("client-go's own transport opened %d connections for %d requests, want 1: the pool touched it", st.Accepted, n)
-	}
-	f.srv.CloseClientConnections()
-}
-
 // TestClients: every kind of client-go client works through the pool.
 func TestClients(t *testing.T) {
 	f := newFixture(t, testserver.Options{})
@@ -606,63 +548,5 @@ func waitFor(t testing.TB, what string, cond func() bool) {
 			t.Fatalf("timed out waiting: %s", what)
 		}
 		time.Sleep(10 * time.Millisecond)
-	}
-}
-
-func TestBadInput(t *testing.T) {
-	f := newFixture(t, testserver.Options{})
-	p := newPool(t)
-	paths := f.kubeconfig(t, "alice", f.alice)
-	bobPaths := f.kubeconfig(t, "bob", f.bob)
-
-	for _, tc := range []struct {
-		name  string
-		cfg   func() *rest.Config
-		inErr []string
-	}{
-		{"missing certificate file", func() *rest.Config {
-			c := &rest.Config{Host: f.srv.URL()}
-			c.CAFile, c.CertFile, c.KeyFile = paths.CA, filepath.Join(f.dir, "missing.crt"), paths.Key
-			return c
-		}, []string{"missing.crt"}},
-		{"unreadable key file", func() *rest.Config {
-			dir := filepath.Join(f.dir, "unreadable")
-			if err := os.Mkdir(dir, 0o700); err != nil {
-				t.Fatal(err)
-			}
-			c := &rest.Config{Host: f.srv.URL()}
-			// A directory where a file is expected cannot be read as one,
-			// even by root.
-			c.CAFile, c.CertFile, c.KeyFile = paths.CA, paths.Cert, dir
-			return c
-		}, []string{"unreadable"}},
-		{"key of another certificate", func() *rest.Config {
-			c := &rest.Config{Host: f.srv.URL()}
-			c.CAFile, c.CertFile, c.KeyFile = paths.CA, paths.Cert, bobPaths.Key
-			return c
-		}, []string{paths.Cert, bobPaths.Key, "do not form a valid pair"}},
-		{"missing CA file", func() *rest.Config {
-			c := &rest.Config{Host: f.srv.URL()}
-			c.CAFile, c.CertFile, c.KeyFile = filepath.Join(f.dir, "nope-ca.crt"), paths.Cert, paths.Key
-			return c
-		}, []string{"nope-ca.crt"}},
-	} {
-		t.Run(tc.name, func(t *testing.T) {
-			err := p.Wrap(tc.cfg())
-			if err == nil {
-				t.Fatal("Wrap succeeded")
-			}
-			for _, s := range tc.inErr {
-				if !strings.Contains(err.Error(), s) {
-					t.Errorf("error %q does not mention %q", err, s)
-				}
-			}
-			if strings.Contains(err.Error(), "PRIVATE KEY") {
-				t.Errorf("error leaks key material: %q", err)
-			}
-		})
-	}
-	if err := p.Wrap(nil); err == nil {
-		t.Error("Wrap(nil) succeeded")
 	}
 }

@@ -371,7 +371,7 @@ func TestTransportForProxyOtherHosts(t *testing.T) {
 		if !ok {
 			t.Fatal("no request seen")
 		}
-		if _, ok := proxy.carried(ri.RemoteAddr); ok {
+		if _, ok := proxy.Carried(ri.RemoteAddr, srv.Addr()); ok {
 			return "proxy"
 		}
 		return "direct"
@@ -428,7 +428,7 @@ func TestTransportForConnectHeader(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { second.Close() })
-	proxy := startForwarder(t, &forwarder{connect: true, requireHeader: "Proxy-Authorization", requireValues: []string{"Basic a"}})
+	proxy := newAuthProxy(t, "Basic a")
 	p := newPool(t)
 	const configs = 20
 	var first http.RoundTripper
@@ -453,7 +453,7 @@ func TestTransportForConnectHeader(t *testing.T) {
 			first = rt
 		}
 	}
-	if n, rej := proxy.tunnelCount(), proxy.rejected.Load(); n != 2 || rej != 0 {
+	if n, rej := proxy.Stats().Tunnels, proxy.Stats().Rejected; n != 2 || rej != 0 {
 		t.Errorf("the proxy opened %d tunnels and refused %d, want 2 (one shared, one to the other host) and 0", n, rej)
 	}
 	if st := f.srv.Stats(); st.Accepted != 1 {

@@ -46,7 +46,7 @@ type observation struct {
 // request.
 type copyRig struct {
 	srv     *testserver.Server
-	proxies [2]*forwarder
+	proxies [2]*connectProxy
 	relays  [2]*forwarder
 	dialers [2]*markedDialer
 	// keepConns leaves connections open between observations (tests that
@@ -144,7 +144,9 @@ func (r *copyRig) via(addr, dest string) string {
 	var hops []string
 	for hop := true; hop; {
 		hop = false
-		for i, f := range append(r.proxies[:], r.relays[:]...) {
+		for i, f := range []interface {
+			carriedTo(addr, dest string) (string, string, bool)
+		}{r.proxies[0], r.proxies[1], r.relays[0], r.relays[1]} {
 			if from, fromDest, ok := f.carriedTo(addr, dest); ok {
 				hops = append(hops, [...]string{"proxy 1", "proxy 2", "relay 1", "relay 2"}[i])
 				addr, dest, hop = from, fromDest, true
@@ -202,7 +204,7 @@ func errorClass(err error) string {
 }
 
 // proxyTo returns a Proxy function sending every request through p.
-func proxyTo(p *forwarder) func(*http.Request) (*url.URL, error) {
+func proxyTo(p *connectProxy) func(*http.Request) (*url.URL, error) {
 	u, _ := url.Parse(p.url())
 	return func(*http.Request) (*url.URL, error) { return u, nil }
 }
@@ -669,10 +671,10 @@ func TestProxyConnectHeader(t *testing.T) {
 	r := newCopyRig(t, testserver.Options{CA: f.ca})
 	r.keepConns = true
 	credA, credB := http.Header{"Proxy-Authorization": {"Basic a"}}, http.Header{"Proxy-Authorization": {"Basic b"}}
-	newProxy := func() *forwarder {
-		return startForwarder(t, &forwarder{connect: true, requireHeader: "Proxy-Authorization", requireValues: []string{"Basic a", "Basic b"}})
+	newProxy := func() *connectProxy {
+		return newAuthProxy(t, "Basic a", "Basic b")
 	}
-	member := func(proxy *forwarder, token string, h http.Header) *rest.Config {
+	member := func(proxy *connectProxy, token string, h http.Header) *rest.Config {
 		cfg := &rest.Config{Host: r.srv.URL(), BearerToken: token}
 		cfg.CAData = f.ca.CertPEM()
 		cfg.Proxy = proxyTo(proxy)
@@ -695,12 +697,12 @@ func TestProxyConnectHeader(t *testing.T) {
 				t.Fatalf("reconcile %d: %+v", i, o)
 			}
 		}
-		if n, rej := proxy.tunnelCount(), proxy.rejected.Load(); n != 1 || rej != 0 {
+		if n, rej := proxy.Stats().Tunnels, proxy.Stats().Rejected; n != 1 || rej != 0 {
 			t.Errorf("the proxy opened %d tunnels and refused %d for %d configs, want 1 and 0", n, rej, reconciles)
 		}
-		for addr, h := range proxy.tunnels {
-			if h.Get("Proxy-Authorization") != "Basic a" {
-				t.Errorf("tunnel %s carried %q", addr, h.Get("Proxy-Authorization"))
+		for _, tn := range proxy.Tunnels() {
+			if h := tn.Header.Get("Proxy-Authorization"); h != "Basic a" {
+				t.Errorf("tunnel %s carried %q", tn.Upstream, h)
 			}
 		}
 	})
@@ -712,7 +714,7 @@ func TestProxyConnectHeader(t *testing.T) {
 				t.Fatalf("%+v", o)
 			}
 		}
-		if n, rej := proxy.tunnelCount(), proxy.rejected.Load(); n != 5 || rej != 0 {
+		if n, rej := proxy.Stats().Tunnels, proxy.Stats().Rejected; n != 5 || rej != 0 {
 			t.Errorf("client-go alone: %d tunnels, %d refused, want 5 and 0", n, rej)
 		}
 	})
@@ -733,15 +735,15 @@ func TestProxyConnectHeader(t *testing.T) {
 				}
 			}
 		}
-		if n := proxy.tunnelCount(); n != 2 {
+		if n := proxy.Stats().Tunnels; n != 2 {
 			t.Errorf("%d tunnels for two headers, want 2", n)
 		}
 		if got := p.Stats().Identities; got != 2 {
 			t.Errorf("%d identities for two headers, want 2", got)
 		}
 		seen := map[string]bool{}
-		for _, h := range proxy.tunnels {
-			seen[h.Get("Proxy-Authorization")] = true
+		for _, tn := range proxy.Tunnels() {
+			seen[tn.Header.Get("Proxy-Authorization")] = true
 		}
 		if !seen["Basic a"] || !seen["Basic b"] {
 			t.Errorf("tunnels carried %v, want both credentials", seen)
@@ -760,7 +762,7 @@ func TestProxyConnectHeader(t *testing.T) {
 				t.Fatalf("%+v", o)
 			}
 		}
-		if n, rej := proxy.tunnelCount(), proxy.rejected.Load(); n != 1 || rej != 0 {
+		if n, rej := proxy.Stats().Tunnels, proxy.Stats().Rejected; n != 1 || rej != 0 {
 			t.Errorf("%d tunnels, %d refused, want 1 and 0", n, rej)
 		}
 	})
@@ -774,10 +776,10 @@ func TestProxyConnectHeader(t *testing.T) {
 		}
 		cp := rest.CopyConfig(cfg)
 		cp.Host = strings.Replace(cp.Host, "127.0.0.1", "localhost", 1)
-		if o := r.observe(cp); o.Err != "" || o.Via != "proxy 1" && proxy.tunnelCount() == 0 {
+		if o := r.observe(cp); o.Err != "" || o.Via != "proxy 1" && proxy.Stats().Tunnels == 0 {
 			t.Fatalf("%+v", o)
 		}
-		if rej := proxy.rejected.Load(); rej != 0 {
+		if rej := proxy.Stats().Rejected; rej != 0 {
 			t.Errorf("the proxy refused %d tunnels", rej)
 		}
 	})
@@ -927,7 +929,7 @@ func TestWrapperChangingTransportInPlace(t *testing.T) {
 		}
 	})
 	t.Run("CONNECT header set in place", func(t *testing.T) {
-		proxy := startForwarder(t, &forwarder{connect: true, requireHeader: "Proxy-Authorization", requireValues: []string{"Basic a"}})
+		proxy := newAuthProxy(t, "Basic a")
 		p := newPool(t)
 		cfg := r.srv.RestConfig(f.alice)
 		cfg.Proxy = proxyTo(proxy)
@@ -938,8 +940,8 @@ func TestWrapperChangingTransportInPlace(t *testing.T) {
 		if o := r.observe(cfg); o.Err != "" || o.CN != "alice" {
 			t.Fatalf("%+v", o)
 		}
-		if st := p.Stats(); st.PassThrough != 0 || st.Identities != 1 || proxy.rejected.Load() != 0 {
-			t.Errorf("pool %+v, %d tunnels refused: want the header recognised and shared", st, proxy.rejected.Load())
+		if st := p.Stats(); st.PassThrough != 0 || st.Identities != 1 || proxy.Stats().Rejected != 0 {
+			t.Errorf("pool %+v, %d tunnels refused: want the header recognised and shared", st, proxy.Stats().Rejected)
 		}
 	})
 }

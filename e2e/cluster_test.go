@@ -25,6 +25,8 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/clientcmd"
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
+
+	"github.com/sharedtransport/sharedtransport/internal/testserver"
 )
 
 const (
@@ -53,21 +55,21 @@ type cluster struct {
 	etcdPort      int
 	etcdPeerPort  int
 	port          int // kube-apiserver secure port
-	clientCA      *authority
+	clientCA      *testserver.CA
 	clientCAFile  string
 	saKeyFile     string
 	servingCAFile string // the CA the kubeconfigs name; always the original serving CA
 
 	mu        sync.Mutex
-	servingCA *authority // CA of the serving certificate in use
-	serving   keyPair
-	origCA    *authority
-	origPair  keyPair
+	servingCA *testserver.CA // CA of the serving certificate in use
+	serving   *testserver.KeyPair
+	origCA    *testserver.CA
+	origPair  *testserver.KeyPair
 	etcd      *proc
 	apiserver *proc
 	starts    int
 
-	clients map[string]keyPair
+	clients map[string]*testserver.KeyPair
 }
 
 var theCluster *cluster
@@ -166,7 +168,7 @@ func startCluster() (*cluster, error) {
 	if err != nil {
 		return nil, err
 	}
-	c := &cluster{dir: dir, apiserverBin: apiserverBin, etcdBin: etcdBin, clients: map[string]keyPair{}}
+	c := &cluster{dir: dir, apiserverBin: apiserverBin, etcdBin: etcdBin, clients: map[string]*testserver.KeyPair{}}
 	if err := c.generatePKI(); err != nil {
 		return c, err
 	}
@@ -189,13 +191,13 @@ func startCluster() (*cluster, error) {
 
 func (c *cluster) generatePKI() error {
 	var err error
-	if c.clientCA, err = newAuthority("e2e-client-ca"); err != nil {
+	if c.clientCA, err = testserver.NewCA("e2e-client-ca"); err != nil {
 		return err
 	}
-	if c.origCA, err = newAuthority("e2e-serving-ca"); err != nil {
+	if c.origCA, err = testserver.NewCA("e2e-serving-ca"); err != nil {
 		return err
 	}
-	if c.origPair, err = c.origCA.issue("kube-apiserver", nil, true); err != nil {
+	if c.origPair, err = c.origCA.IssueServer(servingHosts...); err != nil {
 		return err
 	}
 	c.servingCA, c.serving = c.origCA, c.origPair
@@ -208,8 +210,8 @@ func (c *cluster) generatePKI() error {
 		return err
 	}
 	for path, data := range map[string][]byte{
-		c.clientCAFile:  c.clientCA.pem,
-		c.servingCAFile: c.origCA.pem,
+		c.clientCAFile:  c.clientCA.CertPEM(),
+		c.servingCAFile: c.origCA.CertPEM(),
 		c.saKeyFile:     sa,
 	} {
 		if err := writeFile(path, data); err != nil {
@@ -217,15 +219,15 @@ func (c *cluster) generatePKI() error {
 		}
 	}
 	for user, groups := range clientUsers {
-		kp, err := c.clientCA.issue(user, groups, false)
+		kp, err := c.clientCA.IssueClient(user, groups...)
 		if err != nil {
 			return err
 		}
 		c.clients[user] = kp
-		if err := writeFile(filepath.Join(pki, user+".crt"), kp.cert); err != nil {
+		if err := writeFile(filepath.Join(pki, user+".crt"), kp.CertPEM); err != nil {
 			return err
 		}
-		if err := writeFile(filepath.Join(pki, user+".key"), kp.key); err != nil {
+		if err := writeFile(filepath.Join(pki, user+".key"), kp.KeyPEM); err != nil {
 			return err
 		}
 	}
@@ -278,10 +280,10 @@ func (c *cluster) startAPIServer() error {
 	keyFile := filepath.Join(c.dir, "pki", fmt.Sprintf("serving-%d.key", n))
 	serving := c.serving
 	c.mu.Unlock()
-	if err := writeFile(certFile, serving.cert); err != nil {
+	if err := writeFile(certFile, serving.CertPEM); err != nil {
 		return err
 	}
-	if err := writeFile(keyFile, serving.key); err != nil {
+	if err := writeFile(keyFile, serving.KeyPEM); err != nil {
 		return err
 	}
 	args := []string{
@@ -323,12 +325,12 @@ func (c *cluster) adminHTTP() (*http.Client, error) {
 	ca := c.servingCA
 	c.mu.Unlock()
 	admin := c.clients["admin"]
-	cert, err := tls.X509KeyPair(admin.cert, admin.key)
+	cert, err := tls.X509KeyPair(admin.CertPEM, admin.KeyPEM)
 	if err != nil {
 		return nil, err
 	}
 	pool := x509.NewCertPool()
-	pool.AddCert(ca.cert)
+	pool.AddCert(ca.Cert)
 	return &http.Client{
 		Timeout: 5 * time.Second,
 		Transport: &http.Transport{
@@ -414,11 +416,11 @@ func (c *cluster) killAPIServer() {
 
 // restartAPIServer kills kube-apiserver and starts it on the same port with
 // the given serving CA and certificate (nil: keep the current ones).
-func (c *cluster) restartAPIServer(ca *authority, serving *keyPair) error {
+func (c *cluster) restartAPIServer(ca *testserver.CA, serving *testserver.KeyPair) error {
 	c.killAPIServer()
 	if ca != nil {
 		c.mu.Lock()
-		c.servingCA, c.serving = ca, *serving
+		c.servingCA, c.serving = ca, serving
 		c.mu.Unlock()
 	}
 	return c.startAPIServer()
@@ -466,8 +468,8 @@ func (c *cluster) kubeconfig(user string, inline bool) string {
 	cl := &clientcmdapi.Cluster{Server: c.url()}
 	if inline {
 		kp := c.clients[user]
-		auth.ClientCertificateData, auth.ClientKeyData = kp.cert, kp.key
-		cl.CertificateAuthorityData = c.origCA.pem
+		auth.ClientCertificateData, auth.ClientKeyData = kp.CertPEM, kp.KeyPEM
+		cl.CertificateAuthorityData = c.origCA.CertPEM()
 	} else {
 		auth.ClientCertificate = filepath.Join(pki, user+".crt")
 		auth.ClientKey = filepath.Join(pki, user+".key")

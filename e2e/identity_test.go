@@ -99,7 +99,7 @@ func TestCopySafety(t *testing.T) {
 
 			cp := rest.CopyConfig(alice)
 			cp.CertFile, cp.KeyFile = "", ""
-			cp.CertData, cp.KeyData = bob.cert, bob.key
+			cp.CertData, cp.KeyData = bob.CertPEM, bob.KeyPEM
 			mustWhoami(t, mustClientset(t, cp), "bob")
 
 			// The other way round: wrap bob, copy, give the copy alice's files.

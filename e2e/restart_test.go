@@ -13,6 +13,8 @@ import (
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 
 	"github.com/sharedtransport/sharedtransport"
+
+	"github.com/sharedtransport/sharedtransport/internal/testserver"
 )
 
 func getDefault(cs kubernetes.Interface, timeout time.Duration) error {
@@ -43,7 +45,7 @@ func untilOK(timeout time.Duration, fn func() error) (time.Duration, int, error)
 func TestCARotation(t *testing.T) {
 	c := cl(t)
 	caFile := filepath.Join(t.TempDir(), "ca.crt")
-	if err := writeFile(caFile, c.origCA.pem); err != nil {
+	if err := writeFile(caFile, c.origCA.CertPEM()); err != nil {
 		t.Fatal(err)
 	}
 	kubeconfig := filepath.Join(t.TempDir(), "ca-rotation.kubeconfig")
@@ -64,21 +66,21 @@ func TestCARotation(t *testing.T) {
 		t.Fatalf("before the rotation: %v", err)
 	}
 
-	newCA, err := newAuthority("e2e-serving-ca-2")
+	newCA, err := testserver.NewCA("e2e-serving-ca-2")
 	if err != nil {
 		t.Fatal(err)
 	}
-	newServing, err := newCA.issue("kube-apiserver", nil, true)
+	newServing, err := newCA.IssueServer(servingHosts...)
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() {
-		if err := c.restartAPIServer(c.origCA, &c.origPair); err != nil {
+		if err := c.restartAPIServer(c.origCA, c.origPair); err != nil {
 			t.Errorf("restore the original serving certificate: %v", err)
 		}
 	})
 	start := time.Now()
-	if err := c.restartAPIServer(newCA, &newServing); err != nil {
+	if err := c.restartAPIServer(newCA, newServing); err != nil {
 		t.Fatalf("restart kube-apiserver with the new serving certificate: %v", err)
 	}
 	t.Logf("kube-apiserver restarted with a serving certificate from a new CA in %v", time.Since(start).Round(time.Millisecond))
@@ -90,7 +92,7 @@ func TestCARotation(t *testing.T) {
 		t.Logf("with the old CA file, as expected: %v", err)
 	}
 
-	if err := replaceFile(caFile, newCA.pem); err != nil {
+	if err := replaceFile(caFile, newCA.CertPEM()); err != nil {
 		t.Fatal(err)
 	}
 	took, attempts, err := untilOK(30*time.Second, func() error { return getDefault(cs, 5*time.Second) })

@@ -75,16 +75,16 @@ func TestClientCertRotation(t *testing.T) {
 		newUser      = "rotation-new"
 		drainTimeout = 3 * time.Second
 	)
-	oldPair, err := c.clientCA.issue(oldUser, []string{"system:masters"}, false)
+	oldPair, err := c.clientCA.IssueClient(oldUser, []string{"system:masters"}...)
 	if err != nil {
 		t.Fatal(err)
 	}
-	newPair, err := c.clientCA.issue(newUser, []string{"system:masters"}, false)
+	newPair, err := c.clientCA.IssueClient(newUser, []string{"system:masters"}...)
 	if err != nil {
 		t.Fatal(err)
 	}
 	vol := &secretVolume{dir: t.TempDir()}
-	if err := vol.write(map[string][]byte{"tls.crt": oldPair.cert, "tls.key": oldPair.key}); err != nil {
+	if err := vol.write(map[string][]byte{"tls.crt": oldPair.CertPEM, "tls.key": oldPair.KeyPEM}); err != nil {
 		t.Fatal(err)
 	}
 	kubeconfig := filepath.Join(t.TempDir(), "rotation.kubeconfig")
@@ -182,7 +182,7 @@ func TestClientCertRotation(t *testing.T) {
 	time.Sleep(500 * time.Millisecond)
 
 	// The swap.
-	if err := vol.write(map[string][]byte{"tls.crt": newPair.cert, "tls.key": newPair.key}); err != nil {
+	if err := vol.write(map[string][]byte{"tls.crt": newPair.CertPEM, "tls.key": newPair.KeyPEM}); err != nil {
 		t.Fatal(err)
 	}
 	swapped := time.Now()

@@ -43,7 +43,7 @@ func (kp *KeyPair) TLSCertificate() (tls.Certificate, error) {
 	return c, nil
 }
 
-// CertSpec describes a certificate for (*CA).Issue.
+// CertSpec describes a certificate for (*CA).Issue or SelfSigned.
 type CertSpec struct {
 	// CommonName is the subject CN; for a client certificate kube-apiserver
 	// takes it as the user name.
@@ -52,46 +52,31 @@ type CertSpec struct {
 	// user's groups.
 	Organization []string
 	// Server adds ExtKeyUsageServerAuth; Client adds ExtKeyUsageClientAuth.
-	Server, Client bool
-	DNSNames       []string
-	IPAddresses    []net.IP
+	// CA makes a CA certificate (key usage CertSign).
+	Server, Client, CA bool
+	DNSNames           []string
+	IPAddresses        []net.IP
 	// NotBefore and NotAfter default to now-1h and now+24h.
 	NotBefore, NotAfter time.Time
+	// Key is the certificate's key; by default a new one. A certificate
+	// issued over an existing key lets a test vary the certificate while
+	// the key stays the same.
+	Key *ecdsa.PrivateKey
 }
 
-// NewCA generates a self-signed CA with the given common name.
+// NewCA generates a self-signed CA with the given common name, valid for ten
+// years.
 func NewCA(commonName string) (*CA, error) {
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	kp, err := SelfSigned(CertSpec{CommonName: commonName, CA: true, NotAfter: time.Now().Add(10 * 365 * 24 * time.Hour)})
 	if err != nil {
 		return nil, err
 	}
-	serial, err := randomSerial()
+	block, _ := pem.Decode(kp.KeyPEM)
+	key, err := x509.ParseECPrivateKey(block.Bytes)
 	if err != nil {
 		return nil, err
 	}
-	now := time.Now()
-	tmpl := &x509.Certificate{
-		SerialNumber:          serial,
-		Subject:               pkix.Name{CommonName: commonName},
-		NotBefore:             now.Add(-time.Hour),
-		NotAfter:              now.Add(10 * 365 * 24 * time.Hour),
-		KeyUsage:              x509.KeyUsageCertSign | x509.KeyUsageDigitalSignature | x509.KeyUsageCRLSign,
-		BasicConstraintsValid: true,
-		IsCA:                  true,
-	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
-	if err != nil {
-		return nil, err
-	}
-	cert, err := x509.ParseCertificate(der)
-	if err != nil {
-		return nil, err
-	}
-	return &CA{
-		Cert:    cert,
-		Key:     key,
-		certPEM: pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}),
-	}, nil
+	return &CA{Cert: kp.Cert, Key: key, certPEM: kp.CertPEM}, nil
 }
 
 // CertPEM returns the CA certificate, PEM-encoded.
@@ -106,12 +91,27 @@ func (ca *CA) Pool() *x509.CertPool {
 
 // Issue signs a certificate described by spec.
 func (ca *CA) Issue(spec CertSpec) (*KeyPair, error) {
-	if !spec.Server && !spec.Client {
-		return nil, errors.New("testserver: CertSpec needs Server or Client")
+	if !spec.Server && !spec.Client && !spec.CA {
+		return nil, errors.New("testserver: CertSpec needs Server, Client or CA")
 	}
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		return nil, err
+	return issue(spec, ca.Cert, ca.Key)
+}
+
+// SelfSigned returns a certificate described by spec that signs itself: a
+// CA, or a serving certificate a CA file pins.
+func SelfSigned(spec CertSpec) (*KeyPair, error) {
+	return issue(spec, nil, nil)
+}
+
+// issue signs spec with parent and its key, or with spec's own key when
+// parent is nil.
+func issue(spec CertSpec, parent *x509.Certificate, parentKey *ecdsa.PrivateKey) (*KeyPair, error) {
+	key := spec.Key
+	if key == nil {
+		var err error
+		if key, err = ecdsa.GenerateKey(elliptic.P256(), rand.Reader); err != nil {
+			return nil, err
+		}
 	}
 	serial, err := randomSerial()
 	if err != nil {
@@ -125,13 +125,18 @@ func (ca *CA) Issue(spec CertSpec) (*KeyPair, error) {
 		spec.NotAfter = now.Add(24 * time.Hour)
 	}
 	tmpl := &x509.Certificate{
-		SerialNumber: serial,
-		Subject:      pkix.Name{CommonName: spec.CommonName, Organization: spec.Organization},
-		NotBefore:    spec.NotBefore,
-		NotAfter:     spec.NotAfter,
-		KeyUsage:     x509.KeyUsageDigitalSignature,
-		DNSNames:     spec.DNSNames,
-		IPAddresses:  spec.IPAddresses,
+		SerialNumber:          serial,
+		Subject:               pkix.Name{CommonName: spec.CommonName, Organization: spec.Organization},
+		NotBefore:             spec.NotBefore,
+		NotAfter:              spec.NotAfter,
+		KeyUsage:              x509.KeyUsageDigitalSignature,
+		DNSNames:              spec.DNSNames,
+		IPAddresses:           spec.IPAddresses,
+		BasicConstraintsValid: true,
+		IsCA:                  spec.CA,
+	}
+	if spec.CA {
+		tmpl.KeyUsage |= x509.KeyUsageCertSign | x509.KeyUsageCRLSign
 	}
 	if spec.Server {
 		tmpl.ExtKeyUsage = append(tmpl.ExtKeyUsage, x509.ExtKeyUsageServerAuth)
@@ -139,7 +144,10 @@ func (ca *CA) Issue(spec CertSpec) (*KeyPair, error) {
 	if spec.Client {
 		tmpl.ExtKeyUsage = append(tmpl.ExtKeyUsage, x509.ExtKeyUsageClientAuth)
 	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, ca.Cert, &key.PublicKey, ca.Key)
+	if parent == nil {
+		parent, parentKey = tmpl, key
+	}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, parent, &key.PublicKey, parentKey)
 	if err != nil {
 		return nil, err
 	}
