@@ -12,6 +12,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 command -v gremlins >/dev/null || go install github.com/go-gremlins/gremlins/cmd/gremlins@v0.6.0
+# gremlins times each mutant's test run against its coverage run: a coverage
+# run served from the test cache would time every mutant out.
+export GOFLAGS="${GOFLAGS:+$GOFLAGS }-count=1"
 files=("$@")
 [ ${#files[@]} -gt 0 ] || files=(wrapper.go sharedtransport.go keepalive.go)
 for f in "${files[@]}"; do
