@@ -847,3 +847,49 @@ func mustClientset(t testing.TB, cfg *rest.Config) kubernetes.Interface {
 	}
 	return cs
 }
+
+// TestRotationClientCatchesUp: a client whose own client-go transport reads
+// the rotated files but cannot be proven to be the identity's (a config with
+// Proxy: client-go builds it a transport of its own) goes over client-go's
+// transport while that one still presents the old certificate, and back to the
+// pool's once client-go's certificate cache has expired: from then on the
+// server sees only the new certificate from it.
+func TestRotationClientCatchesUp(t *testing.T) {
+	rec := &cnRecorder{}
+	f := newFixture(t, testserver.Options{OnRequest: rec.record})
+	p := newPool(t, WithPollInterval(0))
+	d := newCertDir(t, secretVolume, f.alice, f.ca.CertPEM())
+	cfg := d.config(f.srv.URL())
+	cfg.Proxy = nilProxy
+	if err := p.Wrap(cfg); err != nil {
+		t.Fatal(err)
+	}
+	cs := mustClientset(t, cfg)
+	ctx := context.Background()
+	list := func() {
+		t.Helper()
+		if _, err := cs.CoreV1().Nodes().List(ctx, metav1.ListOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	list()
+	d.write(t, f.bob, f.ca.CertPEM())
+	waitFor(t, "the pool takes the new files into use", func() bool { return p.Stats().Rotations == 1 })
+	list() // client-go's transport still presents alice: it carries this one
+	time.Sleep(certFileSettle + 300*time.Millisecond)
+	settled := time.Now()
+	for range 3 {
+		list()
+	}
+	seen := map[string]int{}
+	rec.mu.Lock()
+	for _, s := range rec.seen {
+		if !s.at.Before(settled) {
+			seen[s.cn]++
+		}
+	}
+	rec.mu.Unlock()
+	if seen["bob"] != 3 || len(seen) != 1 {
+		t.Errorf("once client-go's certificate cache expired the server saw requests from %v, want 3 from bob", seen)
+	}
+}
