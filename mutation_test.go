@@ -13,5 +13,5 @@ func init() {
 		`TestFailedFirstRequestHandsLead|TestProtocolPerHost|TestSlotReleasedAtEOF|TestHTTP1OnlyOneConnection|` +
 		`TestCloseIdleConnectionsFor|TestRetiredGenerationRetried|TestRotationClosesOldConnsWhenIdle|` +
 		`TestRotationClosesIdleAtOnce|TestKeepAliveOff|TestRotationHalfFromFiles|TestRotationPresentsNewCertificateAtOnce|` +
-		`TestRotationClientCatchesUp|TestHostPasswordRedacted|TestSecretsStaySecret|TestIdentityNamesResistGuessing)$`
+		`TestRotationClientCatchesUp|TestLifetime|TestHostPasswordRedacted|TestSecretsStaySecret|TestIdentityNamesResistGuessing)$`
 }
