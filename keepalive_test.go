@@ -958,3 +958,46 @@ func TestFullConnectionGrows(t *testing.T) {
 		t.Errorf("%d requests held by the server: %d connections accepted, %d open; want 2 and 2", n, st.Accepted, st.Open)
 	}
 }
+
+// TestConnectionCapFewerStreams: under a cap of 1, against a server allowing
+// no more streams (90) than the pool fills under a cap, the requests beyond
+// them wait on the pool's one connection: none goes to get another. The
+// server holds 90 requests on 1 connection, and after every request was
+// released all 100 succeeded over that one connection.
+func TestConnectionCapFewerStreams(t *testing.T) {
+	hold := newRequestHold(t)
+	f := newFixture(t, testserver.Options{OnRequest: hold.onRequest, MaxConcurrentStreams: streamsInFlight})
+	p := newPool(t, WithMaxConnsPerHost(1))
+	client := httpClient(t, p, f.srv.RestConfig(f.alice))
+	const n = 100
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	var wg sync.WaitGroup
+	errs := make(chan error, n)
+	for range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if _, err := getUA(ctx, client, f.srv.URL(), "hold"); err != nil {
+				errs <- err
+			}
+		}()
+	}
+	waitFor(t, "the server holds 90 requests", func() bool { return hold.held.Load() >= streamsInFlight })
+	// Time for a request to go and get another connection, as a full
+	// connection's waiters do after growWait.
+	time.Sleep(20 * growWait)
+	st, held := f.srv.Stats(), hold.held.Load()
+	hold.releaseAll()
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Fatal(err)
+	}
+	if st.Accepted != 1 || held != streamsInFlight {
+		t.Errorf("cap 1, %d requests, %d streams: the server accepted %d connections and held %d requests; want 1 and %d", n, streamsInFlight, st.Accepted, held, streamsInFlight)
+	}
+	if after := f.srv.Stats(); after.Accepted != 1 {
+		t.Errorf("cap 1: the server accepted %d connections in all", after.Accepted)
+	}
+}
