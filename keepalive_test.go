@@ -1001,3 +1001,41 @@ func TestConnectionCapFewerStreams(t *testing.T) {
 		t.Errorf("cap 1: the server accepted %d connections in all", after.Accepted)
 	}
 }
+
+// TestConnectionCapHTTP1: with keep-alive off the transport speaks HTTP/1.1
+// only, a connection per request, and a cap of 2 holds 2 requests in flight:
+// the server holds 2 of 5 at once, and all 5 succeed once released, never
+// more than 2 connections open at once.
+func TestConnectionCapHTTP1(t *testing.T) {
+	hold := newRequestHold(t)
+	f := newFixture(t, testserver.Options{OnRequest: hold.onRequest})
+	p := newPool(t, WithMaxConnsPerHost(2), WithKeepAlive(false))
+	client := httpClient(t, p, f.srv.RestConfig(f.alice))
+	const n = 5
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	var wg sync.WaitGroup
+	errs := make(chan error, n)
+	for range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if _, err := getUA(ctx, client, f.srv.URL(), "hold"); err != nil {
+				errs <- err
+			}
+		}()
+	}
+	waitFor(t, "the server holds 2 requests", func() bool { return hold.held.Load() >= 2 })
+	// Time for a third request to get a connection if the cap let it.
+	time.Sleep(20 * growWait)
+	held := hold.held.Load()
+	hold.releaseAll()
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Fatal(err)
+	}
+	if st := f.srv.Stats(); held != 2 || st.PeakOpen > 2 || st.Accepted != n {
+		t.Errorf("cap 2, keep-alive off, %d requests: the server held %d at once, %d connections open at most, %d accepted; want 2, 2, %d", n, held, st.PeakOpen, st.Accepted, n)
+	}
+}
