@@ -1002,40 +1002,59 @@ func TestConnectionCapFewerStreams(t *testing.T) {
 	}
 }
 
-// TestConnectionCapHTTP1: with keep-alive off the transport speaks HTTP/1.1
-// only, a connection per request, and a cap of 2 holds 2 requests in flight:
-// the server holds 2 of 5 at once, and all 5 succeed once released, never
-// more than 2 connections open at once.
+// TestConnectionCapHTTP1: over HTTP/1.1, a connection per request in flight,
+// a cap of 2 holds 2 requests in flight: the server holds 2 of 5 at once, and
+// all 5 succeed once released, never more than 2 connections open at once.
+// The transport speaks HTTP/1.1 only (keep-alive off), or offers HTTP/2 to a
+// server that does not speak it.
 func TestConnectionCapHTTP1(t *testing.T) {
-	hold := newRequestHold(t)
-	f := newFixture(t, testserver.Options{OnRequest: hold.onRequest})
-	p := newPool(t, WithMaxConnsPerHost(2), WithKeepAlive(false))
-	client := httpClient(t, p, f.srv.RestConfig(f.alice))
-	const n = 5
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	var wg sync.WaitGroup
-	errs := make(chan error, n)
-	for range n {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			if _, err := getUA(ctx, client, f.srv.URL(), "hold"); err != nil {
-				errs <- err
+	for _, tc := range []struct {
+		name      string
+		server    testserver.Options
+		keepAlive bool
+	}{
+		{"keep-alive off", testserver.Options{}, false},
+		{"server without HTTP/2", testserver.Options{DisableHTTP2: true}, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			hold := newRequestHold(t)
+			tc.server.OnRequest = hold.onRequest
+			f := newFixture(t, tc.server)
+			p := newPool(t, WithMaxConnsPerHost(2), WithKeepAlive(tc.keepAlive))
+			client := httpClient(t, p, f.srv.RestConfig(f.alice))
+			if tc.keepAlive {
+				// The protocol known, requests no longer wait for the first.
+				if _, err := getUA(context.Background(), client, f.srv.URL(), "first"); err != nil {
+					t.Fatal(err)
+				}
 			}
-		}()
-	}
-	waitFor(t, "the server holds 2 requests", func() bool { return hold.held.Load() >= 2 })
-	// Time for a third request to get a connection if the cap let it.
-	time.Sleep(20 * growWait)
-	held := hold.held.Load()
-	hold.releaseAll()
-	wg.Wait()
-	close(errs)
-	for err := range errs {
-		t.Fatal(err)
-	}
-	if st := f.srv.Stats(); held != 2 || st.PeakOpen > 2 || st.Accepted != n {
-		t.Errorf("cap 2, keep-alive off, %d requests: the server held %d at once, %d connections open at most, %d accepted; want 2, 2, %d", n, held, st.PeakOpen, st.Accepted, n)
+			const n = 5
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			var wg sync.WaitGroup
+			errs := make(chan error, n)
+			for range n {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					if _, err := getUA(ctx, client, f.srv.URL(), "hold"); err != nil {
+						errs <- err
+					}
+				}()
+			}
+			waitFor(t, "the server holds 2 requests", func() bool { return hold.held.Load() >= 2 })
+			// Time for a third request to get a connection if the cap let it.
+			time.Sleep(20 * growWait)
+			held := hold.held.Load()
+			hold.releaseAll()
+			wg.Wait()
+			close(errs)
+			for err := range errs {
+				t.Fatal(err)
+			}
+			if st := f.srv.Stats(); held != 2 || st.PeakOpen > 2 {
+				t.Errorf("cap 2, %d requests: the server held %d at once, %d connections open at most; want 2 and 2", n, held, st.PeakOpen)
+			}
+		})
 	}
 }
