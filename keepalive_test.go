@@ -1063,3 +1063,27 @@ func TestConnectionCapHTTP1(t *testing.T) {
 		})
 	}
 }
+
+// TestConnectionCapAfterClose: under a cap of 1, when the server closes the
+// pool's connection, the next request gets a new one: the closed connection no
+// longer counts against the cap.
+func TestConnectionCapAfterClose(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	p := newPool(t, WithMaxConnsPerHost(1))
+	client := httpClient(t, p, f.srv.RestConfig(f.alice))
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	for i := range 3 {
+		if _, err := getUA(ctx, client, f.srv.URL(), "after close"); err != nil {
+			t.Fatalf("request %d, the server having closed every earlier connection: %v", i, err)
+		}
+		f.srv.CloseClientConnections()
+		// The pool sees the close when its connection's reader does.
+		waitFor(t, "the connections closed on both ends", func() bool {
+			return f.srv.Stats().Open == 0 && p.Stats().OpenConns == 0
+		})
+	}
+	if st := f.srv.Stats(); st.Accepted != 3 {
+		t.Errorf("3 requests, the server closing the connection after each: %d connections accepted, want 3", st.Accepted)
+	}
+}

@@ -13,5 +13,5 @@ func init() {
 		`TestFailedFirstRequestHandsLead|TestProtocolPerHost|TestSlotReleasedAtEOF|TestHTTP1OnlyOneConnection|` +
 		`TestCloseIdleConnectionsFor|TestRetiredGenerationRetried|TestRotationClosesOldConnsWhenIdle|` +
 		`TestRotationClosesIdleAtOnce|TestKeepAliveOff|TestRotationHalfFromFiles|TestRotationPresentsNewCertificateAtOnce|` +
-		`TestRotationClientCatchesUp|TestLifetime|TestSessionResumption|TestUpgrades|TestFullConnectionGrows|TestConnectionCapFewerStreams|TestConnectionCapHTTP1|TestProtocolSwitch|TestHostPasswordRedacted|TestSecretsStaySecret|TestIdentityNamesResistGuessing)$`
+		`TestRotationClientCatchesUp|TestLifetime|TestSessionResumption|TestUpgrades|TestFullConnectionGrows|TestConnectionCapFewerStreams|TestConnectionCapHTTP1|TestProtocolSwitch|TestConnectionCapAfterClose|TestHostPasswordRedacted|TestSecretsStaySecret|TestIdentityNamesResistGuessing)$`
 }
