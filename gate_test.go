@@ -692,3 +692,168 @@ func TestRetiredGenerationRetried(t *testing.T) {
 		t.Errorf("a request through a closed pool: %v, want ErrClosed", err)
 	}
 }
+
+// TestFullConnectionGrows: when every stream of the host's HTTP/2 connection
+// is held by a request the server has not answered (watches, slow lists),
+// requests beyond them get a second connection rather than waiting for a
+// stream of the first: the server holds all 150 at once, over 2 connections.
+func TestFullConnectionGrows(t *testing.T) {
+	hold := newRequestHold(t)
+	f := newFixture(t, testserver.Options{OnRequest: hold.onRequest})
+	p := newPool(t)
+	client := httpClient(t, p, f.srv.RestConfig(f.alice))
+	const n = 150
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	var wg sync.WaitGroup
+	errs := make(chan error, n)
+	for range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if _, err := getUA(ctx, client, f.srv.URL(), "hold"); err != nil {
+				errs <- err
+			}
+		}()
+	}
+	waitFor(t, "the server holds every request", func() bool { return hold.held.Load() == n })
+	st := f.srv.Stats()
+	hold.releaseAll()
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Fatal(err)
+	}
+	if st.Accepted != 2 || st.Open != 2 {
+		t.Errorf("%d requests held by the server: %d connections accepted, %d open; want 2 and 2", n, st.Accepted, st.Open)
+	}
+}
+
+// TestConnectionCapFewerStreams: under a cap of 1, against a server allowing
+// no more streams (90) than the pool fills under a cap, the requests beyond
+// them wait on the pool's one connection: none goes to get another. The
+// server holds 90 requests on 1 connection, and after every request was
+// released all 100 succeeded over that one connection.
+func TestConnectionCapFewerStreams(t *testing.T) {
+	hold := newRequestHold(t)
+	f := newFixture(t, testserver.Options{OnRequest: hold.onRequest, MaxConcurrentStreams: streamsInFlight})
+	p := newPool(t, WithMaxConnsPerHost(1))
+	client := httpClient(t, p, f.srv.RestConfig(f.alice))
+	const n = 100
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	var wg sync.WaitGroup
+	errs := make(chan error, n)
+	for range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if _, err := getUA(ctx, client, f.srv.URL(), "hold"); err != nil {
+				errs <- err
+			}
+		}()
+	}
+	waitFor(t, "the server holds 90 requests", func() bool { return hold.held.Load() >= streamsInFlight })
+	// Time for a request to go and get another connection, as a full
+	// connection's waiters do after growWait.
+	time.Sleep(20 * growWait)
+	st, held := f.srv.Stats(), hold.held.Load()
+	hold.releaseAll()
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Fatal(err)
+	}
+	if st.Accepted != 1 || held != streamsInFlight {
+		t.Errorf("cap 1, %d requests, %d streams: the server accepted %d connections and held %d requests; want 1 and %d", n, streamsInFlight, st.Accepted, held, streamsInFlight)
+	}
+	if after := f.srv.Stats(); after.Accepted != 1 {
+		t.Errorf("cap 1: the server accepted %d connections in all", after.Accepted)
+	}
+}
+
+// TestConnectionCapHTTP1: over HTTP/1.1, a connection per request in flight,
+// a cap of 2 holds 2 requests in flight: the server holds 2 of 5 at once, and
+// all 5 succeed once released.
+// The transport speaks HTTP/1.1 only (keep-alive off), or offers HTTP/2 to a
+// server that does not speak it.
+func TestConnectionCapHTTP1(t *testing.T) {
+	for _, tc := range []struct {
+		name      string
+		server    testserver.Options
+		keepAlive bool
+	}{
+		{"keep-alive off", testserver.Options{}, false},
+		{"server without HTTP/2", testserver.Options{DisableHTTP2: true}, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			hold := newRequestHold(t)
+			tc.server.OnRequest = hold.onRequest
+			f := newFixture(t, tc.server)
+			p := newPool(t, WithMaxConnsPerHost(2), WithKeepAlive(tc.keepAlive))
+			client := httpClient(t, p, f.srv.RestConfig(f.alice))
+			if tc.keepAlive {
+				// The protocol known, requests no longer wait for the first.
+				if _, err := getUA(context.Background(), client, f.srv.URL(), "first"); err != nil {
+					t.Fatal(err)
+				}
+			}
+			const n = 5
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			var wg sync.WaitGroup
+			errs := make(chan error, n)
+			for range n {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					if _, err := getUA(ctx, client, f.srv.URL(), "hold"); err != nil {
+						errs <- err
+					}
+				}()
+			}
+			waitFor(t, "the server holds 2 requests", func() bool { return hold.held.Load() >= 2 })
+			// Time for a third request to get a connection if the cap let it.
+			time.Sleep(20 * growWait)
+			held := hold.held.Load()
+			hold.releaseAll()
+			wg.Wait()
+			close(errs)
+			for err := range errs {
+				t.Fatal(err)
+			}
+			if held != 2 {
+				t.Errorf("cap 2, %d requests: the server held %d at once, want 2", n, held)
+			}
+			// With keep-alive off the server sees a connection closed a
+			// moment after the client let go of it and dialed the next.
+			if st := f.srv.Stats(); tc.keepAlive && st.PeakOpen > 2 {
+				t.Errorf("cap 2, %d requests: %d connections open at once, want at most 2", n, st.PeakOpen)
+			}
+		})
+	}
+}
+
+// TestConnectionCapAfterClose: under a cap of 1, when the server closes the
+// pool's connection, the next request gets a new one: the closed connection no
+// longer counts against the cap.
+func TestConnectionCapAfterClose(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	p := newPool(t, WithMaxConnsPerHost(1))
+	client := httpClient(t, p, f.srv.RestConfig(f.alice))
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	for i := range 3 {
+		if _, err := getUA(ctx, client, f.srv.URL(), "after close"); err != nil {
+			t.Fatalf("request %d, the server having closed every earlier connection: %v", i, err)
+		}
+		f.srv.CloseClientConnections()
+		// The pool sees the close when its connection's reader does.
+		waitFor(t, "the connections closed on both ends", func() bool {
+			return f.srv.Stats().Open == 0 && p.Stats().OpenConns == 0
+		})
+	}
+	if st := f.srv.Stats(); st.Accepted != 3 {
+		t.Errorf("3 requests, the server closing the connection after each: %d connections accepted, want 3", st.Accepted)
+	}
+}

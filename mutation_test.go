@@ -3,13 +3,15 @@
 package sharedtransport
 
 // The security- and connection-critical tests, which run in seconds: identity
-// keys, copy safety, the hook, the connection gate and cap, and rotation's
-// hand-over of connections. hack/mutation.sh runs them for each mutant.
+// keys, copy safety, the hook, the connection gate and cap, rotation's
+// hand-over of connections and the files it watches, and the redaction of
+// secrets. hack/mutation.sh runs them for each mutant.
 func init() {
 	focusedTests = `^(TestIsolation|TestIdentities|TestIdentityProperty|TestCopySafety|TestCopyCrossings|TestCopyProperty|` +
 		`TestAdversary.*|TestProxyConnectHeader|TestWrapProxyOtherHosts|TestHookComposition|TestClients|` +
 		`TestColdStartBurst|TestConnectionCap|TestConnectionCapPerHost|TestGateWaitsForConnection|` +
 		`TestFailedFirstRequestHandsLead|TestProtocolPerHost|TestSlotReleasedAtEOF|TestHTTP1OnlyOneConnection|` +
 		`TestCloseIdleConnectionsFor|TestRetiredGenerationRetried|TestRotationClosesOldConnsWhenIdle|` +
-		`TestRotationClosesIdleAtOnce|TestKeepAliveOff)$`
+		`TestRotationClosesIdleAtOnce|TestKeepAliveOff|TestRotationHalfFromFiles|TestRotationPresentsNewCertificateAtOnce|` +
+		`TestRotationClientCatchesUp|TestLifetime|TestSessionResumption|TestUpgrades|TestFullConnectionGrows|TestConnectionCapFewerStreams|TestConnectionCapHTTP1|TestProtocolSwitch|TestConnectionCapAfterClose|TestHostPasswordRedacted|TestSecretsStaySecret|TestIdentityNamesResistGuessing)$`
 }

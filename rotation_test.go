@@ -638,3 +638,167 @@ func TestWatcherSetsNoWatchAfterClose(t *testing.T) {
 		t.Fatal("the closed watcher made an fsnotify watcher")
 	}
 }
+
+// TestRotationHalfFromFiles: a config that names only its CA as a file, or
+// only its client certificate and key, has those files watched too. The
+// server sees the rotated certificate, and requests recover once a CA file
+// that did not verify the server is replaced.
+func TestRotationHalfFromFiles(t *testing.T) {
+	rec := &cnRecorder{}
+	f := newFixture(t, testserver.Options{OnRequest: rec.record})
+	otherCA, err := testserver.NewCA("other-ca")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+
+	t.Run("certificate files, inline CA", func(t *testing.T) {
+		p := newPool(t, WithPollInterval(0))
+		d := newCertDir(t, secretVolume, f.alice, f.ca.CertPEM())
+		cfg := d.config(f.srv.URL())
+		cfg.CAFile, cfg.CAData = "", f.ca.CertPEM()
+		if err := p.Wrap(cfg); err != nil {
+			t.Fatal(err)
+		}
+		if err := listNodes(ctx, cfg); err != nil {
+			t.Fatal(err)
+		}
+		d.write(t, f.bob, f.ca.CertPEM())
+		written := time.Now()
+		waitFor(t, "the server sees the rotated certificate", func() bool {
+			_ = listNodes(ctx, cfg)
+			_, ok := rec.firstSince("bob", written)
+			return ok
+		})
+	})
+
+	t.Run("CA file, inline certificate", func(t *testing.T) {
+		p := newPool(t, WithPollInterval(0))
+		d := newCertDir(t, secretVolume, f.alice, otherCA.CertPEM())
+		cfg := d.config(f.srv.URL())
+		cfg.CertFile, cfg.KeyFile = "", ""
+		cfg.CertData, cfg.KeyData = f.carol.CertPEM, f.carol.KeyPEM
+		// With a Proxy client-go builds a transport of its own for every
+		// clientset, which reads the CA file anew: only the server's count
+		// of connections tells the pool's transport from client-go's.
+		cfg.Proxy = nilProxy
+		if err := p.Wrap(cfg); err != nil {
+			t.Fatal(err)
+		}
+		start := time.Now()
+		if err := listNodes(ctx, cfg); err == nil {
+			t.Fatal("a CA that did not issue the server's certificate verified it")
+		}
+		d.write(t, f.alice, f.ca.CertPEM())
+		waitFor(t, "requests recover once the CA file is replaced", func() bool {
+			return listNodes(ctx, cfg) == nil
+		})
+		if _, ok := rec.firstSince("carol", start); !ok {
+			t.Error("the server saw no request from carol")
+		}
+		// client-go's own transport may carry the first requests: it
+		// reads the CA file anew, the pool once its watch fired.
+		waitFor(t, "the pool reloads the CA file", func() bool { return p.Stats().Rotations == 1 })
+		f.srv.ResetStats()
+		for range 3 {
+			if err := listNodes(ctx, cfg); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if st := f.srv.Stats(); st.Accepted != 1 {
+			t.Errorf("3 clientsets after the pool reloaded the CA file: server accepted %d connections, want 1 (the pool's new one)", st.Accepted)
+		}
+	})
+}
+
+// TestRotationPresentsNewCertificateAtOnce: right after the pool took rotated
+// certificate files into use, a request through the same config presents the
+// new certificate, although client-go's own transport for those files still
+// holds the old one for a moment: the pool knows that transport as client-go's
+// cached one for the files (no Proxy, no Dial), so the request goes over the
+// pool's current transport rather than client-go's.
+func TestRotationPresentsNewCertificateAtOnce(t *testing.T) {
+	rec := &cnRecorder{}
+	f := newFixture(t, testserver.Options{OnRequest: rec.record})
+	p := newPool(t, WithPollInterval(0))
+	d := newCertDir(t, secretVolume, f.alice, f.ca.CertPEM())
+	cfg, cs := d.wrapped(t, p, f.srv.URL())
+	ctx := context.Background()
+	if _, err := cs.CoreV1().Nodes().List(ctx, metav1.ListOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	d.write(t, f.bob, f.ca.CertPEM())
+	waitFor(t, "the pool takes the new files into use", func() bool { return p.Stats().Rotations == 1 })
+	rotated := time.Now()
+	for _, c := range []kubernetes.Interface{cs, mustClientset(t, cfg)} {
+		if _, err := c.CoreV1().Nodes().List(ctx, metav1.ListOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	seen := map[string]int{}
+	rec.mu.Lock()
+	for _, s := range rec.seen {
+		if !s.at.Before(rotated) {
+			seen[s.cn]++
+		}
+	}
+	rec.mu.Unlock()
+	if seen["bob"] != 2 || len(seen) != 1 {
+		t.Errorf("after the rotation the server saw requests from %v, want 2 from bob", seen)
+	}
+}
+
+func mustClientset(t testing.TB, cfg *rest.Config) kubernetes.Interface {
+	t.Helper()
+	cs, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return cs
+}
+
+// TestRotationClientCatchesUp: a client whose own client-go transport reads
+// the rotated files but cannot be proven to be the identity's (a config with
+// Proxy: client-go builds it a transport of its own) goes over client-go's
+// transport while that one still presents the old certificate, and back to the
+// pool's once client-go's certificate cache has expired: from then on the
+// server sees only the new certificate from it.
+func TestRotationClientCatchesUp(t *testing.T) {
+	rec := &cnRecorder{}
+	f := newFixture(t, testserver.Options{OnRequest: rec.record})
+	p := newPool(t, WithPollInterval(0))
+	d := newCertDir(t, secretVolume, f.alice, f.ca.CertPEM())
+	cfg := d.config(f.srv.URL())
+	cfg.Proxy = nilProxy
+	if err := p.Wrap(cfg); err != nil {
+		t.Fatal(err)
+	}
+	cs := mustClientset(t, cfg)
+	ctx := context.Background()
+	list := func() {
+		t.Helper()
+		if _, err := cs.CoreV1().Nodes().List(ctx, metav1.ListOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	list()
+	d.write(t, f.bob, f.ca.CertPEM())
+	waitFor(t, "the pool takes the new files into use", func() bool { return p.Stats().Rotations == 1 })
+	list() // client-go's transport still presents alice: it carries this one
+	time.Sleep(certFileSettle + 300*time.Millisecond)
+	settled := time.Now()
+	for range 3 {
+		list()
+	}
+	seen := map[string]int{}
+	rec.mu.Lock()
+	for _, s := range rec.seen {
+		if !s.at.Before(settled) {
+			seen[s.cn]++
+		}
+	}
+	rec.mu.Unlock()
+	if seen["bob"] != 3 || len(seen) != 1 {
+		t.Errorf("once client-go's certificate cache expired the server saw requests from %v, want 3 from bob", seen)
+	}
+}

@@ -348,6 +348,10 @@ func TestHostPasswordRedacted(t *testing.T) {
 		if !strings.Contains(err.Error(), "not a valid URL") {
 			t.Errorf("Proxy %v: Wrap's error %q does not say the Host is bad", withProxy, err)
 		}
+		// The host stays recognisable, its user info all gone.
+		if !strings.Contains(err.Error(), `"https://xxxxx@127.0.0.1:6443"`) {
+			t.Errorf("Proxy %v: Wrap's error %q does not name the host as https://xxxxx@127.0.0.1:6443", withProxy, err)
+		}
 		if strings.Contains(err.Error(), "S3cr") {
 			t.Errorf("Proxy %v: Wrap's error holds the password: %q", withProxy, err)
 		}

@@ -503,6 +503,43 @@ func TestLifetime(t *testing.T) {
 		return p.Stats().Identities == 0
 	})
 
+	// A live config keeps its identity when another config of the same
+	// identity is collected: its connection stays open and its requests
+	// keep going over it. A dropped config of another identity (bob) shows
+	// when the dropped leases have been released.
+	f.srv.ResetStats()
+	p2 := newPool(t, WithIdleTimeout(0))
+	kept := f.srv.RestConfig(f.carol)
+	if err := p2.Wrap(kept); err != nil {
+		t.Fatal(err)
+	}
+	if err := listNodes(ctx, kept); err != nil {
+		t.Fatal(err)
+	}
+	for _, kp := range []*testserver.KeyPair{f.carol, f.bob} {
+		if err := p2.Wrap(f.srv.RestConfig(kp)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	waitFor(t, "the dropped configs' identity released after GC", func() bool {
+		runtime.GC()
+		return p2.Stats().Identities <= 1
+	})
+	for range 3 {
+		runtime.GC()
+		time.Sleep(10 * time.Millisecond)
+	}
+	if err := listNodes(ctx, kept); err != nil {
+		t.Fatalf("a live config's request after another config of its identity was collected: %v", err)
+	}
+	if st := f.srv.Stats(); st.Accepted != 1 || st.Open != 1 {
+		t.Errorf("a live config, another of its identity collected: server accepted %d connections, %d open; want the first one, still open", st.Accepted, st.Open)
+	}
+	runtime.KeepAlive(kept)
+	if err := p2.Close(); err != nil {
+		t.Fatal(err)
+	}
+
 	// A live config keeps its identity; Close ends it.
 	cfg := f.srv.RestConfig(f.alice)
 	if err := p.Wrap(cfg); err != nil {
