@@ -6,7 +6,9 @@
 # The focused set is chosen by the mutation build tag (mutation_test.go):
 # the security- and connection-critical tests, in -short mode.
 #
-# Usage: hack/mutation.sh [file.go ...]   (default: wrapper.go sharedtransport.go keepalive.go)
+# Usage: hack/mutation.sh [file.go ...]
+#   (default: wrapper.go sharedtransport.go entry.go keepalive.go gate.go;
+#   MUTATION_WORKERS sets gremlins' parallel test runs, default 1)
 # Results: gremlins' summary on stdout, per-mutant JSON in
 # $MUTATION_OUT/mutation-<file>.json (MUTATION_OUT defaults to the module root).
 set -euo pipefail
@@ -16,7 +18,7 @@ command -v gremlins >/dev/null || go install github.com/go-gremlins/gremlins/cmd
 # run served from the test cache would time every mutant out.
 export GOFLAGS="${GOFLAGS:+$GOFLAGS }-count=1"
 files=("$@")
-[ ${#files[@]} -gt 0 ] || files=(wrapper.go sharedtransport.go keepalive.go)
+[ ${#files[@]} -gt 0 ] || files=(wrapper.go sharedtransport.go entry.go keepalive.go gate.go)
 for f in "${files[@]}"; do
 	# Mutate f alone: every other Go file of the module, and every file in a
 	# subdirectory (cmd, internal, metrics, e2e, hack), is excluded.
@@ -28,6 +30,6 @@ for f in "${files[@]}"; do
 	# No --test-cpu: gremlins v0.6.0 passes it to go test as the single
 	# argument "-cpu N", which the test binary rejects, so every mutant
 	# would be reported killed.
-	gremlins unleash --tags mutation --workers 1 --timeout-coefficient 4 \
+	gremlins unleash --tags mutation --workers "${MUTATION_WORKERS:-1}" --timeout-coefficient 4 \
 		"${excludes[@]}" -o "${MUTATION_OUT:-.}/mutation-${f%.go}.json" .
 done
