@@ -12,6 +12,7 @@ import (
 	"net/http"
 	"net/url"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"runtime"
 	"strings"
@@ -19,6 +20,7 @@ import (
 	"testing"
 	"time"
 
+	utilnet "k8s.io/apimachinery/pkg/util/net"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/transport"
@@ -481,4 +483,33 @@ func TestAdversaryFirstRequestGate(t *testing.T) {
 			<-deadDone
 		})
 	}
+}
+
+// TestAdversaryCopyProxyWithNoProxyCIDR: in a process whose NO_PROXY names
+// a CIDR (common in clusters: NO_PROXY=10.0.0.0/8,...), client-go's proxy
+// function for configs without Proxy is the closure
+// utilnet.NewProxierWithNoProxyCIDR returns. A copy that sets its own Proxy
+// the same way (the usual way to give a proxy function NO_PROXY's CIDR
+// handling) gets a function with the same code: a hook that tells "routes by
+// the environment" by the code pointer alone sends the copy's requests
+// direct, where client-go sends them through the copy's proxy.
+func TestAdversaryCopyProxyWithNoProxyCIDR(t *testing.T) {
+	const child = "SHAREDTRANSPORT_TEST_NO_PROXY_CHILD"
+	if os.Getenv(child) == "" {
+		// NO_PROXY is read when the package initialises: a process of its
+		// own, with a CIDR that leaves loopback to the proxies.
+		cmd := exec.Command(os.Args[0], "-test.run=^TestAdversaryCopyProxyWithNoProxyCIDR$", "-test.count=1", "-test.v")
+		cmd.Env = append(os.Environ(), child+"=1", "NO_PROXY=10.0.0.0/8", "no_proxy=", "HTTPS_PROXY=", "https_proxy=")
+		out, err := cmd.CombinedOutput()
+		if err != nil || !strings.Contains(string(out), "--- PASS: TestAdversaryCopyProxyWithNoProxyCIDR") {
+			t.Fatalf("in a process with NO_PROXY=10.0.0.0/8: %v\n%s", err, out)
+		}
+		return
+	}
+	f := newFixture(t, testserver.Options{})
+	r := newCopyRig(t, testserver.Options{CA: f.ca})
+	pair := wrapPair(t, newPool(t), func() *rest.Config { return r.srv.RestConfig(f.alice) })
+	r.check(t, pair, &observation{CN: "alice", Proto: "HTTP/2.0", Gzip: true, Via: "direct"})
+	cp := pair.copies(func(c *rest.Config) { c.Proxy = utilnet.NewProxierWithNoProxyCIDR(proxyTo(r.proxies[1])) })
+	r.check(t, cp, &observation{CN: "alice", Proto: "HTTP/2.0", Gzip: true, Via: "proxy 2"})
 }

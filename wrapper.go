@@ -128,7 +128,7 @@ func (h *hook) wrap(rt http.RoundTripper) http.RoundTripper {
 		got:       got,
 		dial:      h.dial,
 		onlyHost:  h.onlyHost,
-		envRoutes: h.id.proxy == nil && isEnvProxier(got.Proxy),
+		envRoutes: h.id.proxy == nil && routesByEnvironment(got.Proxy),
 		built:     time.Now(),
 	}
 	if !l.e.filesBad.Load() && !l.e.agrees(got, g, h.dial) && isClientGoTransportFor(got, h.id) {
@@ -522,6 +522,16 @@ var envProxierCode = reflect.ValueOf(utilnet.NewProxierWithNoProxyCIDR(http.Prox
 
 func isEnvProxier(proxy func(*http.Request) (*url.URL, error)) bool {
 	return proxy != nil && reflect.ValueOf(proxy).Pointer() == envProxierCode
+}
+
+// routesByEnvironment reports whether proxy is shown to route by the
+// environment: http.ProxyFromEnvironment itself, which is what client-go's
+// transports use for configs without Proxy unless NO_PROXY names a CIDR.
+// With such a CIDR they use a closure of utilnet.NewProxierWithNoProxyCIDR,
+// whose code is also that of a config's own Proxy built with it around
+// another function: such a proxy function is asked per request.
+func routesByEnvironment(proxy func(*http.Request) (*url.URL, error)) bool {
+	return proxy != nil && reflect.ValueOf(proxy).Pointer() == reflect.ValueOf(http.ProxyFromEnvironment).Pointer()
 }
 
 // isClientGoTransportFor reports whether got is the transport client-go's cache
