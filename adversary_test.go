@@ -8,6 +8,7 @@ package sharedtransport
 
 import (
 	"context"
+	"fmt"
 	"net"
 	"net/http"
 	"net/url"
@@ -336,26 +337,41 @@ func TestAdversaryProxyErrorPassword(t *testing.T) {
 // with utilnet.SetTransportDefaults, which reads DISABLE_HTTP2 again. After
 // the variable changes and the files rotate, clients whose client-go
 // transport speaks HTTP/2 are moved to a generation that speaks HTTP/1.1.
+// With the protocols named in the config, the new generation offers the
+// same list (h2 included) without speaking HTTP/2: equal lists are not
+// enough, and such a client would fail where client-go alone speaks HTTP/2.
 func TestAdversaryDisableHTTP2AfterWrap(t *testing.T) {
 	f := newFixture(t, testserver.Options{})
 	r := newCopyRig(t, testserver.Options{CA: f.ca})
-	p := newPool(t, WithPollInterval(0))
-	d := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
-	pair := wrapPair(t, p, func() *rest.Config { return d.config(r.srv.URL()) })
-	before := [2]*rigClient{r.client(pair.wrapped), r.client(pair.control)}
-	for _, c := range before {
-		if o := c.observe(); o.Proto != "HTTP/2.0" || o.CN != "alice" {
-			t.Fatalf("before: %+v", o)
-		}
+	for _, nextProtos := range [][]string{nil, {"h2", "http/1.1"}} {
+		t.Run(fmt.Sprintf("NextProtos=%q", nextProtos), func(t *testing.T) {
+			p := newPool(t, WithPollInterval(0))
+			d := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
+			pair := wrapPair(t, p, func() *rest.Config {
+				c := d.config(r.srv.URL())
+				c.NextProtos = nextProtos
+				return c
+			})
+			before := [2]*rigClient{r.client(pair.wrapped), r.client(pair.control)}
+			for _, c := range before {
+				if o := c.observe(); o.Proto != "HTTP/2.0" || o.CN != "alice" {
+					t.Fatalf("before: %+v", o)
+				}
+			}
+			t.Setenv("DISABLE_HTTP2", "true")
+			d.write(t, f.bob, f.ca.CertPEM())
+			waitFor(t, "rotation to bob", func() bool { return p.Stats().Rotations == 1 })
+			time.Sleep(certFileSettle)
+			if got, control := before[0].observe(), before[1].observe(); got != control {
+				t.Errorf("client built before: through the pool %+v, through client-go alone %+v", got, control)
+			}
+			if nextProtos == nil {
+				// With h2 in the list and HTTP/2 off, client-go alone fails
+				// too: a new client has nothing to compare with.
+				r.check(t, pair, nil)
+			}
+		})
 	}
-	t.Setenv("DISABLE_HTTP2", "true")
-	d.write(t, f.bob, f.ca.CertPEM())
-	waitFor(t, "rotation to bob", func() bool { return p.Stats().Rotations == 1 })
-	time.Sleep(certFileSettle)
-	if got, control := before[0].observe(), before[1].observe(); got != control {
-		t.Errorf("client built before: through the pool %+v, through client-go alone %+v", got, control)
-	}
-	r.check(t, pair, nil)
 }
 
 // TestAdversaryClientGoTransportCreated: isClientGoTransportFor asks

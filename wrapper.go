@@ -415,11 +415,19 @@ func sameShape(rt http.RoundTripper, got *http.Transport, g *generation, id *ide
 	}
 	if gotTLS.ServerName != wantTLS.ServerName || gotTLS.InsecureSkipVerify != wantTLS.InsecureSkipVerify ||
 		gotTLS.MinVersion != wantTLS.MinVersion || gotTLS.MaxVersion != wantTLS.MaxVersion ||
-		!slices.Equal(settledALPN(got), generationALPN(g, id)) ||
+		!slices.Equal(settledALPN(got), generationALPN(g, id)) || !sameHTTP2(got, g.transport) ||
 		gotTLS.VerifyPeerCertificate != nil || gotTLS.VerifyConnection != nil || len(gotTLS.Certificates) > 0 {
 		return false
 	}
 	return samePool(gotTLS.RootCAs, g.roots) || readsCAFile(rt, id.caFile)
+}
+
+// sameHTTP2 reports whether got speaks HTTP/2 as want does, when want offers
+// h2: a protocol list named in the config keeps h2 where DISABLE_HTTP2 left
+// HTTP/2 off, so two transports built on either side of a change of the
+// variable offer the same list and only one of them speaks what it offers.
+func sameHTTP2(got, want *http.Transport) bool {
+	return !slices.Contains(want.TLSClientConfig.NextProtos, "h2") || speaksHTTP2(got) == speaksHTTP2(want)
 }
 
 // CloseIdleConnections closes idle connections of both transports the client
