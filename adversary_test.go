@@ -8,10 +8,12 @@ package sharedtransport
 
 import (
 	"context"
+	"fmt"
 	"net"
 	"net/http"
 	"net/url"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"runtime"
 	"strings"
@@ -19,6 +21,7 @@ import (
 	"testing"
 	"time"
 
+	utilnet "k8s.io/apimachinery/pkg/util/net"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/transport"
@@ -334,26 +337,41 @@ func TestAdversaryProxyErrorPassword(t *testing.T) {
 // with utilnet.SetTransportDefaults, which reads DISABLE_HTTP2 again. After
 // the variable changes and the files rotate, clients whose client-go
 // transport speaks HTTP/2 are moved to a generation that speaks HTTP/1.1.
+// With the protocols named in the config, the new generation offers the
+// same list (h2 included) without speaking HTTP/2: equal lists are not
+// enough, and such a client would fail where client-go alone speaks HTTP/2.
 func TestAdversaryDisableHTTP2AfterWrap(t *testing.T) {
 	f := newFixture(t, testserver.Options{})
 	r := newCopyRig(t, testserver.Options{CA: f.ca})
-	p := newPool(t, WithPollInterval(0))
-	d := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
-	pair := wrapPair(t, p, func() *rest.Config { return d.config(r.srv.URL()) })
-	before := [2]*rigClient{r.client(pair.wrapped), r.client(pair.control)}
-	for _, c := range before {
-		if o := c.observe(); o.Proto != "HTTP/2.0" || o.CN != "alice" {
-			t.Fatalf("before: %+v", o)
-		}
+	for _, nextProtos := range [][]string{nil, {"h2", "http/1.1"}} {
+		t.Run(fmt.Sprintf("NextProtos=%q", nextProtos), func(t *testing.T) {
+			p := newPool(t, WithPollInterval(0))
+			d := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
+			pair := wrapPair(t, p, func() *rest.Config {
+				c := d.config(r.srv.URL())
+				c.NextProtos = nextProtos
+				return c
+			})
+			before := [2]*rigClient{r.client(pair.wrapped), r.client(pair.control)}
+			for _, c := range before {
+				if o := c.observe(); o.Proto != "HTTP/2.0" || o.CN != "alice" {
+					t.Fatalf("before: %+v", o)
+				}
+			}
+			t.Setenv("DISABLE_HTTP2", "true")
+			d.write(t, f.bob, f.ca.CertPEM())
+			waitFor(t, "rotation to bob", func() bool { return p.Stats().Rotations == 1 })
+			time.Sleep(certFileSettle)
+			if got, control := before[0].observe(), before[1].observe(); got != control {
+				t.Errorf("client built before: through the pool %+v, through client-go alone %+v", got, control)
+			}
+			if nextProtos == nil {
+				// With h2 in the list and HTTP/2 off, client-go alone fails
+				// too: a new client has nothing to compare with.
+				r.check(t, pair, nil)
+			}
+		})
 	}
-	t.Setenv("DISABLE_HTTP2", "true")
-	d.write(t, f.bob, f.ca.CertPEM())
-	waitFor(t, "rotation to bob", func() bool { return p.Stats().Rotations == 1 })
-	time.Sleep(certFileSettle)
-	if got, control := before[0].observe(), before[1].observe(); got != control {
-		t.Errorf("client built before: through the pool %+v, through client-go alone %+v", got, control)
-	}
-	r.check(t, pair, nil)
 }
 
 // TestAdversaryClientGoTransportCreated: isClientGoTransportFor asks
@@ -481,4 +499,33 @@ func TestAdversaryFirstRequestGate(t *testing.T) {
 			<-deadDone
 		})
 	}
+}
+
+// TestAdversaryCopyProxyWithNoProxyCIDR: in a process whose NO_PROXY names
+// a CIDR (common in clusters: NO_PROXY=10.0.0.0/8,...), client-go's proxy
+// function for configs without Proxy is the closure
+// utilnet.NewProxierWithNoProxyCIDR returns. A copy that sets its own Proxy
+// the same way (the usual way to give a proxy function NO_PROXY's CIDR
+// handling) gets a function with the same code: a hook that tells "routes by
+// the environment" by the code pointer alone sends the copy's requests
+// direct, where client-go sends them through the copy's proxy.
+func TestAdversaryCopyProxyWithNoProxyCIDR(t *testing.T) {
+	const child = "SHAREDTRANSPORT_TEST_NO_PROXY_CHILD"
+	if os.Getenv(child) == "" {
+		// NO_PROXY is read when the package initialises: a process of its
+		// own, with a CIDR that leaves loopback to the proxies.
+		cmd := exec.Command(os.Args[0], "-test.run=^TestAdversaryCopyProxyWithNoProxyCIDR$", "-test.count=1", "-test.v")
+		cmd.Env = append(os.Environ(), child+"=1", "NO_PROXY=10.0.0.0/8", "no_proxy=", "HTTPS_PROXY=", "https_proxy=")
+		out, err := cmd.CombinedOutput()
+		if err != nil || !strings.Contains(string(out), "--- PASS: TestAdversaryCopyProxyWithNoProxyCIDR") {
+			t.Fatalf("in a process with NO_PROXY=10.0.0.0/8: %v\n%s", err, out)
+		}
+		return
+	}
+	f := newFixture(t, testserver.Options{})
+	r := newCopyRig(t, testserver.Options{CA: f.ca})
+	pair := wrapPair(t, newPool(t), func() *rest.Config { return r.srv.RestConfig(f.alice) })
+	r.check(t, pair, &observation{CN: "alice", Proto: "HTTP/2.0", Gzip: true, Via: "direct"})
+	cp := pair.copies(func(c *rest.Config) { c.Proxy = utilnet.NewProxierWithNoProxyCIDR(proxyTo(r.proxies[1])) })
+	r.check(t, cp, &observation{CN: "alice", Proto: "HTTP/2.0", Gzip: true, Via: "proxy 2"})
 }

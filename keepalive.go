@@ -204,11 +204,15 @@ func (g *generation) setTransports(id *identity, keepAlive bool, tlsConfig *tls.
 // x/net's http2.ConfigureTransports does it in one of two ways: it registers
 // its own HTTP/2 under TLSNextProto["h2"], or, where it wraps net/http's own
 // HTTP/2 (newer x/net built with a Go that has it), it sets t.Protocols.
+//
+// t.Protocols is read first: where it is set, net/http writes t.TLSNextProto
+// at t's first use, which may be running now on a transport of client-go's.
 func speaksHTTP2(t *http.Transport) bool {
-	if _, ok := t.TLSNextProto["h2"]; ok {
+	if t.Protocols != nil && t.Protocols.HTTP2() {
 		return true
 	}
-	return t.Protocols != nil && t.Protocols.HTTP2()
+	_, ok := t.TLSNextProto["h2"]
+	return ok
 }
 
 // settleProtocols has net/http finish configuring t's protocols before t is

@@ -128,7 +128,7 @@ func (h *hook) wrap(rt http.RoundTripper) http.RoundTripper {
 		got:       got,
 		dial:      h.dial,
 		onlyHost:  h.onlyHost,
-		envRoutes: h.id.proxy == nil && isEnvProxier(got.Proxy),
+		envRoutes: h.id.proxy == nil && routesByEnvironment(got.Proxy),
 		built:     time.Now(),
 	}
 	if !l.e.filesBad.Load() && !l.e.agrees(got, g, h.dial) && isClientGoTransportFor(got, h.id) {
@@ -415,11 +415,19 @@ func sameShape(rt http.RoundTripper, got *http.Transport, g *generation, id *ide
 	}
 	if gotTLS.ServerName != wantTLS.ServerName || gotTLS.InsecureSkipVerify != wantTLS.InsecureSkipVerify ||
 		gotTLS.MinVersion != wantTLS.MinVersion || gotTLS.MaxVersion != wantTLS.MaxVersion ||
-		!slices.Equal(settledALPN(got), generationALPN(g, id)) ||
+		!slices.Equal(settledALPN(got), generationALPN(g, id)) || !sameHTTP2(got, g.transport) ||
 		gotTLS.VerifyPeerCertificate != nil || gotTLS.VerifyConnection != nil || len(gotTLS.Certificates) > 0 {
 		return false
 	}
 	return samePool(gotTLS.RootCAs, g.roots) || readsCAFile(rt, id.caFile)
+}
+
+// sameHTTP2 reports whether got speaks HTTP/2 as want does, when want offers
+// h2: a protocol list named in the config keeps h2 where DISABLE_HTTP2 left
+// HTTP/2 off, so two transports built on either side of a change of the
+// variable offer the same list and only one of them speaks what it offers.
+func sameHTTP2(got, want *http.Transport) bool {
+	return !slices.Contains(want.TLSClientConfig.NextProtos, "h2") || speaksHTTP2(got) == speaksHTTP2(want)
 }
 
 // CloseIdleConnections closes idle connections of both transports the client
@@ -522,6 +530,16 @@ var envProxierCode = reflect.ValueOf(utilnet.NewProxierWithNoProxyCIDR(http.Prox
 
 func isEnvProxier(proxy func(*http.Request) (*url.URL, error)) bool {
 	return proxy != nil && reflect.ValueOf(proxy).Pointer() == envProxierCode
+}
+
+// routesByEnvironment reports whether proxy is shown to route by the
+// environment: http.ProxyFromEnvironment itself, which is what client-go's
+// transports use for configs without Proxy unless NO_PROXY names a CIDR.
+// With such a CIDR they use a closure of utilnet.NewProxierWithNoProxyCIDR,
+// whose code is also that of a config's own Proxy built with it around
+// another function: such a proxy function is asked per request.
+func routesByEnvironment(proxy func(*http.Request) (*url.URL, error)) bool {
+	return proxy != nil && reflect.ValueOf(proxy).Pointer() == reflect.ValueOf(http.ProxyFromEnvironment).Pointer()
 }
 
 // isClientGoTransportFor reports whether got is the transport client-go's cache
