@@ -529,3 +529,55 @@ func TestAdversaryCopyProxyWithNoProxyCIDR(t *testing.T) {
 	cp := pair.copies(func(c *rest.Config) { c.Proxy = utilnet.NewProxierWithNoProxyCIDR(proxyTo(r.proxies[1])) })
 	r.check(t, cp, &observation{CN: "alice", Proto: "HTTP/2.0", Gzip: true, Via: "proxy 2"})
 }
+
+// TestAdversaryOwnTransportSettings: a copy handed a transport of its own
+// (cfg.Transport: client-go's transport for the same identity, cloned, with
+// one setting client-go never makes) keeps it. The dialer, roots and
+// certificate match the pool's, but the pool's connections would not do
+// what that setting does: log TLS keys, or refuse long response headers.
+func TestAdversaryOwnTransportSettings(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	r := newCopyRig(t, testserver.Options{CA: f.ca})
+	for name, set := range map[string]func(*http.Transport, *strings.Builder){
+		"TLS key log":           func(t *http.Transport, log *strings.Builder) { t.TLSClientConfig.KeyLogWriter = log },
+		"response header limit": func(t *http.Transport, _ *strings.Builder) { t.MaxResponseHeaderBytes = 10 },
+	} {
+		t.Run(name, func(t *testing.T) {
+			orig := r.srv.RestConfig(f.alice)
+			tc, err := rest.CopyConfig(orig).TransportConfig()
+			if err != nil {
+				t.Fatal(err)
+			}
+			rt, err := transport.New(tc)
+			if err != nil {
+				t.Fatal(err)
+			}
+			clientGo, ok := rt.(*http.Transport)
+			if !ok {
+				t.Fatalf("client-go's transport for the config is a %T", rt)
+			}
+			own := clientGo.Clone()
+			var keyLog strings.Builder
+			set(own, &keyLog)
+			withOwn := func(c *rest.Config) *rest.Config {
+				c = rest.CopyConfig(c)
+				c.TLSClientConfig = rest.TLSClientConfig{}
+				c.Transport = own
+				return c
+			}
+			control := r.observe(withOwn(orig))
+			loggedAlone := keyLog.Len()
+
+			if err := newPool(t).Wrap(orig); err != nil {
+				t.Fatal(err)
+			}
+			got := r.observe(withOwn(orig))
+			if got != control {
+				t.Errorf("through the pool the server saw %+v; through client-go alone %+v", got, control)
+			}
+			if loggedAlone > 0 && keyLog.Len() == loggedAlone {
+				t.Errorf("the copy's key log got nothing through the pool (%d bytes through client-go alone): its requests rode the pool's connections", loggedAlone)
+			}
+		})
+	}
+}

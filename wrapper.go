@@ -409,9 +409,20 @@ func sameShape(rt http.RoundTripper, got *http.Transport, g *generation, id *ide
 			return false
 		}
 	}
+	// Everything else a transport can set is what client-go's transports
+	// and g's leave alike; a transport of the config's own (cfg.Transport)
+	// that sets more keeps it.
+	if !sameFieldsBut(got, g.transport, "Proxy", "DialContext", "TLSClientConfig", "DisableKeepAlives",
+		"DisableCompression", "ProxyConnectHeader", "TLSNextProto", "Protocols", "HTTP2") {
+		return false
+	}
 	gotTLS, wantTLS := got.TLSClientConfig, g.transport.TLSClientConfig
 	if gotTLS == nil || wantTLS == nil {
 		return gotTLS == wantTLS
+	}
+	if !onlyFieldsSet(gotTLS, "RootCAs", "ServerName", "InsecureSkipVerify", "MinVersion", "MaxVersion",
+		"NextProtos", "GetClientCertificate") {
+		return false
 	}
 	if gotTLS.ServerName != wantTLS.ServerName || gotTLS.InsecureSkipVerify != wantTLS.InsecureSkipVerify ||
 		gotTLS.MinVersion != wantTLS.MinVersion || gotTLS.MaxVersion != wantTLS.MaxVersion ||
@@ -792,13 +803,32 @@ func probeDial(context.Context, string, string) (net.Conn, error) {
 }
 
 // sameButConnectHeader compares every exported field of two transports but
-// ProxyConnectHeader and GetProxyConnectHeader. Functions are the same when
-// they are one func value.
+// ProxyConnectHeader and GetProxyConnectHeader.
 func sameButConnectHeader(a, b *http.Transport) bool {
+	return sameFieldsBut(a, b, "ProxyConnectHeader", "GetProxyConnectHeader")
+}
+
+// onlyFieldsSet reports whether c sets no exported field but those named:
+// what client-go sets on the TLS configs it builds.
+func onlyFieldsSet(c *tls.Config, set ...string) bool {
+	v := reflect.ValueOf(c).Elem()
+	for i := range v.NumField() {
+		f := v.Type().Field(i)
+		if f.IsExported() && !slices.Contains(set, f.Name) && !v.Field(i).IsZero() {
+			return false
+		}
+	}
+	return true
+}
+
+// sameFieldsBut compares every exported field of two transports but those
+// named (never read: net/http writes some at a transport's first use).
+// Functions are the same when they are one func value.
+func sameFieldsBut(a, b *http.Transport, skip ...string) bool {
 	va, vb := reflect.ValueOf(a).Elem(), reflect.ValueOf(b).Elem()
 	for i := range va.NumField() {
 		f := va.Type().Field(i)
-		if !f.IsExported() || f.Name == "ProxyConnectHeader" || f.Name == "GetProxyConnectHeader" {
+		if !f.IsExported() || slices.Contains(skip, f.Name) {
 			continue
 		}
 		fa, fb := va.Field(i), vb.Field(i)
