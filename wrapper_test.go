@@ -251,6 +251,9 @@ func (r *copyRig) expect(t *testing.T, cfg *rest.Config, want observation) {
 	}
 }
 
+// h2 is the protocol an HTTP/2 request arrives with.
+const h2 = "HTTP/2.0"
+
 // TestCopyCrossings: the crossings the review of 2026-12-03 reproduced, each
 // with its control.
 func TestCopyCrossings(t *testing.T) {
@@ -267,154 +270,169 @@ func TestCopyCrossings(t *testing.T) {
 		c.ExecProvider = &e
 		return c
 	}
-	h2 := "HTTP/2.0"
 
-	t.Run("exec plugin", func(t *testing.T) {
-		for _, tc := range []struct {
-			name   string
-			mutate func(*rest.Config)
-			want   observation
-		}{
-			{"copy with a token", func(c *rest.Config) { c.BearerToken = "token-x" }, observation{Token: "token-x", Proto: h2, Gzip: true, Via: "direct"}},
-			{"copy with basic auth", func(c *rest.Config) { c.Username, c.Password = "u", "p" }, observation{Err: "Unauthorized", Proto: h2, Gzip: true, Via: "direct"}},
-			{"copy without the plugin", func(c *rest.Config) { c.ExecProvider = nil }, observation{Err: "Unauthorized", Proto: h2, Gzip: true, Via: "direct"}},
-			{"copy with bob's certificate", func(c *rest.Config) { c.CertData, c.KeyData = f.bob.CertPEM, f.bob.KeyPEM }, observation{CN: "bob", Proto: h2, Gzip: true, Via: "direct"}},
-		} {
-			t.Run(tc.name, func(t *testing.T) {
-				p := newPool(t)
-				pair := wrapPair(t, p, withExec)
-				r.check(t, pair.copies(func(*rest.Config) {}), &observation{CN: "exec-alice", Proto: h2, Gzip: true, Via: "direct"})
-				cp := pair.copies(tc.mutate)
-				r.check(t, cp, &tc.want)
-				t.Run("wrapped again, same pool", func(t *testing.T) {
-					if err := p.Wrap(cp.wrapped); err != nil {
-						t.Fatal(err)
-					}
-					r.check(t, cp, &tc.want)
-				})
-				t.Run("wrapped again, other pool", func(t *testing.T) {
-					cp := pair.copies(tc.mutate)
-					if err := newPool(t).Wrap(cp.wrapped); err != nil {
-						t.Fatal(err)
-					}
-					r.check(t, cp, &tc.want)
-				})
-			})
-		}
-		t.Run("token set in place after Wrap", func(t *testing.T) {
-			pair := wrapPair(t, newPool(t), withExec)
-			r.check(t, pair, &observation{CN: "exec-alice", Proto: h2, Gzip: true, Via: "direct"})
-			pair.wrapped.BearerToken, pair.control.BearerToken = "token-x", "token-x"
-			r.check(t, pair, &observation{Token: "token-x", Proto: h2, Gzip: true, Via: "direct"})
-		})
-	})
+	t.Run("exec plugin", func(t *testing.T) { copyCrossingsExec(t, f, r, withExec) })
 
 	// Files rotate from alice to bob; copies hold alice's material in other
 	// ways. Past material of the original never vouches for them.
-	t.Run("rotated-away certificate", func(t *testing.T) {
-		p := newPool(t, WithPollInterval(0))
-		d := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
-		pair := wrapPair(t, p, func() *rest.Config { return d.config(r.srv.URL()) })
-		r.check(t, pair, &observation{CN: "alice", Proto: h2, Gzip: true, Via: "direct"})
-		d.write(t, f.bob, f.ca.CertPEM())
-		waitFor(t, "rotation to bob", func() bool { return p.Stats().Rotations == 1 })
-		waitFor(t, "the original presents bob", func() bool { return r.observe(pair.wrapped).CN == "bob" })
-		inline := pair.copies(func(c *rest.Config) {
-			c.CertFile, c.KeyFile, c.CertData, c.KeyData = "", "", f.alice.CertPEM, f.alice.KeyPEM
-		})
-		r.check(t, inline, &observation{CN: "alice", Proto: h2, Gzip: true, Via: "direct"})
-	})
+	t.Run("rotated-away certificate", func(t *testing.T) { copyCrossingsRotatedCert(t, f, r) })
+	t.Run("other files with the same bytes", func(t *testing.T) { copyCrossingsSameBytes(t, f, r) })
+	t.Run("rotated-away CA", func(t *testing.T) { copyCrossingsRotatedCA(t, f, r) })
+	t.Run("a copy's own Dial", func(t *testing.T) { copyCrossingsOwnDial(t, f, r, withExec) })
+	t.Run("Proxy for another host", func(t *testing.T) { copyCrossingsProxyOtherHost(t, f, r) })
+	t.Run("compression and protocols", func(t *testing.T) { copyCrossingsCompression(t, f, r) })
+}
 
-	t.Run("other files with the same bytes", func(t *testing.T) {
-		p := newPool(t, WithPollInterval(0))
-		d := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
-		same := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
-		pair := wrapPair(t, p, func() *rest.Config { return d.config(r.srv.URL()) })
-		cp := pair.copies(func(c *rest.Config) { c.CertFile, c.KeyFile, c.CAFile = same.cert, same.key, same.ca })
-		before := [2]*rigClient{r.client(cp.wrapped), r.client(cp.control)}
-		aliceSeen := observation{CN: "alice", Proto: h2, Gzip: true, Via: "direct"}
-		for _, c := range before {
-			if o := c.observe(); o != aliceSeen {
-				t.Fatalf("before the rotation: %+v, want %+v", o, aliceSeen)
-			}
-		}
-		d.write(t, f.carol, f.ca.CertPEM())
-		waitFor(t, "rotation to carol", func() bool { return p.Stats().Rotations == 1 })
-		if got, control := before[0].observe(), before[1].observe(); got != control || got != aliceSeen {
-			t.Errorf("a client of the copy built before the rotation: %+v through the pool, %+v alone, want %+v", got, control, aliceSeen)
-		}
-		r.check(t, cp, &aliceSeen)
-		waitFor(t, "the original moves to carol", func() bool { return r.observe(pair.wrapped).CN == "carol" })
-	})
-
-	t.Run("rotated-away CA", func(t *testing.T) {
-		newCA, err := testserver.NewCA("new-ca")
-		if err != nil {
-			t.Fatal(err)
-		}
-		serving, err := newCA.IssueServer()
-		if err != nil {
-			t.Fatal(err)
-		}
-		// Served from the new CA; client certificates still from the old.
-		moved := newCopyRig(t, testserver.Options{CA: newCA, ServerCert: serving, ClientCAs: f.ca.Pool()})
-		p := newPool(t, WithPollInterval(0))
-		d := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
-		pair := wrapPair(t, p, func() *rest.Config { return d.config(moved.srv.URL()) })
-		moved.check(t, pair, &observation{Err: "unknown authority"})
-		d.write(t, f.alice, newCA.CertPEM())
-		waitFor(t, "the new CA is taken", func() bool { return p.Stats().Rotations == 1 })
-		// client-go alone takes the new CA file later (v0.36+) or only for new
-		// transports (before): the pool's own side is what is promised here.
-		moved.expect(t, pair.wrapped, observation{CN: "alice", Proto: h2, Gzip: true, Via: "direct"})
-		oldInline := pair.copies(func(c *rest.Config) { c.CAFile, c.CAData = "", f.ca.CertPEM() })
-		moved.check(t, oldInline, &observation{Err: "unknown authority"})
-	})
-
-	t.Run("a copy's own Dial", func(t *testing.T) {
-		for name, newOriginal := range map[string]func() *rest.Config{
-			"inline certificate": func() *rest.Config { return r.srv.RestConfig(f.alice) },
-			"certificate files":  func() *rest.Config { return newCertDir(t, inPlace, f.alice, f.ca.CertPEM()).config(r.srv.URL()) },
-			"exec plugin":        withExec,
-		} {
-			t.Run(name, func(t *testing.T) {
-				pair := wrapPair(t, newPool(t), newOriginal)
-				cp := pair.copies(func(c *rest.Config) { c.Dial = r.relays[0].dial() })
-				o := r.observe(cp.control)
-				if o.Via != "relay 1" {
-					t.Fatalf("control went %s, want relay 1", o.Via)
+// copyCrossingsExec is TestCopyCrossings's "exec plugin" case.
+func copyCrossingsExec(t *testing.T, f *fixture, r *copyRig, withExec func() *rest.Config) {
+	for _, tc := range []struct {
+		name   string
+		mutate func(*rest.Config)
+		want   observation
+	}{
+		{"copy with a token", func(c *rest.Config) { c.BearerToken = "token-x" }, observation{Token: "token-x", Proto: h2, Gzip: true, Via: "direct"}},
+		{"copy with basic auth", func(c *rest.Config) { c.Username, c.Password = "u", "p" }, observation{Err: "Unauthorized", Proto: h2, Gzip: true, Via: "direct"}},
+		{"copy without the plugin", func(c *rest.Config) { c.ExecProvider = nil }, observation{Err: "Unauthorized", Proto: h2, Gzip: true, Via: "direct"}},
+		{"copy with bob's certificate", func(c *rest.Config) { c.CertData, c.KeyData = f.bob.CertPEM, f.bob.KeyPEM }, observation{CN: "bob", Proto: h2, Gzip: true, Via: "direct"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			p := newPool(t)
+			pair := wrapPair(t, p, withExec)
+			r.check(t, pair.copies(func(*rest.Config) {}), &observation{CN: "exec-alice", Proto: h2, Gzip: true, Via: "direct"})
+			cp := pair.copies(tc.mutate)
+			r.check(t, cp, &tc.want)
+			t.Run("wrapped again, same pool", func(t *testing.T) {
+				if err := p.Wrap(cp.wrapped); err != nil {
+					t.Fatal(err)
 				}
-				r.check(t, cp, nil)
+				r.check(t, cp, &tc.want)
 			})
-		}
-	})
-
-	t.Run("Proxy for another host", func(t *testing.T) {
-		direct := r.srv.URL()
-		other := strings.Replace(direct, "127.0.0.1", "localhost", 1)
-		proxied, _ := url.Parse(r.proxies[0].url())
-		ownHostDirect := func(req *http.Request) (*url.URL, error) {
-			if "https://"+req.URL.Host == direct {
-				return nil, nil
-			}
-			return proxied, nil
-		}
-		pair := wrapPair(t, newPool(t), func() *rest.Config {
-			c := r.srv.RestConfig(f.alice)
-			c.Proxy = ownHostDirect
-			return c
+			t.Run("wrapped again, other pool", func(t *testing.T) {
+				cp := pair.copies(tc.mutate)
+				if err := newPool(t).Wrap(cp.wrapped); err != nil {
+					t.Fatal(err)
+				}
+				r.check(t, cp, &tc.want)
+			})
 		})
-		r.check(t, pair, &observation{CN: "alice", Proto: h2, Gzip: true, Via: "direct"})
-		r.check(t, pair.copies(func(c *rest.Config) { c.Host = other }), &observation{CN: "alice", Proto: h2, Gzip: true, Via: "proxy 1"})
+	}
+	t.Run("token set in place after Wrap", func(t *testing.T) {
+		pair := wrapPair(t, newPool(t), withExec)
+		r.check(t, pair, &observation{CN: "exec-alice", Proto: h2, Gzip: true, Via: "direct"})
+		pair.wrapped.BearerToken, pair.control.BearerToken = "token-x", "token-x"
+		r.check(t, pair, &observation{Token: "token-x", Proto: h2, Gzip: true, Via: "direct"})
 	})
+}
 
-	t.Run("compression and protocols", func(t *testing.T) {
-		pair := wrapPair(t, newPool(t), func() *rest.Config { return r.srv.RestConfig(f.alice) })
-		r.check(t, pair.copies(func(c *rest.Config) { c.DisableCompression = true }), &observation{CN: "alice", Proto: h2, Via: "direct"})
-		r.check(t, pair.copies(func(c *rest.Config) { c.NextProtos = []string{"http/1.1"} }), &observation{CN: "alice", Proto: "HTTP/1.1", Gzip: true, Via: "direct"})
-		pair.wrapped.DisableCompression, pair.control.DisableCompression = true, true
-		r.check(t, pair, &observation{CN: "alice", Proto: h2, Via: "direct"})
+// copyCrossingsRotatedCert is TestCopyCrossings's "rotated-away certificate" case.
+func copyCrossingsRotatedCert(t *testing.T, f *fixture, r *copyRig) {
+	p := newPool(t, WithPollInterval(0))
+	d := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
+	pair := wrapPair(t, p, func() *rest.Config { return d.config(r.srv.URL()) })
+	r.check(t, pair, &observation{CN: "alice", Proto: h2, Gzip: true, Via: "direct"})
+	d.write(t, f.bob, f.ca.CertPEM())
+	waitFor(t, "rotation to bob", func() bool { return p.Stats().Rotations == 1 })
+	waitFor(t, "the original presents bob", func() bool { return r.observe(pair.wrapped).CN == "bob" })
+	inline := pair.copies(func(c *rest.Config) {
+		c.CertFile, c.KeyFile, c.CertData, c.KeyData = "", "", f.alice.CertPEM, f.alice.KeyPEM
 	})
+	r.check(t, inline, &observation{CN: "alice", Proto: h2, Gzip: true, Via: "direct"})
+}
+
+// copyCrossingsSameBytes is TestCopyCrossings's "other files with the same bytes" case.
+func copyCrossingsSameBytes(t *testing.T, f *fixture, r *copyRig) {
+	p := newPool(t, WithPollInterval(0))
+	d := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
+	same := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
+	pair := wrapPair(t, p, func() *rest.Config { return d.config(r.srv.URL()) })
+	cp := pair.copies(func(c *rest.Config) { c.CertFile, c.KeyFile, c.CAFile = same.cert, same.key, same.ca })
+	before := [2]*rigClient{r.client(cp.wrapped), r.client(cp.control)}
+	aliceSeen := observation{CN: "alice", Proto: h2, Gzip: true, Via: "direct"}
+	for _, c := range before {
+		if o := c.observe(); o != aliceSeen {
+			t.Fatalf("before the rotation: %+v, want %+v", o, aliceSeen)
+		}
+	}
+	d.write(t, f.carol, f.ca.CertPEM())
+	waitFor(t, "rotation to carol", func() bool { return p.Stats().Rotations == 1 })
+	if got, control := before[0].observe(), before[1].observe(); got != control || got != aliceSeen {
+		t.Errorf("a client of the copy built before the rotation: %+v through the pool, %+v alone, want %+v", got, control, aliceSeen)
+	}
+	r.check(t, cp, &aliceSeen)
+	waitFor(t, "the original moves to carol", func() bool { return r.observe(pair.wrapped).CN == "carol" })
+}
+
+// copyCrossingsRotatedCA is TestCopyCrossings's "rotated-away CA" case.
+func copyCrossingsRotatedCA(t *testing.T, f *fixture, r *copyRig) {
+	newCA, err := testserver.NewCA("new-ca")
+	if err != nil {
+		t.Fatal(err)
+	}
+	serving, err := newCA.IssueServer()
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Served from the new CA; client certificates still from the old.
+	moved := newCopyRig(t, testserver.Options{CA: newCA, ServerCert: serving, ClientCAs: f.ca.Pool()})
+	p := newPool(t, WithPollInterval(0))
+	d := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
+	pair := wrapPair(t, p, func() *rest.Config { return d.config(moved.srv.URL()) })
+	moved.check(t, pair, &observation{Err: "unknown authority"})
+	d.write(t, f.alice, newCA.CertPEM())
+	waitFor(t, "the new CA is taken", func() bool { return p.Stats().Rotations == 1 })
+	// client-go alone takes the new CA file later (v0.36+) or only for new
+	// transports (before): the pool's own side is what is promised here.
+	moved.expect(t, pair.wrapped, observation{CN: "alice", Proto: h2, Gzip: true, Via: "direct"})
+	oldInline := pair.copies(func(c *rest.Config) { c.CAFile, c.CAData = "", f.ca.CertPEM() })
+	moved.check(t, oldInline, &observation{Err: "unknown authority"})
+}
+
+// copyCrossingsOwnDial is TestCopyCrossings's "a copy's own Dial" case.
+func copyCrossingsOwnDial(t *testing.T, f *fixture, r *copyRig, withExec func() *rest.Config) {
+	for name, newOriginal := range map[string]func() *rest.Config{
+		"inline certificate": func() *rest.Config { return r.srv.RestConfig(f.alice) },
+		"certificate files":  func() *rest.Config { return newCertDir(t, inPlace, f.alice, f.ca.CertPEM()).config(r.srv.URL()) },
+		"exec plugin":        withExec,
+	} {
+		t.Run(name, func(t *testing.T) {
+			pair := wrapPair(t, newPool(t), newOriginal)
+			cp := pair.copies(func(c *rest.Config) { c.Dial = r.relays[0].dial() })
+			o := r.observe(cp.control)
+			if o.Via != "relay 1" {
+				t.Fatalf("control went %s, want relay 1", o.Via)
+			}
+			r.check(t, cp, nil)
+		})
+	}
+}
+
+// copyCrossingsProxyOtherHost is TestCopyCrossings's "Proxy for another host" case.
+func copyCrossingsProxyOtherHost(t *testing.T, f *fixture, r *copyRig) {
+	direct := r.srv.URL()
+	other := strings.Replace(direct, "127.0.0.1", "localhost", 1)
+	proxied, _ := url.Parse(r.proxies[0].url())
+	ownHostDirect := func(req *http.Request) (*url.URL, error) {
+		if "https://"+req.URL.Host == direct {
+			return nil, nil
+		}
+		return proxied, nil
+	}
+	pair := wrapPair(t, newPool(t), func() *rest.Config {
+		c := r.srv.RestConfig(f.alice)
+		c.Proxy = ownHostDirect
+		return c
+	})
+	r.check(t, pair, &observation{CN: "alice", Proto: h2, Gzip: true, Via: "direct"})
+	r.check(t, pair.copies(func(c *rest.Config) { c.Host = other }), &observation{CN: "alice", Proto: h2, Gzip: true, Via: "proxy 1"})
+}
+
+// copyCrossingsCompression is TestCopyCrossings's "compression and protocols" case.
+func copyCrossingsCompression(t *testing.T, f *fixture, r *copyRig) {
+	pair := wrapPair(t, newPool(t), func() *rest.Config { return r.srv.RestConfig(f.alice) })
+	r.check(t, pair.copies(func(c *rest.Config) { c.DisableCompression = true }), &observation{CN: "alice", Proto: h2, Via: "direct"})
+	r.check(t, pair.copies(func(c *rest.Config) { c.NextProtos = []string{"http/1.1"} }), &observation{CN: "alice", Proto: "HTTP/1.1", Gzip: true, Via: "direct"})
+	pair.wrapped.DisableCompression, pair.control.DisableCompression = true, true
+	r.check(t, pair, &observation{CN: "alice", Proto: h2, Via: "direct"})
 }
 
 // copySpec is one random (original, mutation) pair for the property test.
