@@ -686,148 +686,177 @@ func karmadaProxyHeader(next transport.WrapperFunc, h http.Header) transport.Wra
 // without it, counted at the proxy.
 func TestProxyConnectHeader(t *testing.T) {
 	f := newFixture(t, testserver.Options{})
-	r := newCopyRig(t, testserver.Options{CA: f.ca})
+	r := &proxyHeaderRig{copyRig: newCopyRig(t, testserver.Options{CA: f.ca}), caPEM: f.ca.CertPEM()}
 	r.keepConns = true
-	credA, credB := http.Header{"Proxy-Authorization": {"Basic a"}}, http.Header{"Proxy-Authorization": {"Basic b"}}
-	newProxy := func() *connectProxy {
-		return newAuthProxy(t, "Basic a", "Basic b")
+	t.Run("one tunnel for many configs of one identity and header", func(t *testing.T) { proxyHeaderOneTunnel(t, r) })
+	t.Run("client-go alone: a tunnel per config, each with the header", func(t *testing.T) { proxyHeaderClientGoAlone(t, r) })
+	t.Run("other headers, other tunnels", func(t *testing.T) { proxyHeaderOtherHeaders(t, r) })
+	t.Run("WithProxyConnectHeader", func(t *testing.T) { proxyHeaderOption(t, r) })
+	t.Run("a copy for another host keeps the header on client-go's transport", func(t *testing.T) { proxyHeaderCopyOtherHost(t, r) })
+	t.Run("a wrapper that changes more than CONNECT headers passes the config through", func(t *testing.T) { proxyHeaderOwnDialer(t, r) })
+}
+
+// proxyHeaderRig is TestProxyConnectHeader's server, with the members'
+// configs as Karmada builds them.
+type proxyHeaderRig struct {
+	*copyRig
+	caPEM []byte
+}
+
+// The credentials the members' CONNECT headers carry.
+var (
+	proxyCredA = http.Header{"Proxy-Authorization": {"Basic a"}}
+	proxyCredB = http.Header{"Proxy-Authorization": {"Basic b"}}
+)
+
+// newProxy is a CONNECT proxy that takes either credential.
+func (r *proxyHeaderRig) newProxy(t *testing.T) *connectProxy {
+	return newAuthProxy(t, "Basic a", "Basic b")
+}
+
+// member is a member's config with token, through proxy, with h on the
+// CONNECT from a Karmada-style wrapper (none when nil).
+func (r *proxyHeaderRig) member(proxy *connectProxy, token string, h http.Header) *rest.Config {
+	cfg := &rest.Config{Host: r.srv.URL(), BearerToken: token}
+	cfg.CAData = r.caPEM
+	cfg.Proxy = proxyTo(proxy)
+	if h != nil {
+		cfg.WrapTransport = karmadaProxyHeader(cfg.WrapTransport, h)
 	}
-	member := func(proxy *connectProxy, token string, h http.Header) *rest.Config {
-		cfg := &rest.Config{Host: r.srv.URL(), BearerToken: token}
-		cfg.CAData = f.ca.CertPEM()
-		cfg.Proxy = proxyTo(proxy)
-		if h != nil {
-			cfg.WrapTransport = karmadaProxyHeader(cfg.WrapTransport, h)
-		}
-		return cfg
-	}
+	return cfg
+}
+
+// proxyHeaderOneTunnel is TestProxyConnectHeader's "one tunnel for many configs of one identity and header" case.
+func proxyHeaderOneTunnel(t *testing.T, r *proxyHeaderRig) {
 	const reconciles = 40
+	proxy := r.newProxy(t)
+	p := newPool(t)
+	for i := range reconciles {
+		cfg := r.member(proxy, "token-x", proxyCredA)
+		if err := p.Wrap(cfg); err != nil {
+			t.Fatal(err)
+		}
+		if o := r.observe(cfg); o.Err != "" || o.Token != "token-x" || o.Via != "proxy 1" && !strings.HasPrefix(o.Via, "direct") {
+			t.Fatalf("reconcile %d: %+v", i, o)
+		}
+	}
+	if n, rej := proxy.Stats().Tunnels, proxy.Stats().Rejected; n != 1 || rej != 0 {
+		t.Errorf("the proxy opened %d tunnels and refused %d for %d configs, want 1 and 0", n, rej, reconciles)
+	}
+	for _, tn := range proxy.Tunnels() {
+		if h := tn.Header.Get("Proxy-Authorization"); h != "Basic a" {
+			t.Errorf("tunnel %s carried %q", tn.Upstream, h)
+		}
+	}
+}
 
-	t.Run("one tunnel for many configs of one identity and header", func(t *testing.T) {
-		proxy := newProxy()
-		p := newPool(t)
-		for i := range reconciles {
-			cfg := member(proxy, "token-x", credA)
-			if err := p.Wrap(cfg); err != nil {
-				t.Fatal(err)
-			}
-			if o := r.observe(cfg); o.Err != "" || o.Token != "token-x" || o.Via != "proxy 1" && !strings.HasPrefix(o.Via, "direct") {
-				t.Fatalf("reconcile %d: %+v", i, o)
-			}
+// proxyHeaderClientGoAlone is TestProxyConnectHeader's "client-go alone: a tunnel per config, each with the header" case.
+func proxyHeaderClientGoAlone(t *testing.T, r *proxyHeaderRig) {
+	proxy := r.newProxy(t)
+	for range 5 {
+		if o := r.observe(r.member(proxy, "token-x", proxyCredA)); o.Err != "" {
+			t.Fatalf("%+v", o)
 		}
-		if n, rej := proxy.Stats().Tunnels, proxy.Stats().Rejected; n != 1 || rej != 0 {
-			t.Errorf("the proxy opened %d tunnels and refused %d for %d configs, want 1 and 0", n, rej, reconciles)
-		}
-		for _, tn := range proxy.Tunnels() {
-			if h := tn.Header.Get("Proxy-Authorization"); h != "Basic a" {
-				t.Errorf("tunnel %s carried %q", tn.Upstream, h)
-			}
-		}
-	})
+	}
+	if n, rej := proxy.Stats().Tunnels, proxy.Stats().Rejected; n != 5 || rej != 0 {
+		t.Errorf("client-go alone: %d tunnels, %d refused, want 5 and 0", n, rej)
+	}
+}
 
-	t.Run("client-go alone: a tunnel per config, each with the header", func(t *testing.T) {
-		proxy := newProxy()
-		for range 5 {
-			if o := r.observe(member(proxy, "token-x", credA)); o.Err != "" {
-				t.Fatalf("%+v", o)
-			}
+// proxyHeaderOtherHeaders is TestProxyConnectHeader's "other headers, other tunnels" case.
+func proxyHeaderOtherHeaders(t *testing.T, r *proxyHeaderRig) {
+	proxy := r.newProxy(t)
+	p := newPool(t)
+	a, b := r.member(proxy, "token-x", proxyCredA), r.member(proxy, "token-x", proxyCredB)
+	for _, cfg := range []*rest.Config{a, b} {
+		if err := p.Wrap(cfg); err != nil {
+			t.Fatal(err)
 		}
-		if n, rej := proxy.Stats().Tunnels, proxy.Stats().Rejected; n != 5 || rej != 0 {
-			t.Errorf("client-go alone: %d tunnels, %d refused, want 5 and 0", n, rej)
-		}
-	})
-
-	t.Run("other headers, other tunnels", func(t *testing.T) {
-		proxy := newProxy()
-		p := newPool(t)
-		a, b := member(proxy, "token-x", credA), member(proxy, "token-x", credB)
+	}
+	for range 3 {
 		for _, cfg := range []*rest.Config{a, b} {
-			if err := p.Wrap(cfg); err != nil {
-				t.Fatal(err)
-			}
-		}
-		for range 3 {
-			for _, cfg := range []*rest.Config{a, b} {
-				if o := r.observe(cfg); o.Err != "" {
-					t.Fatalf("%+v", o)
-				}
-			}
-		}
-		if n := proxy.Stats().Tunnels; n != 2 {
-			t.Errorf("%d tunnels for two headers, want 2", n)
-		}
-		if got := p.Stats().Identities; got != 2 {
-			t.Errorf("%d identities for two headers, want 2", got)
-		}
-		seen := map[string]bool{}
-		for _, tn := range proxy.Tunnels() {
-			seen[tn.Header.Get("Proxy-Authorization")] = true
-		}
-		if !seen["Basic a"] || !seen["Basic b"] {
-			t.Errorf("tunnels carried %v, want both credentials", seen)
-		}
-	})
-
-	t.Run("WithProxyConnectHeader", func(t *testing.T) {
-		proxy := newProxy()
-		p := newPool(t, WithProxyConnectHeader(func(*rest.Config) http.Header { return credB }))
-		for range 10 {
-			cfg := member(proxy, "token-x", nil)
-			if err := p.Wrap(cfg); err != nil {
-				t.Fatal(err)
-			}
 			if o := r.observe(cfg); o.Err != "" {
 				t.Fatalf("%+v", o)
 			}
 		}
-		if n, rej := proxy.Stats().Tunnels, proxy.Stats().Rejected; n != 1 || rej != 0 {
-			t.Errorf("%d tunnels, %d refused, want 1 and 0", n, rej)
-		}
-	})
+	}
+	if n := proxy.Stats().Tunnels; n != 2 {
+		t.Errorf("%d tunnels for two headers, want 2", n)
+	}
+	if got := p.Stats().Identities; got != 2 {
+		t.Errorf("%d identities for two headers, want 2", got)
+	}
+	seen := map[string]bool{}
+	for _, tn := range proxy.Tunnels() {
+		seen[tn.Header.Get("Proxy-Authorization")] = true
+	}
+	if !seen["Basic a"] || !seen["Basic b"] {
+		t.Errorf("tunnels carried %v, want both credentials", seen)
+	}
+}
 
-	t.Run("a copy for another host keeps the header on client-go's transport", func(t *testing.T) {
-		proxy := newProxy()
-		p := newPool(t)
-		cfg := member(proxy, "token-x", credA)
+// proxyHeaderOption is TestProxyConnectHeader's "WithProxyConnectHeader" case.
+func proxyHeaderOption(t *testing.T, r *proxyHeaderRig) {
+	proxy := r.newProxy(t)
+	p := newPool(t, WithProxyConnectHeader(func(*rest.Config) http.Header { return proxyCredB }))
+	for range 10 {
+		cfg := r.member(proxy, "token-x", nil)
 		if err := p.Wrap(cfg); err != nil {
 			t.Fatal(err)
 		}
-		cp := rest.CopyConfig(cfg)
-		cp.Host = strings.Replace(cp.Host, "127.0.0.1", "localhost", 1)
-		if o := r.observe(cp); o.Err != "" || o.Via != "proxy 1" && proxy.Stats().Tunnels == 0 {
+		if o := r.observe(cfg); o.Err != "" {
 			t.Fatalf("%+v", o)
 		}
-		if rej := proxy.Stats().Rejected; rej != 0 {
-			t.Errorf("the proxy refused %d tunnels", rej)
-		}
-	})
+	}
+	if n, rej := proxy.Stats().Tunnels, proxy.Stats().Rejected; n != 1 || rej != 0 {
+		t.Errorf("%d tunnels, %d refused, want 1 and 0", n, rej)
+	}
+}
 
-	t.Run("a wrapper that changes more than CONNECT headers passes the config through", func(t *testing.T) {
-		p := newPool(t)
-		ownDialer := func(next transport.WrapperFunc) transport.WrapperFunc {
-			return func(rt http.RoundTripper) http.RoundTripper {
-				if t, ok := rt.(*http.Transport); ok {
-					t = t.Clone()
-					t.ProxyConnectHeader = credA.Clone()
-					t.DialContext = r.dialers[0].dial
-					rt = t
-				}
-				return next(rt)
+// proxyHeaderCopyOtherHost is TestProxyConnectHeader's "a copy for another host keeps the header on client-go's transport" case.
+func proxyHeaderCopyOtherHost(t *testing.T, r *proxyHeaderRig) {
+	proxy := r.newProxy(t)
+	p := newPool(t)
+	cfg := r.member(proxy, "token-x", proxyCredA)
+	if err := p.Wrap(cfg); err != nil {
+		t.Fatal(err)
+	}
+	cp := rest.CopyConfig(cfg)
+	cp.Host = strings.Replace(cp.Host, "127.0.0.1", "localhost", 1)
+	if o := r.observe(cp); o.Err != "" || o.Via != "proxy 1" && proxy.Stats().Tunnels == 0 {
+		t.Fatalf("%+v", o)
+	}
+	if rej := proxy.Stats().Rejected; rej != 0 {
+		t.Errorf("the proxy refused %d tunnels", rej)
+	}
+}
+
+// proxyHeaderOwnDialer is TestProxyConnectHeader's "a wrapper that changes more than CONNECT headers passes the config through" case.
+func proxyHeaderOwnDialer(t *testing.T, r *proxyHeaderRig) {
+	p := newPool(t)
+	ownDialer := func(next transport.WrapperFunc) transport.WrapperFunc {
+		return func(rt http.RoundTripper) http.RoundTripper {
+			if t, ok := rt.(*http.Transport); ok {
+				t = t.Clone()
+				t.ProxyConnectHeader = proxyCredA.Clone()
+				t.DialContext = r.dialers[0].dial
+				rt = t
 			}
+			return next(rt)
 		}
-		cfg := member(r.proxies[0], "token-x", nil)
-		cfg.WrapTransport = ownDialer(func(rt http.RoundTripper) http.RoundTripper { return rt })
-		control := rest.CopyConfig(cfg)
-		if err := p.Wrap(cfg); err != nil {
-			t.Fatal(err)
-		}
-		if st := p.Stats(); st.PassThrough != 1 || st.Identities != 0 {
-			t.Errorf("pool %+v, want the config passed through", st)
-		}
-		if got, want := r.observe(cfg), r.observe(control); got != want || want.Via != "proxy 1 < dialer 1" {
-			t.Errorf("through the pool %+v, client-go alone %+v (through proxy 1 from dialer 1)", got, want)
-		}
-	})
+	}
+	cfg := r.member(r.proxies[0], "token-x", nil)
+	cfg.WrapTransport = ownDialer(func(rt http.RoundTripper) http.RoundTripper { return rt })
+	control := rest.CopyConfig(cfg)
+	if err := p.Wrap(cfg); err != nil {
+		t.Fatal(err)
+	}
+	if st := p.Stats(); st.PassThrough != 1 || st.Identities != 0 {
+		t.Errorf("pool %+v, want the config passed through", st)
+	}
+	if got, want := r.observe(cfg), r.observe(control); got != want || want.Via != "proxy 1 < dialer 1" {
+		t.Errorf("through the pool %+v, client-go alone %+v (through proxy 1 from dialer 1)", got, want)
+	}
 }
 
 // TestWrapProxyOtherHosts: a wrapped config with Proxy shares the pool's
