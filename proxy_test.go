@@ -274,42 +274,50 @@ func TestProxySecretRotation(t *testing.T) {
 			waitFor(t, "old identity's connections closed", func() bool {
 				return m.srv.OpenConns() == p.Stats().OpenConns
 			})
-			st := m.srv.Stats()
-			m.mu.Lock()
-			t.Logf("%s rotated after %d of %d requests: member saw %v, %d requests sent after the rotation; "+
-				"identities %d before, %d after the load, 1 after GC; member accepted %d connections, %d open now",
-				tc.name, clients*requests/2, clients*requests, m.users, m.after,
-				before.Identities, afterLoad.Identities, st.Accepted, st.Open)
-			if len(m.violations) > 0 {
-				t.Errorf("%d requests sent after the rotation used the old credentials: %v", len(m.violations), m.violations[:min(5, len(m.violations))])
-			}
-			if m.after == 0 || m.users["front-v1"] == 0 || m.users["front-v2"] == 0 {
-				t.Errorf("the load did not straddle the rotation: %v, %d after", m.users, m.after)
-			}
-			m.mu.Unlock()
-			if tc.newIdentity {
-				// The old identity may be gone already: nothing refers to it
-				// once the requests that used it are done.
-				if afterLoad.Misses != 2 || afterLoad.Identities > 2 {
-					t.Errorf("after a certificate change: %+v, want 2 identities built", afterLoad)
-				}
-				if st.Accepted > 4 {
-					t.Errorf("member accepted %d connections, want at most 2 per certificate", st.Accepted)
-				}
-			} else {
-				// A token is not part of the identity: the connections stay.
-				if afterLoad.Misses != 1 {
-					t.Errorf("a token change built a transport: %+v", afterLoad)
-				}
-				if st.Accepted > 2 {
-					t.Errorf("member accepted %d connections, want at most 2: a token change needs none", st.Accepted)
-				}
-			}
-			if st.Open > 2 || st.Open == 0 {
-				t.Errorf("member has %d connections open, want the new identity's (1 or 2)", st.Open)
-			}
+			checkProxyRotation(t, tc.name, tc.newIdentity, m, before, afterLoad, clients*requests)
 			runtime.KeepAlive(current)
 		})
+	}
+}
+
+// checkProxyRotation checks what member m saw of TestProxySecretRotation's
+// total requests, rotated halfway, and what the pool built: before the
+// rotation, after the load.
+func checkProxyRotation(t *testing.T, name string, newIdentity bool, m *rotationMember, before, afterLoad Stats, total int) {
+	t.Helper()
+	st := m.srv.Stats()
+	m.mu.Lock()
+	t.Logf("%s rotated after %d of %d requests: member saw %v, %d requests sent after the rotation; "+
+		"identities %d before, %d after the load, 1 after GC; member accepted %d connections, %d open now",
+		name, total/2, total, m.users, m.after,
+		before.Identities, afterLoad.Identities, st.Accepted, st.Open)
+	if len(m.violations) > 0 {
+		t.Errorf("%d requests sent after the rotation used the old credentials: %v", len(m.violations), m.violations[:min(5, len(m.violations))])
+	}
+	if m.after == 0 || m.users["front-v1"] == 0 || m.users["front-v2"] == 0 {
+		t.Errorf("the load did not straddle the rotation: %v, %d after", m.users, m.after)
+	}
+	m.mu.Unlock()
+	if newIdentity {
+		// The old identity may be gone already: nothing refers to it
+		// once the requests that used it are done.
+		if afterLoad.Misses != 2 || afterLoad.Identities > 2 {
+			t.Errorf("after a certificate change: %+v, want 2 identities built", afterLoad)
+		}
+		if st.Accepted > 4 {
+			t.Errorf("member accepted %d connections, want at most 2 per certificate", st.Accepted)
+		}
+	} else {
+		// A token is not part of the identity: the connections stay.
+		if afterLoad.Misses != 1 {
+			t.Errorf("a token change built a transport: %+v", afterLoad)
+		}
+		if st.Accepted > 2 {
+			t.Errorf("member accepted %d connections, want at most 2: a token change needs none", st.Accepted)
+		}
+	}
+	if st.Open > 2 || st.Open == 0 {
+		t.Errorf("member has %d connections open, want the new identity's (1 or 2)", st.Open)
 	}
 }
 
