@@ -323,104 +323,109 @@ const (
 func TestInotifyLimits(t *testing.T) {
 	const fallback = 200 * time.Millisecond
 
-	t.Run("instances", func(t *testing.T) {
-		if !inUserNamespace(t, map[string]int{"max_inotify_instances": 8}) {
-			return
-		}
-		rec := &cnRecorder{}
-		f := newFixture(t, testserver.Options{OnRequest: rec.record})
-		var held []int
-		defer func() {
-			for _, fd := range held {
-				syscall.Close(fd)
-			}
-		}()
-		for range 1000 { // bounded: the limit set above is 8
-			fd, err := syscall.InotifyInit1(syscall.IN_CLOEXEC)
-			if err != nil {
-				t.Logf("the kernel refused inotify instance %d: %v", len(held)+1, err)
-				break
-			}
-			held = append(held, fd)
-		}
-		logs := &logLines{}
-		p := newPool(t, WithPollInterval(0), WithLogger(logs.logger()), func(o *options) { o.fallbackPoll = fallback })
-		c := writeCredFiles(t, filepath.Join(f.dir, "files"), f.ca.CertPEM(), f.alice)
-		cfg := c.config(f.srv.URL())
-		if err := p.Wrap(cfg); err != nil {
-			t.Fatalf("Wrap with inotify instances exhausted: %v", err)
-		}
-		if st := p.Stats(); st.UnwatchedDirs != 1 {
-			t.Errorf("UnwatchedDirs = %d, want 1", st.UnwatchedDirs)
-		}
-		// No file events: the rotation is the fallback poll's.
-		rotate(t, p, rec, cfg, c, f.bob)
-		time.Sleep(3 * fallback) // more failed retries
-		if n := logs.count(refusedLog); n != 1 {
-			t.Errorf("the refusal was logged %d times, want once", n)
-		}
+	t.Run("instances", func(t *testing.T) { inotifyInstancesExhausted(t, fallback) })
+	t.Run("watches", func(t *testing.T) { inotifyWatchesExhausted(t, fallback) })
+}
 
-		// Instances free again: the pool takes file events.
+// inotifyInstancesExhausted is TestInotifyLimits's "instances" case.
+func inotifyInstancesExhausted(t *testing.T, fallback time.Duration) {
+	if !inUserNamespace(t, map[string]int{"max_inotify_instances": 8}) {
+		return
+	}
+	rec := &cnRecorder{}
+	f := newFixture(t, testserver.Options{OnRequest: rec.record})
+	var held []int
+	defer func() {
 		for _, fd := range held {
 			syscall.Close(fd)
 		}
-		held = nil
-		waitFor(t, "the directory watched again", func() bool { return p.Stats().UnwatchedDirs == 0 })
-		time.Sleep(fallback) // the last fallback poll's reload ends
-		if got := inotifyWatches(t); len(got) != 1 || sumValues(got) != 1 {
-			t.Errorf("the kernel holds watches %v, want one instance with 1 watch", got)
+	}()
+	for range 1000 { // bounded: the limit set above is 8
+		fd, err := syscall.InotifyInit1(syscall.IN_CLOEXEC)
+		if err != nil {
+			t.Logf("the kernel refused inotify instance %d: %v", len(held)+1, err)
+			break
 		}
-		rotate(t, p, rec, cfg, c, f.carol) // polling is off: by the file event
-		if n := logs.count(recoveredLog); n != 1 {
-			t.Errorf("the recovery was logged %d times, want once", n)
-		}
-	})
+		held = append(held, fd)
+	}
+	logs := &logLines{}
+	p := newPool(t, WithPollInterval(0), WithLogger(logs.logger()), func(o *options) { o.fallbackPoll = fallback })
+	c := writeCredFiles(t, filepath.Join(f.dir, "files"), f.ca.CertPEM(), f.alice)
+	cfg := c.config(f.srv.URL())
+	if err := p.Wrap(cfg); err != nil {
+		t.Fatalf("Wrap with inotify instances exhausted: %v", err)
+	}
+	if st := p.Stats(); st.UnwatchedDirs != 1 {
+		t.Errorf("UnwatchedDirs = %d, want 1", st.UnwatchedDirs)
+	}
+	// No file events: the rotation is the fallback poll's.
+	rotate(t, p, rec, cfg, c, f.bob)
+	time.Sleep(3 * fallback) // more failed retries
+	if n := logs.count(refusedLog); n != 1 {
+		t.Errorf("the refusal was logged %d times, want once", n)
+	}
 
-	t.Run("watches", func(t *testing.T) {
-		const limit = 2
-		if !inUserNamespace(t, map[string]int{"max_inotify_watches": limit}) {
-			return
-		}
-		rec := &cnRecorder{}
-		f := newFixture(t, testserver.Options{OnRequest: rec.record})
-		logs := &logLines{}
-		p := newPool(t, WithPollInterval(0), WithIdleTimeout(0), WithLogger(logs.logger()), func(o *options) { o.fallbackPoll = fallback })
-		// Four identities in four directories: two watches, two refused.
-		var cfgs [4]*rest.Config
-		var files [4]*certDir
-		for i := range cfgs {
-			files[i] = writeCredFiles(t, filepath.Join(f.dir, strconv.Itoa(i)), f.ca.CertPEM(), f.alice)
-			cfgs[i] = files[i].config(f.srv.URL())
-			if err := p.Wrap(cfgs[i]); err != nil {
-				t.Fatalf("Wrap %d with the watch limit reached: %v", i, err)
-			}
-		}
-		if st := p.Stats(); st.UnwatchedDirs != 2 {
-			t.Errorf("UnwatchedDirs = %d, want 2", st.UnwatchedDirs)
-		}
-		rotate(t, p, rec, cfgs[2], files[2], f.bob) // by the fallback poll
-		time.Sleep(3 * fallback)
-		if n := logs.count(refusedLog); n != 1 {
-			t.Errorf("the refusal was logged %d times, want once", n)
-		}
+	// Instances free again: the pool takes file events.
+	for _, fd := range held {
+		syscall.Close(fd)
+	}
+	held = nil
+	waitFor(t, "the directory watched again", func() bool { return p.Stats().UnwatchedDirs == 0 })
+	time.Sleep(fallback) // the last fallback poll's reload ends
+	if got := inotifyWatches(t); len(got) != 1 || sumValues(got) != 1 {
+		t.Errorf("the kernel holds watches %v, want one instance with 1 watch", got)
+	}
+	rotate(t, p, rec, cfg, c, f.carol) // polling is off: by the file event
+	if n := logs.count(recoveredLog); n != 1 {
+		t.Errorf("the recovery was logged %d times, want once", n)
+	}
+}
 
-		// The two watched identities are released; their watches go, and
-		// the other two directories get theirs.
-		cfgs[0], cfgs[1] = nil, nil
-		waitFor(t, "two identities released", func() bool {
-			runtime.GC()
-			return p.Stats().Identities == 2
-		})
-		waitFor(t, "every directory watched", func() bool { return p.Stats().UnwatchedDirs == 0 })
-		time.Sleep(fallback)
-		if got := inotifyWatches(t); len(got) != 1 || sumValues(got) != limit {
-			t.Errorf("the kernel holds watches %v, want one instance with %d", got, limit)
+// inotifyWatchesExhausted is TestInotifyLimits's "watches" case.
+func inotifyWatchesExhausted(t *testing.T, fallback time.Duration) {
+	const limit = 2
+	if !inUserNamespace(t, map[string]int{"max_inotify_watches": limit}) {
+		return
+	}
+	rec := &cnRecorder{}
+	f := newFixture(t, testserver.Options{OnRequest: rec.record})
+	logs := &logLines{}
+	p := newPool(t, WithPollInterval(0), WithIdleTimeout(0), WithLogger(logs.logger()), func(o *options) { o.fallbackPoll = fallback })
+	// Four identities in four directories: two watches, two refused.
+	var cfgs [4]*rest.Config
+	var files [4]*certDir
+	for i := range cfgs {
+		files[i] = writeCredFiles(t, filepath.Join(f.dir, strconv.Itoa(i)), f.ca.CertPEM(), f.alice)
+		cfgs[i] = files[i].config(f.srv.URL())
+		if err := p.Wrap(cfgs[i]); err != nil {
+			t.Fatalf("Wrap %d with the watch limit reached: %v", i, err)
 		}
-		rotate(t, p, rec, cfgs[3], files[3], f.carol) // polling is off: by the file event
-		if n := logs.count(recoveredLog); n != 1 {
-			t.Errorf("the recovery was logged %d times, want once", n)
-		}
+	}
+	if st := p.Stats(); st.UnwatchedDirs != 2 {
+		t.Errorf("UnwatchedDirs = %d, want 2", st.UnwatchedDirs)
+	}
+	rotate(t, p, rec, cfgs[2], files[2], f.bob) // by the fallback poll
+	time.Sleep(3 * fallback)
+	if n := logs.count(refusedLog); n != 1 {
+		t.Errorf("the refusal was logged %d times, want once", n)
+	}
+
+	// The two watched identities are released; their watches go, and
+	// the other two directories get theirs.
+	cfgs[0], cfgs[1] = nil, nil
+	waitFor(t, "two identities released", func() bool {
+		runtime.GC()
+		return p.Stats().Identities == 2
 	})
+	waitFor(t, "every directory watched", func() bool { return p.Stats().UnwatchedDirs == 0 })
+	time.Sleep(fallback)
+	if got := inotifyWatches(t); len(got) != 1 || sumValues(got) != limit {
+		t.Errorf("the kernel holds watches %v, want one instance with %d", got, limit)
+	}
+	rotate(t, p, rec, cfgs[3], files[3], f.carol) // polling is off: by the file event
+	if n := logs.count(recoveredLog); n != 1 {
+		t.Errorf("the recovery was logged %d times, want once", n)
+	}
 }
 
 // rotate writes kp into c (key first, then certificate, each renamed over),
