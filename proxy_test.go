@@ -159,46 +159,15 @@ func TestProxySeedLoad(t *testing.T) {
 	}
 }
 
-// rotationMember is a member that accepts the front's old and new
-// credentials (client certificates front-v1 and front-v2, tokens token-v1 and
-// token-v2) and checks that requests sent after the Secret changed use the
-// new ones.
-type rotationMember struct {
-	*fixture
-	v1, v2 *testserver.KeyPair
-
-	mu         sync.Mutex // guards the fields below
-	users      map[string]int
-	after      int      // requests sent after the rotation
-	violations []string // requests sent after the rotation with old credentials
-}
-
-const afterRotation = "sent-after-rotation"
-
-func newRotationMember(t *testing.T) *rotationMember {
-	m := &rotationMember{users: map[string]int{}}
-	m.fixture = newFixture(t, testserver.Options{
-		ClientAuth: testserver.VerifyClientCertIfGiven,
-		Tokens:     map[string]string{"token-v1": "front-v1", "token-v2": "front-v2"},
-		OnRequest: func(ri testserver.RequestInfo) {
-			m.mu.Lock()
-			defer m.mu.Unlock()
-			m.users[ri.User]++
-			if ri.UserAgent == afterRotation {
-				m.after++
-				if ri.User != "front-v2" {
-					m.violations = append(m.violations, fmt.Sprintf("cert %q token %q", ri.CertCN, ri.Token))
-				}
-			}
-		},
-	})
-	var err error
-	if m.v1, err = m.ca.IssueClient("front-v1"); err != nil {
+// newRotationMember starts a member that takes the front's old and new
+// credentials and checks which ones requests after the rotation use.
+func newRotationMember(t *testing.T) *testserver.RotationMember {
+	t.Helper()
+	m, err := testserver.StartRotationMember()
+	if err != nil {
 		t.Fatal(err)
 	}
-	if m.v2, err = m.ca.IssueClient("front-v2"); err != nil {
-		t.Fatal(err)
-	}
+	t.Cleanup(func() { m.Close() })
 	return m
 }
 
@@ -211,22 +180,22 @@ func TestProxySecretRotation(t *testing.T) {
 	}
 	for _, tc := range []struct {
 		name        string
-		secret      func(m *rotationMember, version int) memberproxy.Secret
+		secret      func(m *testserver.RotationMember, version int) memberproxy.Secret
 		newIdentity bool // the change makes a new TLS identity
 	}{
-		{"client certificate", func(m *rotationMember, v int) memberproxy.Secret {
-			kp := map[int]*testserver.KeyPair{1: m.v1, 2: m.v2}[v]
-			return memberproxy.Secret{CAData: m.ca.CertPEM(), CertData: kp.CertPEM, KeyData: kp.KeyPEM}
+		{"client certificate", func(m *testserver.RotationMember, v int) memberproxy.Secret {
+			kp := map[int]*testserver.KeyPair{1: m.V1, 2: m.V2}[v]
+			return memberproxy.Secret{CAData: m.CA().CertPEM(), CertData: kp.CertPEM, KeyData: kp.KeyPEM}
 		}, true},
-		{"token", func(m *rotationMember, v int) memberproxy.Secret {
-			return memberproxy.Secret{CAData: m.ca.CertPEM(), Token: fmt.Sprintf("token-v%d", v)}
+		{"token", func(m *testserver.RotationMember, v int) memberproxy.Secret {
+			return memberproxy.Secret{CAData: m.CA().CertPEM(), Token: fmt.Sprintf("token-v%d", v)}
 		}, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			m := newRotationMember(t)
 			p := newPool(t, WithIdleTimeout(100*time.Millisecond))
 			clusters := memberproxy.NewClusters()
-			cluster := memberproxy.Cluster{Name: "member-1", APIEndpoint: m.srv.URL(), Secret: tc.secret(m, 1)}
+			cluster := memberproxy.Cluster{Name: "member-1", APIEndpoint: m.URL(), Secret: tc.secret(m, 1)}
 			clusters.Set(cluster)
 			fr := newFront(t, &memberproxy.Front{Clusters: clusters, TransportFor: p.TransportFor})
 
@@ -246,7 +215,7 @@ func TestProxySecretRotation(t *testing.T) {
 			errs := runClients(clients, requests, func(c, i int) error {
 				ua := ""
 				if rotated.Load() {
-					ua = afterRotation
+					ua = testserver.AfterRotation
 				}
 				err := fr.ListNodes(ctx, "member-1", ua)
 				if done.Add(1) == int64(clients*requests/2) {
@@ -272,7 +241,7 @@ func TestProxySecretRotation(t *testing.T) {
 				return p.Stats().Identities == 1
 			})
 			waitFor(t, "old identity's connections closed", func() bool {
-				return m.srv.OpenConns() == p.Stats().OpenConns
+				return m.OpenConns() == p.Stats().OpenConns
 			})
 			checkProxyRotation(t, tc.name, tc.newIdentity, m, before, afterLoad, clients*requests)
 			runtime.KeepAlive(current)
@@ -283,21 +252,20 @@ func TestProxySecretRotation(t *testing.T) {
 // checkProxyRotation checks what member m saw of TestProxySecretRotation's
 // total requests, rotated halfway, and what the pool built: before the
 // rotation, after the load.
-func checkProxyRotation(t *testing.T, name string, newIdentity bool, m *rotationMember, before, afterLoad Stats, total int) {
+func checkProxyRotation(t *testing.T, name string, newIdentity bool, m *testserver.RotationMember, before, afterLoad Stats, total int) {
 	t.Helper()
-	st := m.srv.Stats()
-	m.mu.Lock()
+	st := m.Stats()
+	users, after, violations := m.Seen()
 	t.Logf("%s rotated after %d of %d requests: member saw %v, %d requests sent after the rotation; "+
 		"identities %d before, %d after the load, 1 after GC; member accepted %d connections, %d open now",
-		name, total/2, total, m.users, m.after,
+		name, total/2, total, users, after,
 		before.Identities, afterLoad.Identities, st.Accepted, st.Open)
-	if len(m.violations) > 0 {
-		t.Errorf("%d requests sent after the rotation used the old credentials: %v", len(m.violations), m.violations[:min(5, len(m.violations))])
+	if len(violations) > 0 {
+		t.Errorf("%d requests sent after the rotation used the old credentials: %v", len(violations), violations[:min(5, len(violations))])
 	}
-	if m.after == 0 || m.users["front-v1"] == 0 || m.users["front-v2"] == 0 {
-		t.Errorf("the load did not straddle the rotation: %v, %d after", m.users, m.after)
+	if after == 0 || users["front-v1"] == 0 || users["front-v2"] == 0 {
+		t.Errorf("the load did not straddle the rotation: %v, %d after", users, after)
 	}
-	m.mu.Unlock()
 	if newIdentity {
 		// The old identity may be gone already: nothing refers to it
 		// once the requests that used it are done.
