@@ -271,7 +271,8 @@ func TestTransportForPassThrough(t *testing.T) {
 	t.Run("no TLS", func(t *testing.T) { passThroughNoTLS(t) })
 }
 
-// passThroughOwnTransport is TestTransportForPassThrough's "own Transport" case.
+// passThroughOwnTransport is TestTransportForPassThrough's "own Transport"
+// case.
 func passThroughOwnTransport(t *testing.T, f *fixture, log *requestLog) {
 	p := newPool(t)
 	tlsConfig, err := rest.TLSConfigFor(f.srv.RestConfig(f.alice))
@@ -296,7 +297,8 @@ func passThroughOwnTransport(t *testing.T, f *fixture, log *requestLog) {
 	}
 }
 
-// passThroughOwnDial is TestTransportForPassThrough's "custom Dial without a name" case.
+// passThroughOwnDial is TestTransportForPassThrough's "custom Dial without a
+// name" case.
 func passThroughOwnDial(t *testing.T, f *fixture) {
 	p := newPool(t)
 	var dials atomic.Int64
@@ -326,7 +328,8 @@ func passThroughOwnDial(t *testing.T, f *fixture) {
 	utilnet.CloseIdleConnectionsFor(hc.Transport)
 }
 
-// passThroughFailingProxy is TestTransportForPassThrough's "failing Proxy" case.
+// passThroughFailingProxy is TestTransportForPassThrough's "failing Proxy"
+// case.
 func passThroughFailingProxy(t *testing.T, f *fixture) {
 	p := newPool(t)
 	proxyErr := errors.New("no route for this cluster")

@@ -324,7 +324,8 @@ func copyCrossingsExec(t *testing.T, f *fixture, r *copyRig, withExec func() *re
 	})
 }
 
-// copyCrossingsRotatedCert is TestCopyCrossings's "rotated-away certificate" case.
+// copyCrossingsRotatedCert is TestCopyCrossings's "rotated-away certificate"
+// case.
 func copyCrossingsRotatedCert(t *testing.T, f *fixture, r *copyRig) {
 	p := newPool(t, WithPollInterval(0))
 	d := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
@@ -339,7 +340,8 @@ func copyCrossingsRotatedCert(t *testing.T, f *fixture, r *copyRig) {
 	r.check(t, inline, &observation{CN: "alice", Proto: h2, Gzip: true, Via: "direct"})
 }
 
-// copyCrossingsSameBytes is TestCopyCrossings's "other files with the same bytes" case.
+// copyCrossingsSameBytes is TestCopyCrossings's "other files with the same
+// bytes" case.
 func copyCrossingsSameBytes(t *testing.T, f *fixture, r *copyRig) {
 	p := newPool(t, WithPollInterval(0))
 	d := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
@@ -406,7 +408,8 @@ func copyCrossingsOwnDial(t *testing.T, f *fixture, r *copyRig, withExec func() 
 	}
 }
 
-// copyCrossingsProxyOtherHost is TestCopyCrossings's "Proxy for another host" case.
+// copyCrossingsProxyOtherHost is TestCopyCrossings's "Proxy for another host"
+// case.
 func copyCrossingsProxyOtherHost(t *testing.T, f *fixture, r *copyRig) {
 	direct := r.srv.URL()
 	other := strings.Replace(direct, "127.0.0.1", "localhost", 1)
@@ -426,7 +429,8 @@ func copyCrossingsProxyOtherHost(t *testing.T, f *fixture, r *copyRig) {
 	r.check(t, pair.copies(func(c *rest.Config) { c.Host = other }), &observation{CN: "alice", Proto: h2, Gzip: true, Via: "proxy 1"})
 }
 
-// copyCrossingsCompression is TestCopyCrossings's "compression and protocols" case.
+// copyCrossingsCompression is TestCopyCrossings's "compression and protocols"
+// case.
 func copyCrossingsCompression(t *testing.T, f *fixture, r *copyRig) {
 	pair := wrapPair(t, newPool(t), func() *rest.Config { return r.srv.RestConfig(f.alice) })
 	r.check(t, pair.copies(func(c *rest.Config) { c.DisableCompression = true }), &observation{CN: "alice", Proto: h2, Via: "direct"})
@@ -726,7 +730,8 @@ func (r *proxyHeaderRig) member(proxy *connectProxy, token string, h http.Header
 	return cfg
 }
 
-// proxyHeaderOneTunnel is TestProxyConnectHeader's "one tunnel for many configs of one identity and header" case.
+// proxyHeaderOneTunnel is TestProxyConnectHeader's "one tunnel for many
+// configs of one identity and header" case.
 func proxyHeaderOneTunnel(t *testing.T, r *proxyHeaderRig) {
 	const reconciles = 40
 	proxy := r.newProxy(t)
@@ -750,7 +755,8 @@ func proxyHeaderOneTunnel(t *testing.T, r *proxyHeaderRig) {
 	}
 }
 
-// proxyHeaderClientGoAlone is TestProxyConnectHeader's "client-go alone: a tunnel per config, each with the header" case.
+// proxyHeaderClientGoAlone is TestProxyConnectHeader's "client-go alone: a
+// tunnel per config, each with the header" case.
 func proxyHeaderClientGoAlone(t *testing.T, r *proxyHeaderRig) {
 	proxy := r.newProxy(t)
 	for range 5 {
@@ -763,7 +769,8 @@ func proxyHeaderClientGoAlone(t *testing.T, r *proxyHeaderRig) {
 	}
 }
 
-// proxyHeaderOtherHeaders is TestProxyConnectHeader's "other headers, other tunnels" case.
+// proxyHeaderOtherHeaders is TestProxyConnectHeader's "other headers, other
+// tunnels" case.
 func proxyHeaderOtherHeaders(t *testing.T, r *proxyHeaderRig) {
 	proxy := r.newProxy(t)
 	p := newPool(t)
@@ -795,7 +802,8 @@ func proxyHeaderOtherHeaders(t *testing.T, r *proxyHeaderRig) {
 	}
 }
 
-// proxyHeaderOption is TestProxyConnectHeader's "WithProxyConnectHeader" case.
+// proxyHeaderOption is TestProxyConnectHeader's "WithProxyConnectHeader"
+// case.
 func proxyHeaderOption(t *testing.T, r *proxyHeaderRig) {
 	proxy := r.newProxy(t)
 	p := newPool(t, WithProxyConnectHeader(func(*rest.Config) http.Header { return proxyCredB }))
@@ -813,7 +821,8 @@ func proxyHeaderOption(t *testing.T, r *proxyHeaderRig) {
 	}
 }
 
-// proxyHeaderCopyOtherHost is TestProxyConnectHeader's "a copy for another host keeps the header on client-go's transport" case.
+// proxyHeaderCopyOtherHost is TestProxyConnectHeader's "a copy for another
+// host keeps the header on client-go's transport" case.
 func proxyHeaderCopyOtherHost(t *testing.T, r *proxyHeaderRig) {
 	proxy := r.newProxy(t)
 	p := newPool(t)
@@ -831,7 +840,8 @@ func proxyHeaderCopyOtherHost(t *testing.T, r *proxyHeaderRig) {
 	}
 }
 
-// proxyHeaderOwnDialer is TestProxyConnectHeader's "a wrapper that changes more than CONNECT headers passes the config through" case.
+// proxyHeaderOwnDialer is TestProxyConnectHeader's "a wrapper that changes
+// more than CONNECT headers passes the config through" case.
 func proxyHeaderOwnDialer(t *testing.T, r *proxyHeaderRig) {
 	p := newPool(t)
 	ownDialer := func(next transport.WrapperFunc) transport.WrapperFunc {
