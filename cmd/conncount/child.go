@@ -5,9 +5,9 @@ package main
 // embedded server, the proxy's members, front or load). Nothing a mode
 // leaves behind (heap, goroutines, timers, connections) can then be
 // measured as part of the next one. The parent drives a child over its
-// stdin and stdout, one JSON value per line: first the role's spec, answered
-// by a ready reply, then commands, each answered by one reply. The child
-// stops what it runs and exits when its stdin closes.
+// stdin and stdout with internal/childproc's protocol: the role's spec,
+// answered by a ready reply, then commands, each answered by one reply. The
+// child stops what it runs and exits when its stdin closes.
 
 import (
 	"context"
