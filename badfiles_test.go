@@ -212,64 +212,15 @@ func TestBadFilesAfterGood(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	list := func(cs *kubernetes.Clientset) error {
-		_, err := cs.CoreV1().Nodes().List(ctx, metav1.ListOptions{})
-		return err
-	}
-	if err := list(longLived); err != nil {
+	r := &badFilesRig{f: f, p: p, c: c, cfg: cfg, ledger: ledger, logs: logs, ctx: ctx, longLived: longLived}
+	if err := r.list(); err != nil {
 		t.Fatal(err)
-	}
-	// newConnection makes the next request handshake again, with whatever
-	// material the pool holds now.
-	newConnection := func(t *testing.T) {
-		t.Helper()
-		f.srv.CloseClientConnections()
-		waitFor(t, "the pool sees its connection closed", func() bool { return p.Stats().OpenConns == 0 })
-	}
-	checkServer := func(t *testing.T) {
-		t.Helper()
-		if _, _, mismatches, _ := ledger.snapshot(); len(mismatches) > 0 {
-			t.Fatalf("the server saw another certificate: %v", mismatches)
-		}
 	}
 
 	fresh := map[string]int{}
 	bad := badFiles(t, f, otherCA)
 	for _, bf := range bad {
-		t.Run(bf.name, func(t *testing.T) {
-			t.Cleanup(func() { c.restore(t, f.ca.CertPEM(), f.alice) })
-			before := p.Stats()
-			bf.apply(t, c)
-			waitFor(t, "the bad file is rejected", func() bool { return p.Stats().RotationErrors > before.RotationErrors })
-			want := []string{bf.file(c), strings.Trim(strconv.Quote(bf.reason), `"`)}
-			if bf.more != nil {
-				want = append(want, bf.more(c)...)
-			}
-			// The line is logged just after the rejection is counted.
-			waitFor(t, fmt.Sprintf("a log line keeping the last good material, saying %q", want), func() bool {
-				return logs.has(append(want, "Keeping the last good TLS material")...)
-			})
-			newConnection(t)
-			if err := list(longLived); err != nil {
-				t.Fatalf("a client built before the files went bad: %v", err)
-			}
-			checkServer(t)
-			if err := listNodes(ctx, cfg); err != nil {
-				fresh["failed: "+reason(err)]++
-			} else {
-				fresh["ok"]++
-			}
-			checkServer(t)
-			c.restore(t, f.ca.CertPEM(), f.alice)
-			newConnection(t)
-			if err := list(longLived); err != nil {
-				t.Fatalf("after the good files came back: %v", err)
-			}
-			checkServer(t)
-			if st := p.Stats(); st.Rotations != before.Rotations {
-				t.Errorf("%d rotations: bad or unchanged files were taken into use", st.Rotations-before.Rotations)
-			}
-		})
+		t.Run(bf.name, func(t *testing.T) { r.rejected(t, bf, fresh) })
 	}
 	t.Logf("clients built while the files were bad: %s", sortedCounts(fresh))
 
@@ -279,20 +230,94 @@ func TestBadFilesAfterGood(t *testing.T) {
 		writeAtomic(t, c.key, f.bob.KeyPEM)
 		writeAtomic(t, c.cert, f.bob.CertPEM)
 		waitFor(t, "the rotation", func() bool { return p.Stats().Rotations > before.Rotations })
-		newConnection(t)
-		if err := list(longLived); err != nil {
+		r.newConnection(t)
+		if err := r.list(); err != nil {
 			t.Fatal(err)
 		}
-		checkServer(t)
+		r.checkServer(t)
 		// client-go re-reads the files at most once a second; then fresh
 		// clients match the identity again and share its transport.
 		waitFor(t, "a fresh client shares the rotated transport", func() bool {
 			pass := p.Stats().PassThrough
 			return listNodes(ctx, cfg) == nil && p.Stats().PassThrough == pass
 		})
-		checkServer(t)
+		r.checkServer(t)
 	})
 	t.Logf("pool after %d bad files: %+v", len(bad), p.Stats())
+}
+
+// badFilesRig is TestBadFilesAfterGood's pool, its files and a client
+// built while they were good.
+type badFilesRig struct {
+	f         *fixture
+	p         *Pool
+	c         *certDir
+	cfg       *rest.Config
+	ledger    *connLedger
+	logs      *logLines
+	ctx       context.Context
+	longLived *kubernetes.Clientset
+}
+
+// list lists nodes with the long-lived client.
+func (r *badFilesRig) list() error {
+	_, err := r.longLived.CoreV1().Nodes().List(r.ctx, metav1.ListOptions{})
+	return err
+}
+
+// newConnection makes the next request handshake again, with whatever
+// material the pool holds now.
+func (r *badFilesRig) newConnection(t *testing.T) {
+	t.Helper()
+	r.f.srv.CloseClientConnections()
+	waitFor(t, "the pool sees its connection closed", func() bool { return r.p.Stats().OpenConns == 0 })
+}
+
+func (r *badFilesRig) checkServer(t *testing.T) {
+	t.Helper()
+	if _, _, mismatches, _ := r.ledger.snapshot(); len(mismatches) > 0 {
+		t.Fatalf("the server saw another certificate: %v", mismatches)
+	}
+}
+
+// rejected writes bf over the good files and checks that it is rejected
+// with a log line naming it, that clients keep the last good material, and
+// that the good files are taken again; fresh counts what a client built
+// while bf was there got.
+func (r *badFilesRig) rejected(t *testing.T, bf badFile, fresh map[string]int) {
+	f, p, c := r.f, r.p, r.c
+	t.Cleanup(func() { c.restore(t, f.ca.CertPEM(), f.alice) })
+	before := p.Stats()
+	bf.apply(t, c)
+	waitFor(t, "the bad file is rejected", func() bool { return p.Stats().RotationErrors > before.RotationErrors })
+	want := []string{bf.file(c), strings.Trim(strconv.Quote(bf.reason), `"`)}
+	if bf.more != nil {
+		want = append(want, bf.more(c)...)
+	}
+	// The line is logged just after the rejection is counted.
+	waitFor(t, fmt.Sprintf("a log line keeping the last good material, saying %q", want), func() bool {
+		return r.logs.has(append(want, "Keeping the last good TLS material")...)
+	})
+	r.newConnection(t)
+	if err := r.list(); err != nil {
+		t.Fatalf("a client built before the files went bad: %v", err)
+	}
+	r.checkServer(t)
+	if err := listNodes(r.ctx, r.cfg); err != nil {
+		fresh["failed: "+reason(err)]++
+	} else {
+		fresh["ok"]++
+	}
+	r.checkServer(t)
+	c.restore(t, f.ca.CertPEM(), f.alice)
+	r.newConnection(t)
+	if err := r.list(); err != nil {
+		t.Fatalf("after the good files came back: %v", err)
+	}
+	r.checkServer(t)
+	if st := p.Stats(); st.Rotations != before.Rotations {
+		t.Errorf("%d rotations: bad or unchanged files were taken into use", st.Rotations-before.Rotations)
+	}
 }
 
 type roundTripperFunc func(*http.Request) (*http.Response, error)

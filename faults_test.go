@@ -44,60 +44,13 @@ func TestServerRestart(t *testing.T) {
 			}
 			target := f.srv.URL() + "/api/v1/nodes"
 
-			const (
-				running = iota
-				down
-				back
-			)
 			var phase atomic.Int32
-			type result struct {
-				startPhase, endPhase int32
-				err                  error
-				took                 time.Duration
-			}
-			var mu sync.Mutex
-			var results []result
-			stop := make(chan struct{})
-			var wg sync.WaitGroup
-			const workers, timeout = 20, 5 * time.Second
-			for range workers {
-				wg.Add(1)
-				go func() {
-					defer wg.Done()
-					for {
-						select {
-						case <-stop:
-							return
-						default:
-						}
-						r := result{startPhase: phase.Load()}
-						start := time.Now()
-						ctx, cancel := context.WithTimeout(context.Background(), timeout)
-						req, _ := http.NewRequestWithContext(ctx, http.MethodGet, target, nil)
-						resp, err := hc.Do(req)
-						if err == nil {
-							_, err = io.Copy(io.Discard, resp.Body)
-							resp.Body.Close()
-							if err == nil && resp.StatusCode != http.StatusOK {
-								err = fmt.Errorf("status %s", resp.Status)
-							}
-						}
-						cancel()
-						r.err, r.took, r.endPhase = err, time.Since(start), phase.Load()
-						mu.Lock()
-						results = append(results, r)
-						mu.Unlock()
-						if err != nil {
-							time.Sleep(5 * time.Millisecond) // no busy loop while the server is down
-						}
-					}
-				}()
-			}
+			stop := startRestartLoad(hc, target, &phase)
 
 			time.Sleep(300 * time.Millisecond)
 			f.srv.SetLatency(100 * time.Millisecond) // so that requests are in flight when it dies
 			time.Sleep(150 * time.Millisecond)
-			phase.Store(down)
+			phase.Store(restartDown)
 			if err := f.srv.Stop(); err != nil {
 				t.Fatal(err)
 			}
@@ -107,45 +60,9 @@ func TestServerRestart(t *testing.T) {
 			if err := f.srv.Restart(); err != nil {
 				t.Fatal(err)
 			}
-			phase.Store(back)
+			phase.Store(restartBack)
 			time.Sleep(300 * time.Millisecond)
-			close(stop)
-			wg.Wait()
-
-			var ok [3]int
-			var failed [3][3]int // by start phase, end phase
-			reasons := map[string]int{}
-			addr := regexp.QuoteMeta(f.srv.Addr())
-			clear := regexp.MustCompile(`^Get "https://` + addr + `/api/v1/nodes": .+`)
-			for _, r := range results {
-				if r.err == nil {
-					ok[r.startPhase]++
-					continue
-				}
-				failed[r.startPhase][r.endPhase]++
-				reasons[reason(r.err)]++
-				if r.startPhase == back {
-					t.Errorf("a request sent after the server was back failed: %v", r.err)
-				}
-				if r.endPhase == running {
-					t.Errorf("a request failed before the server went down: %v", r.err)
-				}
-				if !clear.MatchString(r.err.Error()) {
-					t.Errorf("unclear error: %v", r.err)
-				}
-				if errors.Is(r.err, context.DeadlineExceeded) || r.took >= timeout {
-					t.Errorf("a request hung until its deadline: %v", r.err)
-				}
-			}
-			inflight := failed[running][down] + failed[running][back]
-			t.Logf("%d requests: %d ok before the stop, %d ok after the restart; failed: %d sent before the stop (in flight), %d sent during the stop or while down; reasons %v",
-				len(results), ok[running], ok[back], inflight, failed[down][down]+failed[down][back], sortedCounts(reasons))
-			if ok[running] == 0 || ok[back] == 0 {
-				t.Errorf("no successful requests before (%d) or after (%d) the restart", ok[running], ok[back])
-			}
-			if inflight == 0 {
-				t.Errorf("no request was in flight when the server died: the test did not test that")
-			}
+			checkRestartResults(t, stop(), f.srv.Addr())
 
 			// No stuck connections: the pool and the server agree, and
 			// the server keeps at most one per identity with keep-alive.
@@ -157,6 +74,115 @@ func TestServerRestart(t *testing.T) {
 			}
 			t.Logf("server after: %+v; pool: %+v", f.srv.Stats(), p.Stats())
 		})
+	}
+}
+
+// The phases of TestServerRestart: the server runs, is down, is back.
+const (
+	restartRunning = iota
+	restartDown
+	restartBack
+)
+
+// restartRequestTimeout bounds each request of startRestartLoad.
+const restartRequestTimeout = 5 * time.Second
+
+// restartResult is one request of startRestartLoad: the phases it started
+// and ended in, its error and how long it took.
+type restartResult struct {
+	startPhase, endPhase int32
+	err                  error
+	took                 time.Duration
+}
+
+// startRestartLoad sends GET target with hc from 20 goroutines, each
+// request noting the phase it started and ended in, until the returned stop
+// is called; stop returns every request's result.
+func startRestartLoad(hc *http.Client, target string, phase *atomic.Int32) (stop func() []restartResult) {
+	var mu sync.Mutex
+	var results []restartResult
+	done := make(chan struct{})
+	var wg sync.WaitGroup
+	const workers = 20
+	for range workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				select {
+				case <-done:
+					return
+				default:
+				}
+				r := restartResult{startPhase: phase.Load()}
+				start := time.Now()
+				ctx, cancel := context.WithTimeout(context.Background(), restartRequestTimeout)
+				req, _ := http.NewRequestWithContext(ctx, http.MethodGet, target, nil)
+				resp, err := hc.Do(req)
+				if err == nil {
+					_, err = io.Copy(io.Discard, resp.Body)
+					resp.Body.Close()
+					if err == nil && resp.StatusCode != http.StatusOK {
+						err = fmt.Errorf("status %s", resp.Status)
+					}
+				}
+				cancel()
+				r.err, r.took, r.endPhase = err, time.Since(start), phase.Load()
+				mu.Lock()
+				results = append(results, r)
+				mu.Unlock()
+				if err != nil {
+					time.Sleep(5 * time.Millisecond) // no busy loop while the server is down
+				}
+			}
+		}()
+	}
+	return func() []restartResult {
+		close(done)
+		wg.Wait()
+		return results
+	}
+}
+
+// checkRestartResults checks startRestartLoad's results against a server
+// at addr that was stopped and restarted: requests fail only while it is
+// down or in flight when it dies, with a clear error and before their
+// deadline.
+func checkRestartResults(t *testing.T, results []restartResult, addr string) {
+	t.Helper()
+	var ok [3]int
+	var failed [3][3]int // by start phase, end phase
+	reasons := map[string]int{}
+	quoted := regexp.QuoteMeta(addr)
+	clear := regexp.MustCompile(`^Get "https://` + quoted + `/api/v1/nodes": .+`)
+	for _, r := range results {
+		if r.err == nil {
+			ok[r.startPhase]++
+			continue
+		}
+		failed[r.startPhase][r.endPhase]++
+		reasons[reason(r.err)]++
+		if r.startPhase == restartBack {
+			t.Errorf("a request sent after the server was back failed: %v", r.err)
+		}
+		if r.endPhase == restartRunning {
+			t.Errorf("a request failed before the server went down: %v", r.err)
+		}
+		if !clear.MatchString(r.err.Error()) {
+			t.Errorf("unclear error: %v", r.err)
+		}
+		if errors.Is(r.err, context.DeadlineExceeded) || r.took >= restartRequestTimeout {
+			t.Errorf("a request hung until its deadline: %v", r.err)
+		}
+	}
+	inflight := failed[restartRunning][restartDown] + failed[restartRunning][restartBack]
+	t.Logf("%d requests: %d ok before the stop, %d ok after the restart; failed: %d sent before the stop (in flight), %d sent during the stop or while down; reasons %v",
+		len(results), ok[restartRunning], ok[restartBack], inflight, failed[restartDown][restartDown]+failed[restartDown][restartBack], sortedCounts(reasons))
+	if ok[restartRunning] == 0 || ok[restartBack] == 0 {
+		t.Errorf("no successful requests before (%d) or after (%d) the restart", ok[restartRunning], ok[restartBack])
+	}
+	if inflight == 0 {
+		t.Errorf("no request was in flight when the server died: the test did not test that")
 	}
 }
 

@@ -85,6 +85,48 @@ func TestIdentitySnapshot(t *testing.T) {
 	isProxy := func(i IdentityInfo) bool { return strings.Contains(i.Proxy, proxy.Addr()) }
 
 	// Readers and churn run through everything below.
+	stopReaders := readSnapshotsWhileChurning(t, p, f)
+
+	send := func(n int) {
+		t.Helper()
+		for range n {
+			for _, cfg := range []*rest.Config{fileCfg, proxyCfg} {
+				if err := listNodes(ctx, cfg); err != nil {
+					t.Fatal(err)
+				}
+			}
+		}
+	}
+	send(5)
+	// A pair that does not match is rejected, then carol's taken.
+	dir.write(t, &testserver.KeyPair{CertPEM: f.alice.CertPEM, KeyPEM: f.bob.KeyPEM}, f.ca.CertPEM())
+	waitFor(t, "the mismatched pair rejected", func() bool {
+		i, _ := findIdentity(p.Identities(), isFile)
+		return i.RotationErrors == 1
+	})
+	dir.write(t, f.carol, f.ca.CertPEM())
+	waitFor(t, "carol's certificate taken", func() bool {
+		i, _ := findIdentity(p.Identities(), isFile)
+		return i.Rotations == 1
+	})
+	send(5)
+	stopReaders()
+	waitFor(t, "every connection closed", func() bool {
+		for _, i := range p.Identities() {
+			if i.OpenConns != 0 {
+				return false
+			}
+		}
+		return true
+	})
+
+	checkSnapshot(t, p, server, f, dir, proxy.Addr(), isFile, isProxy)
+}
+
+// readSnapshotsWhileChurning reads p's snapshot on two goroutines, checking
+// its order, while a third wraps new identities; the returned func stops
+// them and waits.
+func readSnapshotsWhileChurning(t *testing.T, p *Pool, f *fixture) func() {
 	stop := make(chan struct{})
 	var wg sync.WaitGroup
 	wg.Add(3)
@@ -124,41 +166,16 @@ func TestIdentitySnapshot(t *testing.T) {
 			}
 		}
 	}()
-
-	send := func(n int) {
-		t.Helper()
-		for range n {
-			for _, cfg := range []*rest.Config{fileCfg, proxyCfg} {
-				if err := listNodes(ctx, cfg); err != nil {
-					t.Fatal(err)
-				}
-			}
-		}
+	return func() {
+		close(stop)
+		wg.Wait()
 	}
-	send(5)
-	// A pair that does not match is rejected, then carol's taken.
-	dir.write(t, &testserver.KeyPair{CertPEM: f.alice.CertPEM, KeyPEM: f.bob.KeyPEM}, f.ca.CertPEM())
-	waitFor(t, "the mismatched pair rejected", func() bool {
-		i, _ := findIdentity(p.Identities(), isFile)
-		return i.RotationErrors == 1
-	})
-	dir.write(t, f.carol, f.ca.CertPEM())
-	waitFor(t, "carol's certificate taken", func() bool {
-		i, _ := findIdentity(p.Identities(), isFile)
-		return i.Rotations == 1
-	})
-	send(5)
-	close(stop)
-	wg.Wait()
-	waitFor(t, "every connection closed", func() bool {
-		for _, i := range p.Identities() {
-			if i.OpenConns != 0 {
-				return false
-			}
-		}
-		return true
-	})
+}
 
+// checkSnapshot checks TestIdentitySnapshot's snapshot, once every
+// connection is closed, against what the server counted.
+func checkSnapshot(t *testing.T, p *Pool, server *serverConns, f *fixture, dir *certDir, proxyAddr string, isFile, isProxy func(IdentityInfo) bool) {
+	t.Helper()
 	infos := p.Identities()
 	t.Logf("%d identities", len(infos))
 	file, ok := findIdentity(infos, isFile)
@@ -189,7 +206,7 @@ func TestIdentitySnapshot(t *testing.T) {
 			t.Errorf("%s: auth %q", c.name, c.info.Auth)
 		}
 	}
-	if prox.Proxy != "http://someone:xxxxx@"+proxy.Addr() {
+	if prox.Proxy != "http://someone:xxxxx@"+proxyAddr {
 		t.Errorf("proxy shown as %q, want its password redacted", prox.Proxy)
 	}
 	if file.CertSubject != "carol" || file.Rotations != 1 || file.RotationErrors != 1 {

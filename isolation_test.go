@@ -47,62 +47,13 @@ func TestIsolation(t *testing.T) {
 	proxy1, proxy2 := newConnectProxy(t), newConnectProxy(t)
 	relay1, relay2 := newRelay(t, f.srv.Addr()), newRelay(t, f.srv.Addr())
 
-	// WithDialIdentity names a dialer by the config it came with.
-	var dialNames sync.Map // *rest.Config -> string
-	dialIdentity := func(cfg *rest.Config) string {
-		name, _ := dialNames.Load(cfg)
-		s, _ := name.(string)
-		return s
-	}
-
-	type side struct {
-		cn  string // the client certificate the config holds
-		cfg func() *rest.Config
-	}
-	alice := func(mutate func(*rest.Config)) side {
-		return side{"alice", func() *rest.Config {
-			c := f.srv.RestConfig(f.alice)
-			mutate(c)
-			return c
-		}}
-	}
+	k := &isolationKit{f: f}
+	alice, withCert, withExec, dialing := k.alice, k.withCert, k.withExec, k.dialing
 	plain := alice(func(*rest.Config) {})
-	withCert := func(kp *testserver.KeyPair) side {
-		return side{kp.Cert.Subject.CommonName, func() *rest.Config { return f.srv.RestConfig(kp) }}
-	}
-	withExec := func(exec *clientcmdapi.ExecConfig, cn string) side {
-		return side{cn, func() *rest.Config {
-			c := f.srv.RestConfig(nil)
-			cp := *exec
-			c.ExecProvider = &cp
-			return c
-		}}
-	}
-	proxied := func(p *connectProxy) func(*rest.Config) {
-		return func(c *rest.Config) {
-			u, _ := url.Parse(p.url())
-			c.Proxy = func(*http.Request) (*url.URL, error) { return u, nil } // a new closure per config
-		}
-	}
-	dialing := func(r *forwarder, name string) func(*rest.Config) {
-		return func(c *rest.Config) {
-			c.Dial = r.dial()
-			dialNames.Store(c, name)
-		}
-	}
-	host := func(h string) func(*rest.Config) {
-		return func(c *rest.Config) { c.Host = strings.Replace(c.Host, "127.0.0.1", h, 1) }
-	}
-
-	const (
-		differ = iota
-		share  // one transport, one connection
-		shareTransport
-	)
 	for _, tc := range []struct {
 		name string
-		want int
-		a, b side
+		want isolationWant
+		a, b isolationSide
 	}{
 		// Identity fields: never shared.
 		{"CA bundle", differ, plain, alice(func(c *rest.Config) { c.CAData = append(f.ca.CertPEM(), otherCA.CertPEM()...) })},
@@ -140,91 +91,11 @@ func TestIsolation(t *testing.T) {
 		{"same dial identity, other dialer", share, alice(dialing(relay1, "relay")), alice(dialing(relay2, "relay"))},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			f.srv.CloseClientConnections()
-			waitFor(t, "server connections closed", func() bool { return f.srv.OpenConns() == 0 })
-			f.srv.ResetStats()
+			resetMember(t, f)
 			ledger.reset()
-			p := newPool(t, WithDialIdentity(dialIdentity))
-
-			var clients []*kubernetes.Clientset
-			for i, s := range []side{tc.a, tc.b} {
-				cfg := s.cfg()
-				cfg.QPS, cfg.Burst = 1e6, 1e6 // client-go's rate limiter is not under test
-				tag(cfg, string(rune('A'+i)), s.cn)
-				if err := p.Wrap(cfg); err != nil {
-					t.Fatal(err)
-				}
-				cs, err := kubernetes.NewForConfig(cfg)
-				if err != nil {
-					t.Fatal(err)
-				}
-				clients = append(clients, cs)
-			}
-			const sequential, concurrent = 4, 8
-			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-			defer cancel()
-			list := func(cs *kubernetes.Clientset) error {
-				_, err := cs.CoreV1().Nodes().List(ctx, metav1.ListOptions{})
-				return err
-			}
-			for range sequential {
-				for _, cs := range clients {
-					if err := list(cs); err != nil {
-						t.Fatal(err)
-					}
-				}
-			}
-			var wg sync.WaitGroup
-			errs := make(chan error, 2*concurrent)
-			for range concurrent {
-				for _, cs := range clients {
-					wg.Add(1)
-					go func() {
-						defer wg.Done()
-						if err := list(cs); err != nil {
-							errs <- err
-						}
-					}()
-				}
-			}
-			wg.Wait()
-			close(errs)
-			for err := range errs {
-				t.Fatal(err)
-			}
-
-			conns, shared, mismatches, requests := ledger.snapshot()
-			st := p.Stats()
-			t.Logf("server: %d requests, connections per config %v, %d shared; pool: %d identities, %d misses, %d hits",
-				requests, conns, shared, st.Identities, st.Misses, st.Hits)
-			for _, m := range mismatches {
-				t.Error(m)
-			}
-			if want := 2 * (sequential + concurrent); requests != want {
-				t.Errorf("server saw %d tagged requests, want %d", requests, want)
-			}
-			if st.PassThrough != 0 {
-				t.Errorf("%d configs passed through: the case does not test the pool", st.PassThrough)
-			}
-			switch tc.want {
-			case differ:
-				if st.Identities != 2 || st.Misses != 2 {
-					t.Errorf("pool built %d transports for %d identities, want 2 and 2", st.Misses, st.Identities)
-				}
-				if shared != 0 {
-					t.Errorf("%d connections carried requests of both configs", shared)
-				}
-			case share, shareTransport:
-				if st.Identities != 1 || st.Misses != 1 || st.Hits != 1 {
-					t.Errorf("pool: %d identities, %d misses, %d hits; want one shared transport", st.Identities, st.Misses, st.Hits)
-				}
-				if conns["A"] != 1 || conns["B"] != 1 {
-					t.Errorf("connections per config %v, want one each", conns)
-				}
-				if tc.want == share && shared != 1 {
-					t.Errorf("the two configs used %d shared connections, want 1", shared)
-				}
-			}
+			p := newPool(t, WithDialIdentity(k.dialIdentity))
+			loadBothSides(t, p, tc.a, tc.b)
+			checkIsolation(t, tc.want, ledger, p)
 		})
 	}
 
@@ -241,4 +112,171 @@ func TestIsolation(t *testing.T) {
 			t.Errorf("mismatches %q, want exactly one", mismatches)
 		}
 	})
+}
+
+// isolationSide is one config of a TestIsolation case and the client
+// certificate it holds.
+type isolationSide struct {
+	cn  string // the client certificate the config holds
+	cfg func() *rest.Config
+}
+
+// isolationWant is what a TestIsolation case expects of its two configs.
+type isolationWant int
+
+const (
+	differ isolationWant = iota
+	share                // one transport, one connection
+	shareTransport
+)
+
+// isolationKit builds TestIsolation's sides on one fixture.
+type isolationKit struct {
+	f *fixture
+	// dialNames names a config's dialer for WithDialIdentity.
+	dialNames sync.Map // *rest.Config -> string
+}
+
+// dialIdentity is the pool's WithDialIdentity: the name dialing gave cfg.
+func (k *isolationKit) dialIdentity(cfg *rest.Config) string {
+	name, _ := k.dialNames.Load(cfg)
+	s, _ := name.(string)
+	return s
+}
+
+// alice is alice's config changed by mutate.
+func (k *isolationKit) alice(mutate func(*rest.Config)) isolationSide {
+	return isolationSide{"alice", func() *rest.Config {
+		c := k.f.srv.RestConfig(k.f.alice)
+		mutate(c)
+		return c
+	}}
+}
+
+func (k *isolationKit) withCert(kp *testserver.KeyPair) isolationSide {
+	return isolationSide{kp.Cert.Subject.CommonName, func() *rest.Config { return k.f.srv.RestConfig(kp) }}
+}
+
+func (k *isolationKit) withExec(exec *clientcmdapi.ExecConfig, cn string) isolationSide {
+	return isolationSide{cn, func() *rest.Config {
+		c := k.f.srv.RestConfig(nil)
+		cp := *exec
+		c.ExecProvider = &cp
+		return c
+	}}
+}
+
+// dialing gives a config r's dialer, named name.
+func (k *isolationKit) dialing(r *forwarder, name string) func(*rest.Config) {
+	return func(c *rest.Config) {
+		c.Dial = r.dial()
+		k.dialNames.Store(c, name)
+	}
+}
+
+// proxied sends a config through p, with a new Proxy closure per config.
+func proxied(p *connectProxy) func(*rest.Config) {
+	return func(c *rest.Config) {
+		u, _ := url.Parse(p.url())
+		c.Proxy = func(*http.Request) (*url.URL, error) { return u, nil }
+	}
+}
+
+// host names the server h in a config's Host.
+func host(h string) func(*rest.Config) {
+	return func(c *rest.Config) { c.Host = strings.Replace(c.Host, "127.0.0.1", h, 1) }
+}
+
+// The requests loadBothSides sends per config: some in turn, then some at
+// once.
+const isolationSequential, isolationConcurrent = 4, 8
+
+// loadBothSides wraps both sides' configs in p, tagged "A" and "B" with the
+// certificate each holds, and lists nodes with each, in turn and then
+// concurrently.
+func loadBothSides(t *testing.T, p *Pool, a, b isolationSide) {
+	t.Helper()
+	var clients []*kubernetes.Clientset
+	for i, s := range []isolationSide{a, b} {
+		cfg := s.cfg()
+		cfg.QPS, cfg.Burst = 1e6, 1e6 // client-go's rate limiter is not under test
+		tag(cfg, string(rune('A'+i)), s.cn)
+		if err := p.Wrap(cfg); err != nil {
+			t.Fatal(err)
+		}
+		cs, err := kubernetes.NewForConfig(cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		clients = append(clients, cs)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	list := func(cs *kubernetes.Clientset) error {
+		_, err := cs.CoreV1().Nodes().List(ctx, metav1.ListOptions{})
+		return err
+	}
+	for range isolationSequential {
+		for _, cs := range clients {
+			if err := list(cs); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	var wg sync.WaitGroup
+	errs := make(chan error, 2*isolationConcurrent)
+	for range isolationConcurrent {
+		for _, cs := range clients {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				if err := list(cs); err != nil {
+					errs <- err
+				}
+			}()
+		}
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Fatal(err)
+	}
+}
+
+// checkIsolation checks what the server's ledger and the pool saw of
+// loadBothSides against want.
+func checkIsolation(t *testing.T, want isolationWant, ledger *connLedger, p *Pool) {
+	t.Helper()
+	conns, shared, mismatches, requests := ledger.snapshot()
+	st := p.Stats()
+	t.Logf("server: %d requests, connections per config %v, %d shared; pool: %d identities, %d misses, %d hits",
+		requests, conns, shared, st.Identities, st.Misses, st.Hits)
+	for _, m := range mismatches {
+		t.Error(m)
+	}
+	if n := 2 * (isolationSequential + isolationConcurrent); requests != n {
+		t.Errorf("server saw %d tagged requests, want %d", requests, n)
+	}
+	if st.PassThrough != 0 {
+		t.Errorf("%d configs passed through: the case does not test the pool", st.PassThrough)
+	}
+	switch want {
+	case differ:
+		if st.Identities != 2 || st.Misses != 2 {
+			t.Errorf("pool built %d transports for %d identities, want 2 and 2", st.Misses, st.Identities)
+		}
+		if shared != 0 {
+			t.Errorf("%d connections carried requests of both configs", shared)
+		}
+	case share, shareTransport:
+		if st.Identities != 1 || st.Misses != 1 || st.Hits != 1 {
+			t.Errorf("pool: %d identities, %d misses, %d hits; want one shared transport", st.Identities, st.Misses, st.Hits)
+		}
+		if conns["A"] != 1 || conns["B"] != 1 {
+			t.Errorf("connections per config %v, want one each", conns)
+		}
+		if want == share && shared != 1 {
+			t.Errorf("the two configs used %d shared connections, want 1", shared)
+		}
+	}
 }

@@ -3,6 +3,7 @@ package sharedtransport
 // The load loops: bounded workers issuing requests, their errors collected.
 
 import (
+	"runtime/debug"
 	"sync"
 	"testing"
 )
@@ -53,4 +54,20 @@ func requireNoErrors(t testing.TB, errs []error) {
 	if len(errs) > 0 {
 		t.FailNow()
 	}
+}
+
+// raceDetector reports whether the test binary was built with -race. The
+// race detector slows TLS handshakes about tenfold, so the load tests send
+// fewer requests under it; every path is still raced.
+func raceDetector() bool {
+	bi, ok := debug.ReadBuildInfo()
+	if !ok {
+		return false
+	}
+	for _, s := range bi.Settings {
+		if s.Key == "-race" {
+			return s.Value == "true"
+		}
+	}
+	return false
 }

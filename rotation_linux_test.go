@@ -108,105 +108,9 @@ func TestRotationUnreadableFiles(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 
-	t.Run("at Wrap", func(t *testing.T) {
-		for i, u := range unreadables(hung[0]) {
-			t.Run(u.name, func(t *testing.T) {
-				c := writeCredFiles(t, filepath.Join(f.dir, "wrap", string(rune('a'+i))), f.ca.CertPEM(), f.alice)
-				u.make(t, c.cert)
-				for attempt := range 2 {
-					wrapped := make(chan error, 1)
-					go func() { wrapped <- p.Wrap(c.config(f.srv.URL())) }()
-					select {
-					case err := <-wrapped:
-						if err == nil {
-							t.Fatal("Wrap succeeded")
-						}
-						t.Logf("attempt %d: %v", attempt+1, err)
-						for _, want := range []string{c.cert, u.want} {
-							if !strings.Contains(err.Error(), want) {
-								t.Errorf("error does not say %q", want)
-							}
-						}
-					case <-time.After(10 * time.Second):
-						t.Fatal("Wrap did not return in 10 s")
-					}
-				}
-			})
-		}
-		if n := hung[0].HungReads(); n != 1 {
-			t.Errorf("%d reads of the hung file wait in the kernel after two Wraps, want 1", n)
-		}
-	})
+	t.Run("at Wrap", func(t *testing.T) { unreadableAtWrap(t, p, f, hung[0]) })
 
-	t.Run("after good material", func(t *testing.T) {
-		type badIdentity struct {
-			u  unreadable
-			c  *certDir
-			cs *kubernetes.Clientset
-		}
-		var bad []badIdentity
-		for i, u := range unreadables(hung[1]) {
-			c := writeCredFiles(t, filepath.Join(f.dir, "after", string(rune('a'+i))), f.ca.CertPEM(), f.alice)
-			cfg := c.config(f.srv.URL())
-			if err := p.Wrap(cfg); err != nil {
-				t.Fatal(err)
-			}
-			cs, err := kubernetes.NewForConfig(cfg)
-			if err != nil {
-				t.Fatal(err)
-			}
-			bad = append(bad, badIdentity{u, c, cs})
-		}
-		good := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
-		_, goodCS := good.wrapped(t, p, f.srv.URL())
-		before := p.Stats()
-		for _, b := range bad {
-			b.u.make(t, b.c.cert)
-		}
-		// The bad reloads are under way; another identity rotates meanwhile.
-		good.write(t, dave, f.ca.CertPEM())
-		written := time.Now()
-		waitFor(t, "the other identity's rotation", func() bool { return p.Stats().Rotations > before.Rotations })
-		f.srv.CloseClientConnections()
-		if _, err := goodCS.CoreV1().Nodes().List(ctx, metav1.ListOptions{}); err != nil {
-			t.Fatal(err)
-		}
-		if _, ok := rec.firstSince("dave", written); !ok {
-			t.Error("the server did not see the rotated certificate")
-		}
-		waitFor(t, "every bad file rejected", func() bool {
-			return p.Stats().RotationErrors >= before.RotationErrors+uint64(len(bad))
-		})
-		// The last good material is kept: new connections still work.
-		f.srv.CloseClientConnections()
-		since := time.Now()
-		for _, b := range bad {
-			if _, err := b.cs.CoreV1().Nodes().List(ctx, metav1.ListOptions{}); err != nil {
-				t.Errorf("%s: a client built before: %v", b.u.name, err)
-			}
-		}
-		if _, ok := rec.firstSince("alice", since); !ok {
-			t.Error("the server did not see the last good certificate")
-		}
-		// Each poll of the hung identity is a rejected reload of its own.
-		hungCert := bad[len(bad)-1].c.cert
-		rejected := func() uint64 {
-			for _, info := range p.Identities() {
-				if slices.Contains(info.Files, hungCert) {
-					return info.RotationErrors
-				}
-			}
-			t.Fatalf("no identity reads %s", hungCert)
-			return 0
-		}
-		const polls = 5
-		seen := rejected()
-		waitFor(t, "more polls of the hung file", func() bool { return rejected() >= seen+polls })
-		if n := hung[1].HungReads(); n != 1 {
-			t.Errorf("%d reads of the hung file wait in the kernel after %d more polls, want 1", n, polls)
-		}
-		t.Logf("%+v", p.Stats())
-	})
+	t.Run("after good material", func(t *testing.T) { unreadableAfterGood(t, ctx, p, f, hung[1], rec, dave) })
 
 	go func() {
 		p.Close()
@@ -220,6 +124,112 @@ func TestRotationUnreadableFiles(t *testing.T) {
 	if n := hung[1].HungReads(); n != 1 {
 		t.Errorf("after Close %d reads of the hung file wait in the kernel, want the 1 Close left behind", n)
 	}
+}
+
+// unreadableAtWrap is TestRotationUnreadableFiles's "at Wrap" case: every
+// unreadable file, h's hung one among them, refused twice, with one read of
+// the hung file left waiting.
+func unreadableAtWrap(t *testing.T, p *Pool, f *fixture, h *hangfs.FS) {
+	for i, u := range unreadables(h) {
+		t.Run(u.name, func(t *testing.T) {
+			c := writeCredFiles(t, filepath.Join(f.dir, "wrap", string(rune('a'+i))), f.ca.CertPEM(), f.alice)
+			u.make(t, c.cert)
+			for attempt := range 2 {
+				wrapped := make(chan error, 1)
+				go func() { wrapped <- p.Wrap(c.config(f.srv.URL())) }()
+				select {
+				case err := <-wrapped:
+					if err == nil {
+						t.Fatal("Wrap succeeded")
+					}
+					t.Logf("attempt %d: %v", attempt+1, err)
+					for _, want := range []string{c.cert, u.want} {
+						if !strings.Contains(err.Error(), want) {
+							t.Errorf("error does not say %q", want)
+						}
+					}
+				case <-time.After(10 * time.Second):
+					t.Fatal("Wrap did not return in 10 s")
+				}
+			}
+		})
+	}
+	if n := h.HungReads(); n != 1 {
+		t.Errorf("%d reads of the hung file wait in the kernel after two Wraps, want 1", n)
+	}
+}
+
+// unreadableAfterGood is TestRotationUnreadableFiles's "after good
+// material" case: the unreadable files (h's hung one among them) are
+// rejected reloads that hold up no other identity's rotation.
+func unreadableAfterGood(t *testing.T, ctx context.Context, p *Pool, f *fixture, h *hangfs.FS, rec *cnRecorder, dave *testserver.KeyPair) {
+	type badIdentity struct {
+		u  unreadable
+		c  *certDir
+		cs *kubernetes.Clientset
+	}
+	var bad []badIdentity
+	for i, u := range unreadables(h) {
+		c := writeCredFiles(t, filepath.Join(f.dir, "after", string(rune('a'+i))), f.ca.CertPEM(), f.alice)
+		cfg := c.config(f.srv.URL())
+		if err := p.Wrap(cfg); err != nil {
+			t.Fatal(err)
+		}
+		cs, err := kubernetes.NewForConfig(cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		bad = append(bad, badIdentity{u, c, cs})
+	}
+	good := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
+	_, goodCS := good.wrapped(t, p, f.srv.URL())
+	before := p.Stats()
+	for _, b := range bad {
+		b.u.make(t, b.c.cert)
+	}
+	// The bad reloads are under way; another identity rotates meanwhile.
+	good.write(t, dave, f.ca.CertPEM())
+	written := time.Now()
+	waitFor(t, "the other identity's rotation", func() bool { return p.Stats().Rotations > before.Rotations })
+	f.srv.CloseClientConnections()
+	if _, err := goodCS.CoreV1().Nodes().List(ctx, metav1.ListOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, ok := rec.firstSince("dave", written); !ok {
+		t.Error("the server did not see the rotated certificate")
+	}
+	waitFor(t, "every bad file rejected", func() bool {
+		return p.Stats().RotationErrors >= before.RotationErrors+uint64(len(bad))
+	})
+	// The last good material is kept: new connections still work.
+	f.srv.CloseClientConnections()
+	since := time.Now()
+	for _, b := range bad {
+		if _, err := b.cs.CoreV1().Nodes().List(ctx, metav1.ListOptions{}); err != nil {
+			t.Errorf("%s: a client built before: %v", b.u.name, err)
+		}
+	}
+	if _, ok := rec.firstSince("alice", since); !ok {
+		t.Error("the server did not see the last good certificate")
+	}
+	// Each poll of the hung identity is a rejected reload of its own.
+	hungCert := bad[len(bad)-1].c.cert
+	rejected := func() uint64 {
+		for _, info := range p.Identities() {
+			if slices.Contains(info.Files, hungCert) {
+				return info.RotationErrors
+			}
+		}
+		t.Fatalf("no identity reads %s", hungCert)
+		return 0
+	}
+	const polls = 5
+	seen := rejected()
+	waitFor(t, "more polls of the hung file", func() bool { return rejected() >= seen+polls })
+	if n := h.HungReads(); n != 1 {
+		t.Errorf("%d reads of the hung file wait in the kernel after %d more polls, want 1", n, polls)
+	}
+	t.Logf("%+v", p.Stats())
 }
 
 // inUserNamespace runs the calling test again, alone, in a child process in
@@ -313,104 +323,109 @@ const (
 func TestInotifyLimits(t *testing.T) {
 	const fallback = 200 * time.Millisecond
 
-	t.Run("instances", func(t *testing.T) {
-		if !inUserNamespace(t, map[string]int{"max_inotify_instances": 8}) {
-			return
-		}
-		rec := &cnRecorder{}
-		f := newFixture(t, testserver.Options{OnRequest: rec.record})
-		var held []int
-		defer func() {
-			for _, fd := range held {
-				syscall.Close(fd)
-			}
-		}()
-		for range 1000 { // bounded: the limit set above is 8
-			fd, err := syscall.InotifyInit1(syscall.IN_CLOEXEC)
-			if err != nil {
-				t.Logf("the kernel refused inotify instance %d: %v", len(held)+1, err)
-				break
-			}
-			held = append(held, fd)
-		}
-		logs := &logLines{}
-		p := newPool(t, WithPollInterval(0), WithLogger(logs.logger()), func(o *options) { o.fallbackPoll = fallback })
-		c := writeCredFiles(t, filepath.Join(f.dir, "files"), f.ca.CertPEM(), f.alice)
-		cfg := c.config(f.srv.URL())
-		if err := p.Wrap(cfg); err != nil {
-			t.Fatalf("Wrap with inotify instances exhausted: %v", err)
-		}
-		if st := p.Stats(); st.UnwatchedDirs != 1 {
-			t.Errorf("UnwatchedDirs = %d, want 1", st.UnwatchedDirs)
-		}
-		// No file events: the rotation is the fallback poll's.
-		rotate(t, p, rec, cfg, c, f.bob)
-		time.Sleep(3 * fallback) // more failed retries
-		if n := logs.count(refusedLog); n != 1 {
-			t.Errorf("the refusal was logged %d times, want once", n)
-		}
+	t.Run("instances", func(t *testing.T) { inotifyInstancesExhausted(t, fallback) })
+	t.Run("watches", func(t *testing.T) { inotifyWatchesExhausted(t, fallback) })
+}
 
-		// Instances free again: the pool takes file events.
+// inotifyInstancesExhausted is TestInotifyLimits's "instances" case.
+func inotifyInstancesExhausted(t *testing.T, fallback time.Duration) {
+	if !inUserNamespace(t, map[string]int{"max_inotify_instances": 8}) {
+		return
+	}
+	rec := &cnRecorder{}
+	f := newFixture(t, testserver.Options{OnRequest: rec.record})
+	var held []int
+	defer func() {
 		for _, fd := range held {
 			syscall.Close(fd)
 		}
-		held = nil
-		waitFor(t, "the directory watched again", func() bool { return p.Stats().UnwatchedDirs == 0 })
-		time.Sleep(fallback) // the last fallback poll's reload ends
-		if got := inotifyWatches(t); len(got) != 1 || sumValues(got) != 1 {
-			t.Errorf("the kernel holds watches %v, want one instance with 1 watch", got)
+	}()
+	for range 1000 { // bounded: the limit set above is 8
+		fd, err := syscall.InotifyInit1(syscall.IN_CLOEXEC)
+		if err != nil {
+			t.Logf("the kernel refused inotify instance %d: %v", len(held)+1, err)
+			break
 		}
-		rotate(t, p, rec, cfg, c, f.carol) // polling is off: by the file event
-		if n := logs.count(recoveredLog); n != 1 {
-			t.Errorf("the recovery was logged %d times, want once", n)
-		}
-	})
+		held = append(held, fd)
+	}
+	logs := &logLines{}
+	p := newPool(t, WithPollInterval(0), WithLogger(logs.logger()), func(o *options) { o.fallbackPoll = fallback })
+	c := writeCredFiles(t, filepath.Join(f.dir, "files"), f.ca.CertPEM(), f.alice)
+	cfg := c.config(f.srv.URL())
+	if err := p.Wrap(cfg); err != nil {
+		t.Fatalf("Wrap with inotify instances exhausted: %v", err)
+	}
+	if st := p.Stats(); st.UnwatchedDirs != 1 {
+		t.Errorf("UnwatchedDirs = %d, want 1", st.UnwatchedDirs)
+	}
+	// No file events: the rotation is the fallback poll's.
+	rotate(t, p, rec, cfg, c, f.bob)
+	time.Sleep(3 * fallback) // more failed retries
+	if n := logs.count(refusedLog); n != 1 {
+		t.Errorf("the refusal was logged %d times, want once", n)
+	}
 
-	t.Run("watches", func(t *testing.T) {
-		const limit = 2
-		if !inUserNamespace(t, map[string]int{"max_inotify_watches": limit}) {
-			return
-		}
-		rec := &cnRecorder{}
-		f := newFixture(t, testserver.Options{OnRequest: rec.record})
-		logs := &logLines{}
-		p := newPool(t, WithPollInterval(0), WithIdleTimeout(0), WithLogger(logs.logger()), func(o *options) { o.fallbackPoll = fallback })
-		// Four identities in four directories: two watches, two refused.
-		var cfgs [4]*rest.Config
-		var files [4]*certDir
-		for i := range cfgs {
-			files[i] = writeCredFiles(t, filepath.Join(f.dir, strconv.Itoa(i)), f.ca.CertPEM(), f.alice)
-			cfgs[i] = files[i].config(f.srv.URL())
-			if err := p.Wrap(cfgs[i]); err != nil {
-				t.Fatalf("Wrap %d with the watch limit reached: %v", i, err)
-			}
-		}
-		if st := p.Stats(); st.UnwatchedDirs != 2 {
-			t.Errorf("UnwatchedDirs = %d, want 2", st.UnwatchedDirs)
-		}
-		rotate(t, p, rec, cfgs[2], files[2], f.bob) // by the fallback poll
-		time.Sleep(3 * fallback)
-		if n := logs.count(refusedLog); n != 1 {
-			t.Errorf("the refusal was logged %d times, want once", n)
-		}
+	// Instances free again: the pool takes file events.
+	for _, fd := range held {
+		syscall.Close(fd)
+	}
+	held = nil
+	waitFor(t, "the directory watched again", func() bool { return p.Stats().UnwatchedDirs == 0 })
+	time.Sleep(fallback) // the last fallback poll's reload ends
+	if got := inotifyWatches(t); len(got) != 1 || sumValues(got) != 1 {
+		t.Errorf("the kernel holds watches %v, want one instance with 1 watch", got)
+	}
+	rotate(t, p, rec, cfg, c, f.carol) // polling is off: by the file event
+	if n := logs.count(recoveredLog); n != 1 {
+		t.Errorf("the recovery was logged %d times, want once", n)
+	}
+}
 
-		// The two watched identities are released; their watches go, and
-		// the other two directories get theirs.
-		cfgs[0], cfgs[1] = nil, nil
-		waitFor(t, "two identities released", func() bool {
-			runtime.GC()
-			return p.Stats().Identities == 2
-		})
-		waitFor(t, "every directory watched", func() bool { return p.Stats().UnwatchedDirs == 0 })
-		time.Sleep(fallback)
-		if got := inotifyWatches(t); len(got) != 1 || sumValues(got) != limit {
-			t.Errorf("the kernel holds watches %v, want one instance with %d", got, limit)
+// inotifyWatchesExhausted is TestInotifyLimits's "watches" case.
+func inotifyWatchesExhausted(t *testing.T, fallback time.Duration) {
+	const limit = 2
+	if !inUserNamespace(t, map[string]int{"max_inotify_watches": limit}) {
+		return
+	}
+	rec := &cnRecorder{}
+	f := newFixture(t, testserver.Options{OnRequest: rec.record})
+	logs := &logLines{}
+	p := newPool(t, WithPollInterval(0), WithIdleTimeout(0), WithLogger(logs.logger()), func(o *options) { o.fallbackPoll = fallback })
+	// Four identities in four directories: two watches, two refused.
+	var cfgs [4]*rest.Config
+	var files [4]*certDir
+	for i := range cfgs {
+		files[i] = writeCredFiles(t, filepath.Join(f.dir, strconv.Itoa(i)), f.ca.CertPEM(), f.alice)
+		cfgs[i] = files[i].config(f.srv.URL())
+		if err := p.Wrap(cfgs[i]); err != nil {
+			t.Fatalf("Wrap %d with the watch limit reached: %v", i, err)
 		}
-		rotate(t, p, rec, cfgs[3], files[3], f.carol) // polling is off: by the file event
-		if n := logs.count(recoveredLog); n != 1 {
-			t.Errorf("the recovery was logged %d times, want once", n)
-		}
+	}
+	if st := p.Stats(); st.UnwatchedDirs != 2 {
+		t.Errorf("UnwatchedDirs = %d, want 2", st.UnwatchedDirs)
+	}
+	rotate(t, p, rec, cfgs[2], files[2], f.bob) // by the fallback poll
+	time.Sleep(3 * fallback)
+	if n := logs.count(refusedLog); n != 1 {
+		t.Errorf("the refusal was logged %d times, want once", n)
+	}
+
+	// The two watched identities are released; their watches go, and
+	// the other two directories get theirs.
+	cfgs[0], cfgs[1] = nil, nil
+	waitFor(t, "two identities released", func() bool {
+		runtime.GC()
+		return p.Stats().Identities == 2
 	})
+	waitFor(t, "every directory watched", func() bool { return p.Stats().UnwatchedDirs == 0 })
+	time.Sleep(fallback)
+	if got := inotifyWatches(t); len(got) != 1 || sumValues(got) != limit {
+		t.Errorf("the kernel holds watches %v, want one instance with %d", got, limit)
+	}
+	rotate(t, p, rec, cfgs[3], files[3], f.carol) // polling is off: by the file event
+	if n := logs.count(recoveredLog); n != 1 {
+		t.Errorf("the recovery was logged %d times, want once", n)
+	}
 }
 
 // rotate writes kp into c (key first, then certificate, each renamed over),

@@ -125,15 +125,9 @@ func TestSecretsStaySecret(t *testing.T) {
 	proxyPassword, proxyCred := randomSecret(t, "proxy-password-"), randomSecret(t, "proxy-cred-")
 	secrets = append(secrets, token, password, proxyPassword, proxyCred)
 
-	var texts []string // everything the test saw besides the logs
-	note := func(what string, v any) {
-		if v != nil {
-			texts = append(texts, fmt.Sprintf("%s: %v", what, v))
-		}
-	}
-	p := newPool(t, WithIdleTimeout(0), withDebounce(10*time.Millisecond))
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
+	sc := &secretsScan{f: f, p: newPool(t, WithIdleTimeout(0), withDebounce(10*time.Millisecond)), ctx: ctx}
 
 	// Wrap and requests: certificate files, a token, basic auth, an exec
 	// plugin's certificate.
@@ -145,25 +139,62 @@ func TestSecretsStaySecret(t *testing.T) {
 	execCfg := f.srv.RestConfig(nil)
 	execCfg.ExecProvider = writeExecPlugin(t, f.dir, "exec", execKP)
 	for _, cfg := range []*rest.Config{fileCfg, basicCfg, execCfg} {
-		if err := p.Wrap(cfg); err != nil {
+		if err := sc.p.Wrap(cfg); err != nil {
 			t.Fatal(err)
 		}
 		if err := listNodes(ctx, cfg); err != nil {
 			t.Fatal(err)
 		}
 	}
-	// A proxy with a password in its URL and a CONNECT header from a
-	// Karmada-style wrapper; the proxy is not there, so requests fail.
-	proxyCfg := f.srv.RestConfig(f.alice)
+	proxyCfg := sc.proxied(t, proxyPassword, proxyCred)
+	sc.rotations(t, paths, fileCfg)
+	sc.badMaterial(t, basicCfg, token)
+	sc.printed(t)
+	runtime.KeepAlive([]*rest.Config{fileCfg, basicCfg, execCfg, proxyCfg}) // their identities were printed above
+	if err := sc.p.Close(); err != nil {
+		t.Fatal(err)
+	}
+	sc.note("after Close", listNodes(ctx, fileCfg))
+	klog.Flush()
+	checkNoSecrets(t, logs.String(), sc.texts, secrets, f.alice.KeyPEM)
+}
+
+// secretsScan is TestSecretsStaySecret's pool and what it saw besides the
+// logs.
+type secretsScan struct {
+	f     *fixture
+	p     *Pool
+	ctx   context.Context
+	texts []string // errors and strings the test saw
+}
+
+func (sc *secretsScan) note(what string, v any) {
+	if v != nil {
+		sc.texts = append(sc.texts, fmt.Sprintf("%s: %v", what, v))
+	}
+}
+
+// proxied wraps a config with a proxy with a password in its URL and a
+// CONNECT header from a Karmada-style wrapper; the proxy is not there, so
+// its request fails.
+func (sc *secretsScan) proxied(t *testing.T, proxyPassword, proxyCred string) *rest.Config {
+	t.Helper()
+	proxyCfg := sc.f.srv.RestConfig(sc.f.alice)
 	proxyURL, _ := url.Parse("http://proxyuser:" + proxyPassword + "@127.0.0.1:1")
 	proxyCfg.Proxy = http.ProxyURL(proxyURL)
 	proxyCfg.WrapTransport = karmadaProxyHeader(nil, http.Header{"Proxy-Authorization": {"Basic " + proxyCred}})
-	if err := p.Wrap(proxyCfg); err != nil {
+	if err := sc.p.Wrap(proxyCfg); err != nil {
 		t.Fatal(err)
 	}
-	note("request through a proxy that is not there", listNodes(ctx, proxyCfg))
+	sc.note("request through a proxy that is not there", listNodes(sc.ctx, proxyCfg))
+	return proxyCfg
+}
 
-	// Rotation: bad files are rejected (and logged), then good ones taken.
+// rotations writes bad files over fileCfg's (rejected and logged), then
+// good ones (taken).
+func (sc *secretsScan) rotations(t *testing.T, paths testserver.Paths, fileCfg *rest.Config) {
+	t.Helper()
+	f, p := sc.f, sc.p
 	rotateTo := func(what string, cert, key []byte, done func(Stats) bool) {
 		t.Helper()
 		if cert != nil {
@@ -177,7 +208,7 @@ func TestSecretsStaySecret(t *testing.T) {
 			}
 		}
 		waitFor(t, what, func() bool { return done(p.Stats()) })
-		note(what+": request", listNodes(ctx, fileCfg))
+		sc.note(what+": request", listNodes(sc.ctx, fileCfg))
 	}
 	errorsAfter := func(n uint64) func(Stats) bool { return func(s Stats) bool { return s.RotationErrors > n } }
 	rotateTo("torn key", nil, f.alice.KeyPEM[:len(f.alice.KeyPEM)/2], errorsAfter(p.Stats().RotationErrors))
@@ -185,9 +216,13 @@ func TestSecretsStaySecret(t *testing.T) {
 	rotateTo("key where the certificate belongs", f.alice.KeyPEM, f.alice.KeyPEM, errorsAfter(p.Stats().RotationErrors))
 	rotateTo("empty key", f.alice.CertPEM, []byte{}, errorsAfter(p.Stats().RotationErrors))
 	rotateTo("good files", f.carol.CertPEM, f.carol.KeyPEM, func(s Stats) bool { return s.Rotations > 0 })
+}
 
-	// Errors: Wrap of bad inline material and bad files, requests that
-	// fail, the adapter's logged error, an identity released by GC.
+// badMaterial: Wrap of bad inline material and bad files, requests that fail,
+// the adapter's logged error, an identity released by GC.
+func (sc *secretsScan) badMaterial(t *testing.T, basicCfg *rest.Config, token string) {
+	t.Helper()
+	f, p := sc.f, sc.p
 	for _, c := range []*rest.Config{
 		{Host: f.srv.URL(), TLSClientConfig: rest.TLSClientConfig{CertData: f.alice.CertPEM, KeyData: f.bob.KeyPEM}},
 		{Host: f.srv.URL(), TLSClientConfig: rest.TLSClientConfig{CertData: f.alice.KeyPEM, KeyData: f.alice.KeyPEM}},
@@ -198,12 +233,12 @@ func TestSecretsStaySecret(t *testing.T) {
 		if err == nil {
 			t.Errorf("Wrap of bad material succeeded")
 		}
-		note("Wrap", err)
+		sc.note("Wrap", err)
 		p.WrapConfigFn(c)
 	}
 	wrong := rest.CopyConfig(basicCfg)
 	wrong.CAData = f.alice.CertPEM // verifies nothing: the handshake fails
-	note("request with a wrong CA", listNodes(ctx, wrong))
+	sc.note("request with a wrong CA", listNodes(sc.ctx, wrong))
 	func() {
 		throwaway := f.srv.RestConfig(f.carol)
 		throwaway.BearerToken = token
@@ -212,36 +247,39 @@ func TestSecretsStaySecret(t *testing.T) {
 		}
 	}()
 	waitFor(t, "an identity released", func() bool { runtime.GC(); return p.Stats().Identities <= 4 })
+}
 
-	// String() and Stats.
+// printed notes the keys' String() and the pool's Stats and Identities.
+func (sc *secretsScan) printed(t *testing.T) {
+	t.Helper()
+	p := sc.p
 	p.mu.Lock()
 	for k, e := range p.entries {
-		note("key String", k.String())
-		note("key %v", fmt.Sprintf("%v %+v %s", k, k, k))
-		note("entry key", e.id.key)
+		sc.note("key String", k.String())
+		sc.note("key %v", fmt.Sprintf("%v %+v %s", k, k, k))
+		sc.note("entry key", e.id.key)
 	}
 	p.mu.Unlock()
-	note("Stats", fmt.Sprintf("%+v %#v", p.Stats(), p.Stats()))
+	sc.note("Stats", fmt.Sprintf("%+v %#v", p.Stats(), p.Stats()))
 	identities := fmt.Sprintf("%+v %#v", p.Identities(), p.Identities())
 	if !strings.Contains(identities, "proxyuser:xxxxx@") || !strings.Contains(identities, "LastError:sharedtransport: ") {
 		t.Errorf("Identities shows neither the redacted proxy nor the last reload error: the scan does not see what it should:\n%s", identities)
 	}
-	note("Identities", identities)
-	runtime.KeepAlive([]*rest.Config{fileCfg, basicCfg, execCfg, proxyCfg}) // their identities were printed above
-	if err := p.Close(); err != nil {
-		t.Fatal(err)
-	}
-	note("after Close", listNodes(ctx, fileCfg))
-	klog.Flush()
+	sc.note("Identities", identities)
+}
 
-	logText := logs.String()
+// checkNoSecrets scans the logs and texts for secrets and PEM blocks, after
+// checking that the scan sees what it should (the logs' expected lines, a
+// printed key).
+func checkNoSecrets(t *testing.T, logText string, texts, secrets []string, keyPEM []byte) {
+	t.Helper()
 	for _, want := range []string{"Keeping the last good TLS material", "Rotated TLS material", "Released an identity", "Authorization: Bearer <masked>", "Response Body"} {
 		if !strings.Contains(logText, want) {
 			t.Errorf("the logs lack %q: the capture does not see what it should", want)
 		}
 	}
 	// The scan is live: printing an identity's key data is caught.
-	if leaky := fmt.Sprintf("%+v", identity{keyData: f.alice.KeyPEM}); !containsAny(leaky, secrets) {
+	if leaky := fmt.Sprintf("%+v", identity{keyData: keyPEM}); !containsAny(leaky, secrets) {
 		t.Errorf("the scan misses a printed key")
 	}
 	lines := strings.Split(logText, "\n")

@@ -108,17 +108,6 @@ func TestTransportForLayers(t *testing.T) {
 	}
 	p := newPool(t)
 	other := newPool(t)
-	header := func(name string) func(testserver.RequestInfo) string {
-		return func(ri testserver.RequestInfo) string { return strings.Join(ri.Header.Values(name), ",") }
-	}
-	basicUser := func(ri testserver.RequestInfo) string {
-		u, pw, ok := (&http.Request{Header: ri.Header}).BasicAuth()
-		if !ok {
-			return ""
-		}
-		return u + ":" + pw
-	}
-	token := func(ri testserver.RequestInfo) string { return ri.Token }
 
 	type want struct {
 		of    func(testserver.RequestInfo) string
@@ -131,32 +120,32 @@ func TestTransportForLayers(t *testing.T) {
 		want   []want
 	}{
 		{name: "no layers"},
-		{name: "bearer token", mutate: func(c *rest.Config) { c.BearerToken = "token-1" }, want: []want{{token, "token-1"}}},
-		{name: "token file", mutate: func(c *rest.Config) { c.BearerTokenFile = tokenFile }, want: []want{{token, "token-from-file"}}},
-		{name: "basic auth", mutate: func(c *rest.Config) { c.Username, c.Password = "jane", "secret" }, want: []want{{basicUser, "jane:secret"}}},
+		{name: "bearer token", mutate: func(c *rest.Config) { c.BearerToken = "token-1" }, want: []want{{riToken, "token-1"}}},
+		{name: "token file", mutate: func(c *rest.Config) { c.BearerTokenFile = tokenFile }, want: []want{{riToken, "token-from-file"}}},
+		{name: "basic auth", mutate: func(c *rest.Config) { c.Username, c.Password = "jane", "secret" }, want: []want{{riBasicAuth, "jane:secret"}}},
 		{name: "impersonation", mutate: func(c *rest.Config) {
 			c.Impersonate = rest.ImpersonationConfig{UserName: "bob", UID: "42", Groups: []string{"g1", "g2"}, Extra: map[string][]string{"scopes": {"a", "b"}}}
 		}, want: []want{
-			{header("Impersonate-User"), "bob"}, {header("Impersonate-Uid"), "42"},
-			{header("Impersonate-Group"), "g1,g2"}, {header("Impersonate-Extra-Scopes"), "a,b"},
+			{riHeader("Impersonate-User"), "bob"}, {riHeader("Impersonate-Uid"), "42"},
+			{riHeader("Impersonate-Group"), "g1,g2"}, {riHeader("Impersonate-Extra-Scopes"), "a,b"},
 		}},
 		{name: "user agent", mutate: func(c *rest.Config) { c.UserAgent = "karmada-aggregated-apiserver/v1" },
-			want: []want{{header("User-Agent"), "karmada-aggregated-apiserver/v1"}}},
+			want: []want{{riHeader("User-Agent"), "karmada-aggregated-apiserver/v1"}}},
 		{name: "WrapTransport", mutate: func(c *rest.Config) { c.Wrap(setHeader("X-Wrapped", "yes")) },
-			want: []want{{header("X-Wrapped"), "yes"}}},
+			want: []want{{riHeader("X-Wrapped"), "yes"}}},
 		{name: "auth provider", mutate: func(c *rest.Config) {
 			c.AuthProvider = &clientcmdapi.AuthProviderConfig{Name: testAuthProvider, Config: map[string]string{"token": "token-ap"}}
-		}, want: []want{{token, "token-ap"}}},
-		{name: "Proxy set (direct)", mutate: func(c *rest.Config) { c.Proxy, c.BearerToken = nilProxy, "token-2" }, want: []want{{token, "token-2"}}},
+		}, want: []want{{riToken, "token-ap"}}},
+		{name: "Proxy set (direct)", mutate: func(c *rest.Config) { c.Proxy, c.BearerToken = nilProxy, "token-2" }, want: []want{{riToken, "token-2"}}},
 		{name: "all at once", mutate: func(c *rest.Config) {
 			c.BearerToken, c.UserAgent = "token-3", "ua/3"
 			c.Impersonate = rest.ImpersonationConfig{UserName: "carol"}
 			c.Wrap(setHeader("X-Wrapped", "all"))
-		}, want: []want{{token, "token-3"}, {header("User-Agent"), "ua/3"}, {header("Impersonate-User"), "carol"}, {header("X-Wrapped"), "all"}}},
+		}, want: []want{{riToken, "token-3"}, {riHeader("User-Agent"), "ua/3"}, {riHeader("Impersonate-User"), "carol"}, {riHeader("X-Wrapped"), "all"}}},
 		{name: "wrapped by this pool before", mutate: func(c *rest.Config) { c.BearerToken = "token-4" },
-			before: p.Wrap, want: []want{{token, "token-4"}}},
+			before: p.Wrap, want: []want{{riToken, "token-4"}}},
 		{name: "wrapped by another pool before", mutate: func(c *rest.Config) { c.UserAgent = "ua/5" },
-			before: other.Wrap, want: []want{{header("User-Agent"), "ua/5"}}},
+			before: other.Wrap, want: []want{{riHeader("User-Agent"), "ua/5"}}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			cfg := f.srv.RestConfig(f.alice)
@@ -183,14 +172,7 @@ func TestTransportForLayers(t *testing.T) {
 			}
 		})
 	}
-	conns := map[string]bool{}
-	log.mu.Lock()
-	for name, ri := range log.seen {
-		if strings.HasSuffix(name, "/pool") {
-			conns[ri.RemoteAddr] = true
-		}
-	}
-	log.mu.Unlock()
+	conns := poolConns(log)
 	if len(conns) != 1 {
 		t.Errorf("the pool's requests came on %d connections, want 1", len(conns))
 	}
@@ -200,6 +182,36 @@ func TestTransportForLayers(t *testing.T) {
 	if st := other.Stats(); st.PassThrough != 0 || st.Dials != 0 {
 		t.Errorf("the other pool's hook took part: %+v", st)
 	}
+}
+
+// riHeader reads the values of header name a request arrived with.
+func riHeader(name string) func(testserver.RequestInfo) string {
+	return func(ri testserver.RequestInfo) string { return strings.Join(ri.Header.Values(name), ",") }
+}
+
+// riBasicAuth reads the user:password of a request's basic auth.
+func riBasicAuth(ri testserver.RequestInfo) string {
+	u, pw, ok := (&http.Request{Header: ri.Header}).BasicAuth()
+	if !ok {
+		return ""
+	}
+	return u + ":" + pw
+}
+
+func riToken(ri testserver.RequestInfo) string { return ri.Token }
+
+// poolConns are the connections the requests log saw the pool's requests
+// (named ".../pool" by sendBoth) arrive on.
+func poolConns(log *requestLog) map[string]bool {
+	conns := map[string]bool{}
+	log.mu.Lock()
+	defer log.mu.Unlock()
+	for name, ri := range log.seen {
+		if strings.HasSuffix(name, "/pool") {
+			conns[ri.RemoteAddr] = true
+		}
+	}
+	return conns
 }
 
 // TestTransportForExecPlugin: an exec plugin's certificate is presented on
@@ -253,103 +265,113 @@ func TestTransportForExecPlugin(t *testing.T) {
 func TestTransportForPassThrough(t *testing.T) {
 	log := newRequestLog()
 	f := newFixture(t, testserver.Options{OnRequest: log.record})
-	ctx := context.Background()
+	t.Run("own Transport", func(t *testing.T) { passThroughOwnTransport(t, f, log) })
+	t.Run("custom Dial without a name", func(t *testing.T) { passThroughOwnDial(t, f) })
+	t.Run("failing Proxy", func(t *testing.T) { passThroughFailingProxy(t, f) })
+	t.Run("no TLS", func(t *testing.T) { passThroughNoTLS(t) })
+}
 
-	t.Run("own Transport", func(t *testing.T) {
-		p := newPool(t)
-		tlsConfig, err := rest.TLSConfigFor(f.srv.RestConfig(f.alice))
-		if err != nil {
-			t.Fatal(err)
-		}
-		own := &countingRT{next: &http.Transport{TLSClientConfig: tlsConfig}}
-		defer own.next.(*http.Transport).CloseIdleConnections()
-		cfg := &rest.Config{Host: f.srv.URL(), Transport: own, BearerToken: "token-own"}
-		rt, err := p.TransportFor(cfg)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if code, err := getVia(rt, f.srv.URL()+"/version?case=own"); err != nil || code != http.StatusOK {
-			t.Fatalf("%d %v", code, err)
-		}
-		if own.count() != 1 || log.get(t, "own").Token != "token-own" {
-			t.Errorf("own transport saw %d requests, server saw token %q", own.count(), log.get(t, "own").Token)
-		}
-		if st := p.Stats(); st.PassThrough != 1 || st.Identities != 0 {
-			t.Errorf("pool %+v, want one pass-through", st)
-		}
-	})
+// passThroughOwnTransport is TestTransportForPassThrough's "own Transport"
+// case.
+func passThroughOwnTransport(t *testing.T, f *fixture, log *requestLog) {
+	p := newPool(t)
+	tlsConfig, err := rest.TLSConfigFor(f.srv.RestConfig(f.alice))
+	if err != nil {
+		t.Fatal(err)
+	}
+	own := &countingRT{next: &http.Transport{TLSClientConfig: tlsConfig}}
+	defer own.next.(*http.Transport).CloseIdleConnections()
+	cfg := &rest.Config{Host: f.srv.URL(), Transport: own, BearerToken: "token-own"}
+	rt, err := p.TransportFor(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if code, err := getVia(rt, f.srv.URL()+"/version?case=own"); err != nil || code != http.StatusOK {
+		t.Fatalf("%d %v", code, err)
+	}
+	if own.count() != 1 || log.get(t, "own").Token != "token-own" {
+		t.Errorf("own transport saw %d requests, server saw token %q", own.count(), log.get(t, "own").Token)
+	}
+	if st := p.Stats(); st.PassThrough != 1 || st.Identities != 0 {
+		t.Errorf("pool %+v, want one pass-through", st)
+	}
+}
 
-	t.Run("custom Dial without a name", func(t *testing.T) {
-		p := newPool(t)
-		var dials atomic.Int64
-		cfg := f.srv.RestConfig(f.alice)
-		cfg.Dial = func(ctx context.Context, network, address string) (net.Conn, error) {
-			dials.Add(1)
-			var d net.Dialer
-			return d.DialContext(ctx, network, address)
-		}
-		hc, err := p.HTTPClientFor(cfg)
-		if err != nil {
-			t.Fatal(err)
-		}
-		cs, err := kubernetes.NewForConfigAndClient(cfg, hc)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if _, err := cs.CoreV1().Nodes().List(ctx, metav1.ListOptions{}); err != nil {
-			t.Fatal(err)
-		}
-		if dials.Load() != 1 {
-			t.Errorf("the config's own Dial dialed %d times, want 1", dials.Load())
-		}
-		if st := p.Stats(); st.PassThrough != 1 || st.Identities != 0 || st.Dials != 0 {
-			t.Errorf("pool %+v, want one pass-through and no dial of its own", st)
-		}
-		utilnet.CloseIdleConnectionsFor(hc.Transport)
-	})
+// passThroughOwnDial is TestTransportForPassThrough's "custom Dial without a
+// name" case.
+func passThroughOwnDial(t *testing.T, f *fixture) {
+	p := newPool(t)
+	var dials atomic.Int64
+	cfg := f.srv.RestConfig(f.alice)
+	cfg.Dial = func(ctx context.Context, network, address string) (net.Conn, error) {
+		dials.Add(1)
+		var d net.Dialer
+		return d.DialContext(ctx, network, address)
+	}
+	hc, err := p.HTTPClientFor(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cs, err := kubernetes.NewForConfigAndClient(cfg, hc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := cs.CoreV1().Nodes().List(context.Background(), metav1.ListOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if dials.Load() != 1 {
+		t.Errorf("the config's own Dial dialed %d times, want 1", dials.Load())
+	}
+	if st := p.Stats(); st.PassThrough != 1 || st.Identities != 0 || st.Dials != 0 {
+		t.Errorf("pool %+v, want one pass-through and no dial of its own", st)
+	}
+	utilnet.CloseIdleConnectionsFor(hc.Transport)
+}
 
-	t.Run("failing Proxy", func(t *testing.T) {
-		p := newPool(t)
-		proxyErr := errors.New("no route for this cluster")
-		cfg := f.srv.RestConfig(f.alice)
-		cfg.Proxy = func(*http.Request) (*url.URL, error) { return nil, proxyErr }
-		rt, err := p.TransportFor(cfg)
-		if err != nil {
-			t.Fatal(err)
-		}
-		controlRT, err := rest.TransportFor(rest.CopyConfig(cfg))
-		if err != nil {
-			t.Fatal(err)
-		}
-		_, err = getVia(rt, f.srv.URL()+"/version")
-		_, controlErr := getVia(controlRT, f.srv.URL()+"/version")
-		if !errors.Is(err, proxyErr) || controlErr == nil || err.Error() != controlErr.Error() {
-			t.Errorf("pool: %v; client-go: %v; want the Proxy's error from both", err, controlErr)
-		}
-		if st := p.Stats(); st.PassThrough != 1 || st.Identities != 0 {
-			t.Errorf("pool %+v, want one pass-through", st)
-		}
-	})
+// passThroughFailingProxy is TestTransportForPassThrough's "failing Proxy"
+// case.
+func passThroughFailingProxy(t *testing.T, f *fixture) {
+	p := newPool(t)
+	proxyErr := errors.New("no route for this cluster")
+	cfg := f.srv.RestConfig(f.alice)
+	cfg.Proxy = func(*http.Request) (*url.URL, error) { return nil, proxyErr }
+	rt, err := p.TransportFor(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	controlRT, err := rest.TransportFor(rest.CopyConfig(cfg))
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = getVia(rt, f.srv.URL()+"/version")
+	_, controlErr := getVia(controlRT, f.srv.URL()+"/version")
+	if !errors.Is(err, proxyErr) || controlErr == nil || err.Error() != controlErr.Error() {
+		t.Errorf("pool: %v; client-go: %v; want the Proxy's error from both", err, controlErr)
+	}
+	if st := p.Stats(); st.PassThrough != 1 || st.Identities != 0 {
+		t.Errorf("pool %+v, want one pass-through", st)
+	}
+}
 
-	t.Run("no TLS", func(t *testing.T) {
-		p := newPool(t)
-		cfg := &rest.Config{Host: "http://127.0.0.1:1"}
-		rt, err := p.TransportFor(cfg)
-		if err != nil {
-			t.Fatal(err)
-		}
-		hc, err := p.HTTPClientFor(cfg)
-		if err != nil {
-			t.Fatal(err)
-		}
-		controlHC, err := rest.HTTPClientFor(cfg)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if rt != http.DefaultTransport || hc != controlHC {
-			t.Errorf("got %T and %p, want http.DefaultTransport and http.DefaultClient as from client-go", rt, hc)
-		}
-	})
+// passThroughNoTLS is TestTransportForPassThrough's "no TLS" case.
+func passThroughNoTLS(t *testing.T) {
+	p := newPool(t)
+	cfg := &rest.Config{Host: "http://127.0.0.1:1"}
+	rt, err := p.TransportFor(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	hc, err := p.HTTPClientFor(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	controlHC, err := rest.HTTPClientFor(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rt != http.DefaultTransport || hc != controlHC {
+		t.Errorf("got %T and %p, want http.DefaultTransport and http.DefaultClient as from client-go", rt, hc)
+	}
 }
 
 // TestTransportForProxyOtherHosts: with Proxy set, only requests to the

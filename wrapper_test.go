@@ -251,6 +251,9 @@ func (r *copyRig) expect(t *testing.T, cfg *rest.Config, want observation) {
 	}
 }
 
+// h2 is the protocol an HTTP/2 request arrives with.
+const h2 = "HTTP/2.0"
+
 // TestCopyCrossings: the crossings the review of 2026-12-03 reproduced, each
 // with its control.
 func TestCopyCrossings(t *testing.T) {
@@ -267,154 +270,173 @@ func TestCopyCrossings(t *testing.T) {
 		c.ExecProvider = &e
 		return c
 	}
-	h2 := "HTTP/2.0"
 
-	t.Run("exec plugin", func(t *testing.T) {
-		for _, tc := range []struct {
-			name   string
-			mutate func(*rest.Config)
-			want   observation
-		}{
-			{"copy with a token", func(c *rest.Config) { c.BearerToken = "token-x" }, observation{Token: "token-x", Proto: h2, Gzip: true, Via: "direct"}},
-			{"copy with basic auth", func(c *rest.Config) { c.Username, c.Password = "u", "p" }, observation{Err: "Unauthorized", Proto: h2, Gzip: true, Via: "direct"}},
-			{"copy without the plugin", func(c *rest.Config) { c.ExecProvider = nil }, observation{Err: "Unauthorized", Proto: h2, Gzip: true, Via: "direct"}},
-			{"copy with bob's certificate", func(c *rest.Config) { c.CertData, c.KeyData = f.bob.CertPEM, f.bob.KeyPEM }, observation{CN: "bob", Proto: h2, Gzip: true, Via: "direct"}},
-		} {
-			t.Run(tc.name, func(t *testing.T) {
-				p := newPool(t)
-				pair := wrapPair(t, p, withExec)
-				r.check(t, pair.copies(func(*rest.Config) {}), &observation{CN: "exec-alice", Proto: h2, Gzip: true, Via: "direct"})
-				cp := pair.copies(tc.mutate)
-				r.check(t, cp, &tc.want)
-				t.Run("wrapped again, same pool", func(t *testing.T) {
-					if err := p.Wrap(cp.wrapped); err != nil {
-						t.Fatal(err)
-					}
-					r.check(t, cp, &tc.want)
-				})
-				t.Run("wrapped again, other pool", func(t *testing.T) {
-					cp := pair.copies(tc.mutate)
-					if err := newPool(t).Wrap(cp.wrapped); err != nil {
-						t.Fatal(err)
-					}
-					r.check(t, cp, &tc.want)
-				})
-			})
-		}
-		t.Run("token set in place after Wrap", func(t *testing.T) {
-			pair := wrapPair(t, newPool(t), withExec)
-			r.check(t, pair, &observation{CN: "exec-alice", Proto: h2, Gzip: true, Via: "direct"})
-			pair.wrapped.BearerToken, pair.control.BearerToken = "token-x", "token-x"
-			r.check(t, pair, &observation{Token: "token-x", Proto: h2, Gzip: true, Via: "direct"})
-		})
-	})
+	t.Run("exec plugin", func(t *testing.T) { copyCrossingsExec(t, f, r, withExec) })
 
 	// Files rotate from alice to bob; copies hold alice's material in other
 	// ways. Past material of the original never vouches for them.
-	t.Run("rotated-away certificate", func(t *testing.T) {
-		p := newPool(t, WithPollInterval(0))
-		d := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
-		pair := wrapPair(t, p, func() *rest.Config { return d.config(r.srv.URL()) })
-		r.check(t, pair, &observation{CN: "alice", Proto: h2, Gzip: true, Via: "direct"})
-		d.write(t, f.bob, f.ca.CertPEM())
-		waitFor(t, "rotation to bob", func() bool { return p.Stats().Rotations == 1 })
-		waitFor(t, "the original presents bob", func() bool { return r.observe(pair.wrapped).CN == "bob" })
-		inline := pair.copies(func(c *rest.Config) {
-			c.CertFile, c.KeyFile, c.CertData, c.KeyData = "", "", f.alice.CertPEM, f.alice.KeyPEM
-		})
-		r.check(t, inline, &observation{CN: "alice", Proto: h2, Gzip: true, Via: "direct"})
-	})
+	t.Run("rotated-away certificate", func(t *testing.T) { copyCrossingsRotatedCert(t, f, r) })
+	t.Run("other files with the same bytes", func(t *testing.T) { copyCrossingsSameBytes(t, f, r) })
+	t.Run("rotated-away CA", func(t *testing.T) { copyCrossingsRotatedCA(t, f, r) })
+	t.Run("a copy's own Dial", func(t *testing.T) { copyCrossingsOwnDial(t, f, r, withExec) })
+	t.Run("Proxy for another host", func(t *testing.T) { copyCrossingsProxyOtherHost(t, f, r) })
+	t.Run("compression and protocols", func(t *testing.T) { copyCrossingsCompression(t, f, r) })
+}
 
-	t.Run("other files with the same bytes", func(t *testing.T) {
-		p := newPool(t, WithPollInterval(0))
-		d := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
-		same := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
-		pair := wrapPair(t, p, func() *rest.Config { return d.config(r.srv.URL()) })
-		cp := pair.copies(func(c *rest.Config) { c.CertFile, c.KeyFile, c.CAFile = same.cert, same.key, same.ca })
-		before := [2]*rigClient{r.client(cp.wrapped), r.client(cp.control)}
-		aliceSeen := observation{CN: "alice", Proto: h2, Gzip: true, Via: "direct"}
-		for _, c := range before {
-			if o := c.observe(); o != aliceSeen {
-				t.Fatalf("before the rotation: %+v, want %+v", o, aliceSeen)
-			}
-		}
-		d.write(t, f.carol, f.ca.CertPEM())
-		waitFor(t, "rotation to carol", func() bool { return p.Stats().Rotations == 1 })
-		if got, control := before[0].observe(), before[1].observe(); got != control || got != aliceSeen {
-			t.Errorf("a client of the copy built before the rotation: %+v through the pool, %+v alone, want %+v", got, control, aliceSeen)
-		}
-		r.check(t, cp, &aliceSeen)
-		waitFor(t, "the original moves to carol", func() bool { return r.observe(pair.wrapped).CN == "carol" })
-	})
-
-	t.Run("rotated-away CA", func(t *testing.T) {
-		newCA, err := testserver.NewCA("new-ca")
-		if err != nil {
-			t.Fatal(err)
-		}
-		serving, err := newCA.IssueServer()
-		if err != nil {
-			t.Fatal(err)
-		}
-		// Served from the new CA; client certificates still from the old.
-		moved := newCopyRig(t, testserver.Options{CA: newCA, ServerCert: serving, ClientCAs: f.ca.Pool()})
-		p := newPool(t, WithPollInterval(0))
-		d := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
-		pair := wrapPair(t, p, func() *rest.Config { return d.config(moved.srv.URL()) })
-		moved.check(t, pair, &observation{Err: "unknown authority"})
-		d.write(t, f.alice, newCA.CertPEM())
-		waitFor(t, "the new CA is taken", func() bool { return p.Stats().Rotations == 1 })
-		// client-go alone takes the new CA file later (v0.36+) or only for new
-		// transports (before): the pool's own side is what is promised here.
-		moved.expect(t, pair.wrapped, observation{CN: "alice", Proto: h2, Gzip: true, Via: "direct"})
-		oldInline := pair.copies(func(c *rest.Config) { c.CAFile, c.CAData = "", f.ca.CertPEM() })
-		moved.check(t, oldInline, &observation{Err: "unknown authority"})
-	})
-
-	t.Run("a copy's own Dial", func(t *testing.T) {
-		for name, newOriginal := range map[string]func() *rest.Config{
-			"inline certificate": func() *rest.Config { return r.srv.RestConfig(f.alice) },
-			"certificate files":  func() *rest.Config { return newCertDir(t, inPlace, f.alice, f.ca.CertPEM()).config(r.srv.URL()) },
-			"exec plugin":        withExec,
-		} {
-			t.Run(name, func(t *testing.T) {
-				pair := wrapPair(t, newPool(t), newOriginal)
-				cp := pair.copies(func(c *rest.Config) { c.Dial = r.relays[0].dial() })
-				o := r.observe(cp.control)
-				if o.Via != "relay 1" {
-					t.Fatalf("control went %s, want relay 1", o.Via)
+// copyCrossingsExec is TestCopyCrossings's "exec plugin" case.
+func copyCrossingsExec(t *testing.T, f *fixture, r *copyRig, withExec func() *rest.Config) {
+	for _, tc := range []struct {
+		name   string
+		mutate func(*rest.Config)
+		want   observation
+	}{
+		{"copy with a token", func(c *rest.Config) { c.BearerToken = "token-x" }, observation{Token: "token-x", Proto: h2, Gzip: true, Via: "direct"}},
+		{"copy with basic auth", func(c *rest.Config) { c.Username, c.Password = "u", "p" }, observation{Err: "Unauthorized", Proto: h2, Gzip: true, Via: "direct"}},
+		{"copy without the plugin", func(c *rest.Config) { c.ExecProvider = nil }, observation{Err: "Unauthorized", Proto: h2, Gzip: true, Via: "direct"}},
+		{"copy with bob's certificate", func(c *rest.Config) { c.CertData, c.KeyData = f.bob.CertPEM, f.bob.KeyPEM }, observation{CN: "bob", Proto: h2, Gzip: true, Via: "direct"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			p := newPool(t)
+			pair := wrapPair(t, p, withExec)
+			r.check(t, pair.copies(func(*rest.Config) {}), &observation{CN: "exec-alice", Proto: h2, Gzip: true, Via: "direct"})
+			cp := pair.copies(tc.mutate)
+			r.check(t, cp, &tc.want)
+			t.Run("wrapped again, same pool", func(t *testing.T) {
+				if err := p.Wrap(cp.wrapped); err != nil {
+					t.Fatal(err)
 				}
-				r.check(t, cp, nil)
+				r.check(t, cp, &tc.want)
 			})
-		}
-	})
-
-	t.Run("Proxy for another host", func(t *testing.T) {
-		direct := r.srv.URL()
-		other := strings.Replace(direct, "127.0.0.1", "localhost", 1)
-		proxied, _ := url.Parse(r.proxies[0].url())
-		ownHostDirect := func(req *http.Request) (*url.URL, error) {
-			if "https://"+req.URL.Host == direct {
-				return nil, nil
-			}
-			return proxied, nil
-		}
-		pair := wrapPair(t, newPool(t), func() *rest.Config {
-			c := r.srv.RestConfig(f.alice)
-			c.Proxy = ownHostDirect
-			return c
+			t.Run("wrapped again, other pool", func(t *testing.T) {
+				cp := pair.copies(tc.mutate)
+				if err := newPool(t).Wrap(cp.wrapped); err != nil {
+					t.Fatal(err)
+				}
+				r.check(t, cp, &tc.want)
+			})
 		})
-		r.check(t, pair, &observation{CN: "alice", Proto: h2, Gzip: true, Via: "direct"})
-		r.check(t, pair.copies(func(c *rest.Config) { c.Host = other }), &observation{CN: "alice", Proto: h2, Gzip: true, Via: "proxy 1"})
+	}
+	t.Run("token set in place after Wrap", func(t *testing.T) {
+		pair := wrapPair(t, newPool(t), withExec)
+		r.check(t, pair, &observation{CN: "exec-alice", Proto: h2, Gzip: true, Via: "direct"})
+		pair.wrapped.BearerToken, pair.control.BearerToken = "token-x", "token-x"
+		r.check(t, pair, &observation{Token: "token-x", Proto: h2, Gzip: true, Via: "direct"})
 	})
+}
 
-	t.Run("compression and protocols", func(t *testing.T) {
-		pair := wrapPair(t, newPool(t), func() *rest.Config { return r.srv.RestConfig(f.alice) })
-		r.check(t, pair.copies(func(c *rest.Config) { c.DisableCompression = true }), &observation{CN: "alice", Proto: h2, Via: "direct"})
-		r.check(t, pair.copies(func(c *rest.Config) { c.NextProtos = []string{"http/1.1"} }), &observation{CN: "alice", Proto: "HTTP/1.1", Gzip: true, Via: "direct"})
-		pair.wrapped.DisableCompression, pair.control.DisableCompression = true, true
-		r.check(t, pair, &observation{CN: "alice", Proto: h2, Via: "direct"})
+// copyCrossingsRotatedCert is TestCopyCrossings's "rotated-away certificate"
+// case.
+func copyCrossingsRotatedCert(t *testing.T, f *fixture, r *copyRig) {
+	p := newPool(t, WithPollInterval(0))
+	d := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
+	pair := wrapPair(t, p, func() *rest.Config { return d.config(r.srv.URL()) })
+	r.check(t, pair, &observation{CN: "alice", Proto: h2, Gzip: true, Via: "direct"})
+	d.write(t, f.bob, f.ca.CertPEM())
+	waitFor(t, "rotation to bob", func() bool { return p.Stats().Rotations == 1 })
+	waitFor(t, "the original presents bob", func() bool { return r.observe(pair.wrapped).CN == "bob" })
+	inline := pair.copies(func(c *rest.Config) {
+		c.CertFile, c.KeyFile, c.CertData, c.KeyData = "", "", f.alice.CertPEM, f.alice.KeyPEM
 	})
+	r.check(t, inline, &observation{CN: "alice", Proto: h2, Gzip: true, Via: "direct"})
+}
+
+// copyCrossingsSameBytes is TestCopyCrossings's "other files with the same
+// bytes" case.
+func copyCrossingsSameBytes(t *testing.T, f *fixture, r *copyRig) {
+	p := newPool(t, WithPollInterval(0))
+	d := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
+	same := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
+	pair := wrapPair(t, p, func() *rest.Config { return d.config(r.srv.URL()) })
+	cp := pair.copies(func(c *rest.Config) { c.CertFile, c.KeyFile, c.CAFile = same.cert, same.key, same.ca })
+	before := [2]*rigClient{r.client(cp.wrapped), r.client(cp.control)}
+	aliceSeen := observation{CN: "alice", Proto: h2, Gzip: true, Via: "direct"}
+	for _, c := range before {
+		if o := c.observe(); o != aliceSeen {
+			t.Fatalf("before the rotation: %+v, want %+v", o, aliceSeen)
+		}
+	}
+	d.write(t, f.carol, f.ca.CertPEM())
+	waitFor(t, "rotation to carol", func() bool { return p.Stats().Rotations == 1 })
+	if got, control := before[0].observe(), before[1].observe(); got != control || got != aliceSeen {
+		t.Errorf("a client of the copy built before the rotation: %+v through the pool, %+v alone, want %+v", got, control, aliceSeen)
+	}
+	r.check(t, cp, &aliceSeen)
+	waitFor(t, "the original moves to carol", func() bool { return r.observe(pair.wrapped).CN == "carol" })
+}
+
+// copyCrossingsRotatedCA is TestCopyCrossings's "rotated-away CA" case.
+func copyCrossingsRotatedCA(t *testing.T, f *fixture, r *copyRig) {
+	newCA, err := testserver.NewCA("new-ca")
+	if err != nil {
+		t.Fatal(err)
+	}
+	serving, err := newCA.IssueServer()
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Served from the new CA; client certificates still from the old.
+	moved := newCopyRig(t, testserver.Options{CA: newCA, ServerCert: serving, ClientCAs: f.ca.Pool()})
+	p := newPool(t, WithPollInterval(0))
+	d := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
+	pair := wrapPair(t, p, func() *rest.Config { return d.config(moved.srv.URL()) })
+	moved.check(t, pair, &observation{Err: "unknown authority"})
+	d.write(t, f.alice, newCA.CertPEM())
+	waitFor(t, "the new CA is taken", func() bool { return p.Stats().Rotations == 1 })
+	// client-go alone takes the new CA file later (v0.36+) or only for new
+	// transports (before): the pool's own side is what is promised here.
+	moved.expect(t, pair.wrapped, observation{CN: "alice", Proto: h2, Gzip: true, Via: "direct"})
+	oldInline := pair.copies(func(c *rest.Config) { c.CAFile, c.CAData = "", f.ca.CertPEM() })
+	moved.check(t, oldInline, &observation{Err: "unknown authority"})
+}
+
+// copyCrossingsOwnDial is TestCopyCrossings's "a copy's own Dial" case.
+func copyCrossingsOwnDial(t *testing.T, f *fixture, r *copyRig, withExec func() *rest.Config) {
+	for name, newOriginal := range map[string]func() *rest.Config{
+		"inline certificate": func() *rest.Config { return r.srv.RestConfig(f.alice) },
+		"certificate files":  func() *rest.Config { return newCertDir(t, inPlace, f.alice, f.ca.CertPEM()).config(r.srv.URL()) },
+		"exec plugin":        withExec,
+	} {
+		t.Run(name, func(t *testing.T) {
+			pair := wrapPair(t, newPool(t), newOriginal)
+			cp := pair.copies(func(c *rest.Config) { c.Dial = r.relays[0].dial() })
+			o := r.observe(cp.control)
+			if o.Via != "relay 1" {
+				t.Fatalf("control went %s, want relay 1", o.Via)
+			}
+			r.check(t, cp, nil)
+		})
+	}
+}
+
+// copyCrossingsProxyOtherHost is TestCopyCrossings's "Proxy for another host"
+// case.
+func copyCrossingsProxyOtherHost(t *testing.T, f *fixture, r *copyRig) {
+	direct := r.srv.URL()
+	other := strings.Replace(direct, "127.0.0.1", "localhost", 1)
+	proxied, _ := url.Parse(r.proxies[0].url())
+	ownHostDirect := func(req *http.Request) (*url.URL, error) {
+		if "https://"+req.URL.Host == direct {
+			return nil, nil
+		}
+		return proxied, nil
+	}
+	pair := wrapPair(t, newPool(t), func() *rest.Config {
+		c := r.srv.RestConfig(f.alice)
+		c.Proxy = ownHostDirect
+		return c
+	})
+	r.check(t, pair, &observation{CN: "alice", Proto: h2, Gzip: true, Via: "direct"})
+	r.check(t, pair.copies(func(c *rest.Config) { c.Host = other }), &observation{CN: "alice", Proto: h2, Gzip: true, Via: "proxy 1"})
+}
+
+// copyCrossingsCompression is TestCopyCrossings's "compression and protocols"
+// case.
+func copyCrossingsCompression(t *testing.T, f *fixture, r *copyRig) {
+	pair := wrapPair(t, newPool(t), func() *rest.Config { return r.srv.RestConfig(f.alice) })
+	r.check(t, pair.copies(func(c *rest.Config) { c.DisableCompression = true }), &observation{CN: "alice", Proto: h2, Via: "direct"})
+	r.check(t, pair.copies(func(c *rest.Config) { c.NextProtos = []string{"http/1.1"} }), &observation{CN: "alice", Proto: "HTTP/1.1", Gzip: true, Via: "direct"})
+	pair.wrapped.DisableCompression, pair.control.DisableCompression = true, true
+	r.check(t, pair, &observation{CN: "alice", Proto: h2, Via: "direct"})
 }
 
 // copySpec is one random (original, mutation) pair for the property test.
@@ -668,148 +690,183 @@ func karmadaProxyHeader(next transport.WrapperFunc, h http.Header) transport.Wra
 // without it, counted at the proxy.
 func TestProxyConnectHeader(t *testing.T) {
 	f := newFixture(t, testserver.Options{})
-	r := newCopyRig(t, testserver.Options{CA: f.ca})
+	r := &proxyHeaderRig{copyRig: newCopyRig(t, testserver.Options{CA: f.ca}), caPEM: f.ca.CertPEM()}
 	r.keepConns = true
-	credA, credB := http.Header{"Proxy-Authorization": {"Basic a"}}, http.Header{"Proxy-Authorization": {"Basic b"}}
-	newProxy := func() *connectProxy {
-		return newAuthProxy(t, "Basic a", "Basic b")
+	t.Run("one tunnel for many configs of one identity and header", func(t *testing.T) { proxyHeaderOneTunnel(t, r) })
+	t.Run("client-go alone: a tunnel per config, each with the header", func(t *testing.T) { proxyHeaderClientGoAlone(t, r) })
+	t.Run("other headers, other tunnels", func(t *testing.T) { proxyHeaderOtherHeaders(t, r) })
+	t.Run("WithProxyConnectHeader", func(t *testing.T) { proxyHeaderOption(t, r) })
+	t.Run("a copy for another host keeps the header on client-go's transport", func(t *testing.T) { proxyHeaderCopyOtherHost(t, r) })
+	t.Run("a wrapper that changes more than CONNECT headers passes the config through", func(t *testing.T) { proxyHeaderOwnDialer(t, r) })
+}
+
+// proxyHeaderRig is TestProxyConnectHeader's server, with the members'
+// configs as Karmada builds them.
+type proxyHeaderRig struct {
+	*copyRig
+	caPEM []byte
+}
+
+// The credentials the members' CONNECT headers carry.
+var (
+	proxyCredA = http.Header{"Proxy-Authorization": {"Basic a"}}
+	proxyCredB = http.Header{"Proxy-Authorization": {"Basic b"}}
+)
+
+// newProxy is a CONNECT proxy that takes either credential.
+func (r *proxyHeaderRig) newProxy(t *testing.T) *connectProxy {
+	return newAuthProxy(t, "Basic a", "Basic b")
+}
+
+// member is a member's config with token, through proxy, with h on the
+// CONNECT from a Karmada-style wrapper (none when nil).
+func (r *proxyHeaderRig) member(proxy *connectProxy, token string, h http.Header) *rest.Config {
+	cfg := &rest.Config{Host: r.srv.URL(), BearerToken: token}
+	cfg.CAData = r.caPEM
+	cfg.Proxy = proxyTo(proxy)
+	if h != nil {
+		cfg.WrapTransport = karmadaProxyHeader(cfg.WrapTransport, h)
 	}
-	member := func(proxy *connectProxy, token string, h http.Header) *rest.Config {
-		cfg := &rest.Config{Host: r.srv.URL(), BearerToken: token}
-		cfg.CAData = f.ca.CertPEM()
-		cfg.Proxy = proxyTo(proxy)
-		if h != nil {
-			cfg.WrapTransport = karmadaProxyHeader(cfg.WrapTransport, h)
-		}
-		return cfg
-	}
+	return cfg
+}
+
+// proxyHeaderOneTunnel is TestProxyConnectHeader's "one tunnel for many
+// configs of one identity and header" case.
+func proxyHeaderOneTunnel(t *testing.T, r *proxyHeaderRig) {
 	const reconciles = 40
+	proxy := r.newProxy(t)
+	p := newPool(t)
+	for i := range reconciles {
+		cfg := r.member(proxy, "token-x", proxyCredA)
+		if err := p.Wrap(cfg); err != nil {
+			t.Fatal(err)
+		}
+		if o := r.observe(cfg); o.Err != "" || o.Token != "token-x" || o.Via != "proxy 1" && !strings.HasPrefix(o.Via, "direct") {
+			t.Fatalf("reconcile %d: %+v", i, o)
+		}
+	}
+	if n, rej := proxy.Stats().Tunnels, proxy.Stats().Rejected; n != 1 || rej != 0 {
+		t.Errorf("the proxy opened %d tunnels and refused %d for %d configs, want 1 and 0", n, rej, reconciles)
+	}
+	for _, tn := range proxy.Tunnels() {
+		if h := tn.Header.Get("Proxy-Authorization"); h != "Basic a" {
+			t.Errorf("tunnel %s carried %q", tn.Upstream, h)
+		}
+	}
+}
 
-	t.Run("one tunnel for many configs of one identity and header", func(t *testing.T) {
-		proxy := newProxy()
-		p := newPool(t)
-		for i := range reconciles {
-			cfg := member(proxy, "token-x", credA)
-			if err := p.Wrap(cfg); err != nil {
-				t.Fatal(err)
-			}
-			if o := r.observe(cfg); o.Err != "" || o.Token != "token-x" || o.Via != "proxy 1" && !strings.HasPrefix(o.Via, "direct") {
-				t.Fatalf("reconcile %d: %+v", i, o)
-			}
+// proxyHeaderClientGoAlone is TestProxyConnectHeader's "client-go alone: a
+// tunnel per config, each with the header" case.
+func proxyHeaderClientGoAlone(t *testing.T, r *proxyHeaderRig) {
+	proxy := r.newProxy(t)
+	for range 5 {
+		if o := r.observe(r.member(proxy, "token-x", proxyCredA)); o.Err != "" {
+			t.Fatalf("%+v", o)
 		}
-		if n, rej := proxy.Stats().Tunnels, proxy.Stats().Rejected; n != 1 || rej != 0 {
-			t.Errorf("the proxy opened %d tunnels and refused %d for %d configs, want 1 and 0", n, rej, reconciles)
-		}
-		for _, tn := range proxy.Tunnels() {
-			if h := tn.Header.Get("Proxy-Authorization"); h != "Basic a" {
-				t.Errorf("tunnel %s carried %q", tn.Upstream, h)
-			}
-		}
-	})
+	}
+	if n, rej := proxy.Stats().Tunnels, proxy.Stats().Rejected; n != 5 || rej != 0 {
+		t.Errorf("client-go alone: %d tunnels, %d refused, want 5 and 0", n, rej)
+	}
+}
 
-	t.Run("client-go alone: a tunnel per config, each with the header", func(t *testing.T) {
-		proxy := newProxy()
-		for range 5 {
-			if o := r.observe(member(proxy, "token-x", credA)); o.Err != "" {
-				t.Fatalf("%+v", o)
-			}
+// proxyHeaderOtherHeaders is TestProxyConnectHeader's "other headers, other
+// tunnels" case.
+func proxyHeaderOtherHeaders(t *testing.T, r *proxyHeaderRig) {
+	proxy := r.newProxy(t)
+	p := newPool(t)
+	a, b := r.member(proxy, "token-x", proxyCredA), r.member(proxy, "token-x", proxyCredB)
+	for _, cfg := range []*rest.Config{a, b} {
+		if err := p.Wrap(cfg); err != nil {
+			t.Fatal(err)
 		}
-		if n, rej := proxy.Stats().Tunnels, proxy.Stats().Rejected; n != 5 || rej != 0 {
-			t.Errorf("client-go alone: %d tunnels, %d refused, want 5 and 0", n, rej)
-		}
-	})
-
-	t.Run("other headers, other tunnels", func(t *testing.T) {
-		proxy := newProxy()
-		p := newPool(t)
-		a, b := member(proxy, "token-x", credA), member(proxy, "token-x", credB)
+	}
+	for range 3 {
 		for _, cfg := range []*rest.Config{a, b} {
-			if err := p.Wrap(cfg); err != nil {
-				t.Fatal(err)
-			}
-		}
-		for range 3 {
-			for _, cfg := range []*rest.Config{a, b} {
-				if o := r.observe(cfg); o.Err != "" {
-					t.Fatalf("%+v", o)
-				}
-			}
-		}
-		if n := proxy.Stats().Tunnels; n != 2 {
-			t.Errorf("%d tunnels for two headers, want 2", n)
-		}
-		if got := p.Stats().Identities; got != 2 {
-			t.Errorf("%d identities for two headers, want 2", got)
-		}
-		seen := map[string]bool{}
-		for _, tn := range proxy.Tunnels() {
-			seen[tn.Header.Get("Proxy-Authorization")] = true
-		}
-		if !seen["Basic a"] || !seen["Basic b"] {
-			t.Errorf("tunnels carried %v, want both credentials", seen)
-		}
-	})
-
-	t.Run("WithProxyConnectHeader", func(t *testing.T) {
-		proxy := newProxy()
-		p := newPool(t, WithProxyConnectHeader(func(*rest.Config) http.Header { return credB }))
-		for range 10 {
-			cfg := member(proxy, "token-x", nil)
-			if err := p.Wrap(cfg); err != nil {
-				t.Fatal(err)
-			}
 			if o := r.observe(cfg); o.Err != "" {
 				t.Fatalf("%+v", o)
 			}
 		}
-		if n, rej := proxy.Stats().Tunnels, proxy.Stats().Rejected; n != 1 || rej != 0 {
-			t.Errorf("%d tunnels, %d refused, want 1 and 0", n, rej)
-		}
-	})
+	}
+	if n := proxy.Stats().Tunnels; n != 2 {
+		t.Errorf("%d tunnels for two headers, want 2", n)
+	}
+	if got := p.Stats().Identities; got != 2 {
+		t.Errorf("%d identities for two headers, want 2", got)
+	}
+	seen := map[string]bool{}
+	for _, tn := range proxy.Tunnels() {
+		seen[tn.Header.Get("Proxy-Authorization")] = true
+	}
+	if !seen["Basic a"] || !seen["Basic b"] {
+		t.Errorf("tunnels carried %v, want both credentials", seen)
+	}
+}
 
-	t.Run("a copy for another host keeps the header on client-go's transport", func(t *testing.T) {
-		proxy := newProxy()
-		p := newPool(t)
-		cfg := member(proxy, "token-x", credA)
+// proxyHeaderOption is TestProxyConnectHeader's "WithProxyConnectHeader"
+// case.
+func proxyHeaderOption(t *testing.T, r *proxyHeaderRig) {
+	proxy := r.newProxy(t)
+	p := newPool(t, WithProxyConnectHeader(func(*rest.Config) http.Header { return proxyCredB }))
+	for range 10 {
+		cfg := r.member(proxy, "token-x", nil)
 		if err := p.Wrap(cfg); err != nil {
 			t.Fatal(err)
 		}
-		cp := rest.CopyConfig(cfg)
-		cp.Host = strings.Replace(cp.Host, "127.0.0.1", "localhost", 1)
-		if o := r.observe(cp); o.Err != "" || o.Via != "proxy 1" && proxy.Stats().Tunnels == 0 {
+		if o := r.observe(cfg); o.Err != "" {
 			t.Fatalf("%+v", o)
 		}
-		if rej := proxy.Stats().Rejected; rej != 0 {
-			t.Errorf("the proxy refused %d tunnels", rej)
-		}
-	})
+	}
+	if n, rej := proxy.Stats().Tunnels, proxy.Stats().Rejected; n != 1 || rej != 0 {
+		t.Errorf("%d tunnels, %d refused, want 1 and 0", n, rej)
+	}
+}
 
-	t.Run("a wrapper that changes more than CONNECT headers passes the config through", func(t *testing.T) {
-		p := newPool(t)
-		ownDialer := func(next transport.WrapperFunc) transport.WrapperFunc {
-			return func(rt http.RoundTripper) http.RoundTripper {
-				if t, ok := rt.(*http.Transport); ok {
-					t = t.Clone()
-					t.ProxyConnectHeader = credA.Clone()
-					t.DialContext = r.dialers[0].dial
-					rt = t
-				}
-				return next(rt)
+// proxyHeaderCopyOtherHost is TestProxyConnectHeader's "a copy for another
+// host keeps the header on client-go's transport" case.
+func proxyHeaderCopyOtherHost(t *testing.T, r *proxyHeaderRig) {
+	proxy := r.newProxy(t)
+	p := newPool(t)
+	cfg := r.member(proxy, "token-x", proxyCredA)
+	if err := p.Wrap(cfg); err != nil {
+		t.Fatal(err)
+	}
+	cp := rest.CopyConfig(cfg)
+	cp.Host = strings.Replace(cp.Host, "127.0.0.1", "localhost", 1)
+	if o := r.observe(cp); o.Err != "" || o.Via != "proxy 1" && proxy.Stats().Tunnels == 0 {
+		t.Fatalf("%+v", o)
+	}
+	if rej := proxy.Stats().Rejected; rej != 0 {
+		t.Errorf("the proxy refused %d tunnels", rej)
+	}
+}
+
+// proxyHeaderOwnDialer is TestProxyConnectHeader's "a wrapper that changes
+// more than CONNECT headers passes the config through" case.
+func proxyHeaderOwnDialer(t *testing.T, r *proxyHeaderRig) {
+	p := newPool(t)
+	ownDialer := func(next transport.WrapperFunc) transport.WrapperFunc {
+		return func(rt http.RoundTripper) http.RoundTripper {
+			if t, ok := rt.(*http.Transport); ok {
+				t = t.Clone()
+				t.ProxyConnectHeader = proxyCredA.Clone()
+				t.DialContext = r.dialers[0].dial
+				rt = t
 			}
+			return next(rt)
 		}
-		cfg := member(r.proxies[0], "token-x", nil)
-		cfg.WrapTransport = ownDialer(func(rt http.RoundTripper) http.RoundTripper { return rt })
-		control := rest.CopyConfig(cfg)
-		if err := p.Wrap(cfg); err != nil {
-			t.Fatal(err)
-		}
-		if st := p.Stats(); st.PassThrough != 1 || st.Identities != 0 {
-			t.Errorf("pool %+v, want the config passed through", st)
-		}
-		if got, want := r.observe(cfg), r.observe(control); got != want || want.Via != "proxy 1 < dialer 1" {
-			t.Errorf("through the pool %+v, client-go alone %+v (through proxy 1 from dialer 1)", got, want)
-		}
-	})
+	}
+	cfg := r.member(r.proxies[0], "token-x", nil)
+	cfg.WrapTransport = ownDialer(func(rt http.RoundTripper) http.RoundTripper { return rt })
+	control := rest.CopyConfig(cfg)
+	if err := p.Wrap(cfg); err != nil {
+		t.Fatal(err)
+	}
+	if st := p.Stats(); st.PassThrough != 1 || st.Identities != 0 {
+		t.Errorf("pool %+v, want the config passed through", st)
+	}
+	if got, want := r.observe(cfg), r.observe(control); got != want || want.Via != "proxy 1 < dialer 1" {
+		t.Errorf("through the pool %+v, client-go alone %+v (through proxy 1 from dialer 1)", got, want)
+	}
 }
 
 // TestWrapProxyOtherHosts: a wrapped config with Proxy shares the pool's

@@ -276,13 +276,13 @@ func runProxyOnce(ctx context.Context, o *proxyOptions, name string, round, seq 
 	if err != nil {
 		return nil, err
 	}
-	defer members.close()
+	defer members.Close()
 	var fr frontReady
 	front, err := startChild(ctx, "front", frontSpec{Mode: name, Clusters: mr.Clusters, Metrics: o.scrape}, &fr, stderr)
 	if err != nil {
 		return nil, err
 	}
-	defer front.close()
+	defer front.Close()
 	spec := proxyLoadSpec{FrontURL: fr.URL, Workers: o.workers, Requests: o.requests, Timeout: o.timeout}
 	for _, cl := range mr.Clusters {
 		spec.Members = append(spec.Members, cl.Name)
@@ -295,20 +295,20 @@ func runProxyOnce(ctx context.Context, o *proxyOptions, name string, round, seq 
 	if err != nil {
 		return nil, err
 	}
-	defer load.close()
+	defer load.Close()
 
-	if err := members.call(ctx, "reset", nil); err != nil {
+	if err := members.Call(ctx, "reset", nil); err != nil {
 		return nil, err
 	}
-	if err := front.call(ctx, "begin", nil); err != nil {
+	if err := front.Call(ctx, "begin", nil); err != nil {
 		return nil, err
 	}
 	var res proxyLoadResult
-	if err := load.call(ctx, "run", &res); err != nil {
+	if err := load.Call(ctx, "run", &res); err != nil {
 		return nil, err
 	}
 	var fres frontResult
-	if err := front.call(ctx, "end", &fres); err != nil {
+	if err := front.Call(ctx, "end", &fres); err != nil {
 		return nil, err
 	}
 	var scrape string
@@ -318,7 +318,7 @@ func runProxyOnce(ctx context.Context, o *proxyOptions, name string, round, seq 
 		}
 	}
 	var ms membersStats
-	if err := members.call(ctx, "stats", &ms); err != nil {
+	if err := members.Call(ctx, "stats", &ms); err != nil {
 		return nil, err
 	}
 	r := newProxyRun(name, round, seq, mr, res, fres, ms)

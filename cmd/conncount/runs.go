@@ -79,7 +79,7 @@ func runOnce(ctx context.Context, o *options, t target, name string, round, seq 
 	if err != nil {
 		return nil, err
 	}
-	defer c.close()
+	defer c.Close()
 	if err := tr.begin(ctx, ready.PID); err != nil {
 		return nil, err
 	}
@@ -89,7 +89,7 @@ func runOnce(ctx context.Context, o *options, t target, name string, round, seq 
 		stopSampling = sampleOpen(ctx, tr, o.sample, &samples)
 	}
 	var res clientResult
-	err = c.call(ctx, "run", &res)
+	err = c.Call(ctx, "run", &res)
 	if stopSampling != nil {
 		stopSampling()
 	}

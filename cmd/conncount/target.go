@@ -133,16 +133,16 @@ type embeddedRun struct {
 
 func (r *embeddedRun) kubeconfig() string { return r.ready.Kubeconfig }
 func (r *embeddedRun) begin(ctx context.Context, _ int) error {
-	return r.child.call(ctx, "reset", nil)
+	return r.child.Call(ctx, "reset", nil)
 }
 func (r *embeddedRun) open(ctx context.Context) (int, error) {
 	var n int
-	err := r.child.call(ctx, "open", &n)
+	err := r.child.Call(ctx, "open", &n)
 	return n, err
 }
 func (r *embeddedRun) end(ctx context.Context) (serverCounts, error) {
 	var st serversStats
-	if err := r.child.call(ctx, "stats", &st); err != nil {
+	if err := r.child.Call(ctx, "stats", &st); err != nil {
 		return serverCounts{}, err
 	}
 	s := st.Servers[0]
@@ -158,7 +158,7 @@ func (r *embeddedRun) end(ctx context.Context) (serverCounts, error) {
 		MaxRSSKiB:       st.MaxRSSKiB,
 	}, nil
 }
-func (r *embeddedRun) close() { r.child.close() }
+func (r *embeddedRun) close() { _ = r.child.Close() }
 
 // serversRole is a child process serving one or more embedded API servers
 // (the main command's server, the proxy's members). Commands: "reset"
