@@ -48,8 +48,9 @@ func TestServerRestart(t *testing.T) {
 			stop := startRestartLoad(hc, target, &phase)
 
 			time.Sleep(300 * time.Millisecond)
-			f.srv.SetLatency(100 * time.Millisecond) // so that requests are in flight when it dies
-			time.Sleep(150 * time.Millisecond)
+			// Requests held at the server when it dies are in flight.
+			f.srv.SetLatency(time.Second)
+			waitFor(t, "requests held at the server", func() bool { return f.srv.Delayed() > 0 })
 			phase.Store(restartDown)
 			if err := f.srv.Stop(); err != nil {
 				t.Fatal(err)

@@ -165,6 +165,7 @@ type Server struct {
 	addr     string
 	goaway   atomic.Uint64 // math.Float64bits of the chance
 	latency  atomic.Int64
+	delayed  atomic.Int64 // requests held by latency now
 	watchers sync.WaitGroup
 
 	accepted, full, resumed    atomic.Uint64
@@ -373,6 +374,10 @@ func (s *Server) SetGoawayChance(p float64) {
 // SetLatency changes Options.Latency at run time.
 func (s *Server) SetLatency(d time.Duration) { s.latency.Store(int64(d)) }
 
+// Delayed returns how many requests SetLatency's delay holds now: requests
+// the server has read and not yet answered.
+func (s *Server) Delayed() int { return int(s.delayed.Load()) }
+
 // Requests returns the recent-request log, oldest first.
 func (s *Server) Requests() []RequestInfo {
 	s.mu.Lock()
@@ -514,14 +519,18 @@ func (s *Server) serveHTTP(w http.ResponseWriter, r *http.Request) {
 	s.requests.Add(1)
 	done := s.currentDone()
 	if d := time.Duration(s.latency.Load()); d > 0 {
+		s.delayed.Add(1)
 		t := time.NewTimer(d)
 		select {
 		case <-t.C:
+			s.delayed.Add(-1)
 		case <-r.Context().Done():
 			t.Stop()
+			s.delayed.Add(-1)
 			return
 		case <-done:
 			t.Stop()
+			s.delayed.Add(-1)
 			return
 		}
 	}
