@@ -552,8 +552,9 @@ func TestAdversaryOwnTransportSettings(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			clientGo, ok := rt.(*http.Transport)
-			if !ok {
+			// From v0.36 client-go hands it out inside a holder of its own.
+			clientGo := clientGoTransport(rt)
+			if clientGo == nil {
 				t.Fatalf("client-go's transport for the config is a %T", rt)
 			}
 			own := clientGo.Clone()

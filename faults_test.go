@@ -360,8 +360,11 @@ func TestGoaway(t *testing.T) {
 			}
 		}},
 		{"WithMaxConnsPerHost(1)", []Option{WithMaxConnsPerHost(1)}, func(t *testing.T, st testserver.Stats) {
-			if st.Accepted > st.Goaways+1 {
-				t.Errorf("the server accepted %d connections and sent %d GOAWAYs: more than one connection per GOAWAY", st.Accepted, st.Goaways)
+			// One connection per GOAWAY, plus the first; a worker whose
+			// request met a connection the server was closing dials once
+			// more, so the bound allows one more per worker.
+			if st.Accepted > st.Goaways+workers {
+				t.Errorf("the server accepted %d connections and sent %d GOAWAYs: more than one connection per GOAWAY and one per worker", st.Accepted, st.Goaways)
 			}
 			if st.PeakOpen > workers+1 {
 				t.Errorf("%d connections open at once, want at most %d (one per worker plus one)", st.PeakOpen, workers+1)

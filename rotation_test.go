@@ -705,8 +705,11 @@ func TestRotationHalfFromFiles(t *testing.T) {
 				t.Fatal(err)
 			}
 		}
-		if st := f.srv.Stats(); st.Accepted != 1 {
-			t.Errorf("3 clientsets after the pool reloaded the CA file: server accepted %d connections, want 1 (the pool's new one)", st.Accepted)
+		// At most the pool's new connection (it may be open already, from
+		// the requests that waited for the reload): client-go's own
+		// transport per clientset would make 3.
+		if st := f.srv.Stats(); st.Accepted > 1 {
+			t.Errorf("3 clientsets after the pool reloaded the CA file: server accepted %d connections, want at most 1 (the pool's new one)", st.Accepted)
 		}
 	})
 }
