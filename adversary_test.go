@@ -8,6 +8,7 @@ package sharedtransport
 
 import (
 	"context"
+	"encoding/base64"
 	"fmt"
 	"net"
 	"net/http"
@@ -580,5 +581,46 @@ func TestAdversaryOwnTransportSettings(t *testing.T) {
 				t.Errorf("the copy's key log got nothing through the pool (%d bytes through client-go alone): its requests rode the pool's connections", loggedAlone)
 			}
 		})
+	}
+}
+
+// TestAdversaryCopyProxyCredentials: a copy whose Proxy names the same proxy
+// with other credentials keeps its own: the proxy that refuses them refuses
+// the copy, as it does through client-go alone, and the original's
+// credentials never carry the copy's requests.
+func TestAdversaryCopyProxyCredentials(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	r := newCopyRig(t, testserver.Options{CA: f.ca})
+	basic := func(user, password string) string {
+		return "Basic " + base64.StdEncoding.EncodeToString([]byte(user+":"+password))
+	}
+	proxy := newAuthProxy(t, basic("alice", "alice-pw"))
+	as := func(user, password string) func(*http.Request) (*url.URL, error) {
+		u, err := url.Parse(proxy.url())
+		if err != nil {
+			t.Fatal(err)
+		}
+		u.User = url.UserPassword(user, password)
+		return http.ProxyURL(u)
+	}
+	orig := r.srv.RestConfig(f.alice)
+	orig.Proxy = as("alice", "alice-pw")
+	other := func(c *rest.Config) *rest.Config {
+		c = rest.CopyConfig(c)
+		c.Proxy = as("mallory", "guess")
+		return c
+	}
+	control := r.observe(other(orig))
+	if control.Err == "" {
+		t.Fatalf("through client-go alone the proxy let the copy's credentials through: %+v", control)
+	}
+	if err := newPool(t).Wrap(orig); err != nil {
+		t.Fatal(err)
+	}
+	if got := r.observe(orig); got.Err != "" {
+		t.Fatalf("the original through the pool: %+v", got)
+	}
+	if got := r.observe(other(orig)); got != control {
+		t.Errorf("the copy with other proxy credentials: through the pool %+v; through client-go alone %+v", got, control)
 	}
 }
