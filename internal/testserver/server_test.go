@@ -284,7 +284,9 @@ func TestGoaway(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	if st := s.Stats(); st.Goaways != 0 || st.Accepted > 1 {
+	// The connection dialed to replace the last GOAWAY'd one may be
+	// accepted after the reset: at most it and one more.
+	if st := s.Stats(); st.Goaways != 0 || st.Accepted > 2 {
 		t.Fatalf("stats: %+v", st)
 	}
 }
