@@ -286,7 +286,7 @@ func (l *lease) roundTrip(req *http.Request, p picker, other http.RoundTripper) 
 		case l.e.closed.Load():
 			// Closed while the request ran: say so, rather than whatever
 			// the connection that Close cut reported.
-			return nil, fmt.Errorf("%w while the request ran: %v", ErrClosed, err)
+			return nil, fmt.Errorf("%w while the request ran: %w", ErrClosed, err)
 		case !errors.Is(err, errRetired) || resends == maxResends:
 			return nil, err
 		}

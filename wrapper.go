@@ -227,10 +227,7 @@ func (c *clientTransport) RoundTrip(req *http.Request) (*http.Response, error) {
 	if c.onlyHost != "" && req.URL.Host != c.onlyHost {
 		return c.clientGo.RoundTrip(req)
 	}
-	if c.lease.e.closed.Load() {
-		return c.lease.RoundTrip(req) // ErrClosed, as for every client of a closed pool
-	}
-	return c.lease.roundTrip(req, c, c.clientGo)
+	return c.lease.roundTrip(req, c, c.clientGo) // ErrClosed once the pool closed, as for every client
 }
 
 // pick returns the generation req may go over, or nil when client-go's
@@ -388,12 +385,15 @@ func readsCertFiles(c *tls.Config) bool {
 // sameShape is sameTransport but for the client certificate: everything that
 // can be compared without asking client-go's transport for it.
 func sameShape(rt http.RoundTripper, got *http.Transport, g *generation, id *identity, dial dialFingerprint) bool {
-	if got.DisableCompression != id.disableCompression {
+	// client-go never touches the CONNECT request; the generation's
+	// ProxyConnectHeader is the identity's own.
+	if got.ProxyConnectHeader != nil {
 		return false
 	}
-	// client-go sets DialContext only, and never touches the CONNECT request.
-	if got.Dial != nil || got.DialTLS != nil || got.DialTLSContext != nil ||
-		got.ProxyConnectHeader != nil || got.GetProxyConnectHeader != nil || got.OnProxyConnectResponse != nil {
+	// Every other field (shapeFields: compression, the other dialers,
+	// timeouts, limits) is what client-go's transports and g's set alike. A
+	// transport of the config's own (cfg.Transport) that sets more keeps it.
+	if !sameFields(got, g.transport, shapeFields()) {
 		return false
 	}
 	if fp := fingerprintDial(got.DialContext); !fp.known() || fp != dial {
@@ -409,25 +409,18 @@ func sameShape(rt http.RoundTripper, got *http.Transport, g *generation, id *ide
 			return false
 		}
 	}
-	// Everything else a transport can set is what client-go's transports
-	// and g's leave alike; a transport of the config's own (cfg.Transport)
-	// that sets more keeps it.
-	if !sameFieldsBut(got, g.transport, "Proxy", "DialContext", "TLSClientConfig", "DisableKeepAlives",
-		"DisableCompression", "ProxyConnectHeader", "TLSNextProto", "Protocols", "HTTP2") {
-		return false
-	}
 	gotTLS, wantTLS := got.TLSClientConfig, g.transport.TLSClientConfig
 	if gotTLS == nil || wantTLS == nil {
 		return gotTLS == wantTLS
 	}
-	if !onlyFieldsSet(gotTLS, "RootCAs", "ServerName", "InsecureSkipVerify", "MinVersion", "MaxVersion",
-		"NextProtos", "GetClientCertificate") {
+	// client-go's TLS configs set these fields only: no fixed
+	// certificates, no verification callbacks, no key log.
+	if !onlyFieldsSet(gotTLS) {
 		return false
 	}
 	if gotTLS.ServerName != wantTLS.ServerName || gotTLS.InsecureSkipVerify != wantTLS.InsecureSkipVerify ||
 		gotTLS.MinVersion != wantTLS.MinVersion || gotTLS.MaxVersion != wantTLS.MaxVersion ||
-		!slices.Equal(settledALPN(got), generationALPN(g, id)) || !sameHTTP2(got, g.transport) ||
-		gotTLS.VerifyPeerCertificate != nil || gotTLS.VerifyConnection != nil || len(gotTLS.Certificates) > 0 {
+		!slices.Equal(settledALPN(got), generationALPN(g, id)) || !sameHTTP2(got, g.transport) {
 		return false
 	}
 	return samePool(gotTLS.RootCAs, g.roots) || readsCAFile(rt, id.caFile)
@@ -805,41 +798,71 @@ func probeDial(context.Context, string, string) (net.Conn, error) {
 // sameButConnectHeader compares every exported field of two transports but
 // ProxyConnectHeader and GetProxyConnectHeader.
 func sameButConnectHeader(a, b *http.Transport) bool {
-	return sameFieldsBut(a, b, "ProxyConnectHeader", "GetProxyConnectHeader")
+	return sameFields(a, b, probeFields())
 }
 
-// onlyFieldsSet reports whether c sets no exported field but those named:
-// what client-go sets on the TLS configs it builds.
-func onlyFieldsSet(c *tls.Config, set ...string) bool {
+// onlyFieldsSet reports whether c sets no exported field but those client-go
+// sets on the TLS configs it builds.
+func onlyFieldsSet(c *tls.Config) bool {
 	v := reflect.ValueOf(c).Elem()
-	for i := range v.NumField() {
-		f := v.Type().Field(i)
-		if f.IsExported() && !slices.Contains(set, f.Name) && !v.Field(i).IsZero() {
+	for _, i := range clientGoTLSUnset() {
+		if !v.Field(i).IsZero() {
 			return false
 		}
 	}
 	return true
 }
 
-// sameFieldsBut compares every exported field of two transports but those
-// named (never read: net/http writes some at a transport's first use).
-// Functions are the same when they are one func value.
-func sameFieldsBut(a, b *http.Transport, skip ...string) bool {
-	va, vb := reflect.ValueOf(a).Elem(), reflect.ValueOf(b).Elem()
-	for i := range va.NumField() {
-		f := va.Type().Field(i)
-		if !f.IsExported() || slices.Contains(skip, f.Name) {
-			continue
+// The fields compared, as indices computed once: reflect's StructField
+// allocates, and the hook compares for every client it sees.
+var (
+	// shapeFields: every field of a transport but the proxy (asked per
+	// request), the dialer and TLS (compared on their own), keep-alive (the
+	// pool's option), the CONNECT header (the identity's own) and the
+	// protocol fields net/http writes at a transport's first use.
+	shapeFields = sync.OnceValue(func() []int {
+		return exportedFieldsBut(reflect.TypeFor[http.Transport](), "Proxy", "DialContext", "TLSClientConfig",
+			"DisableKeepAlives", "ProxyConnectHeader", "TLSNextProto", "Protocols", "HTTP2")
+	})
+	probeFields = sync.OnceValue(func() []int {
+		return exportedFieldsBut(reflect.TypeFor[http.Transport](), "ProxyConnectHeader", "GetProxyConnectHeader")
+	})
+	clientGoTLSUnset = sync.OnceValue(func() []int {
+		return exportedFieldsBut(reflect.TypeFor[tls.Config](), "RootCAs", "ServerName", "InsecureSkipVerify",
+			"MinVersion", "MaxVersion", "NextProtos", "GetClientCertificate")
+	})
+)
+
+func exportedFieldsBut(t reflect.Type, skip ...string) []int {
+	var fields []int
+	for i := range t.NumField() {
+		if f := t.Field(i); f.IsExported() && !slices.Contains(skip, f.Name) {
+			fields = append(fields, i)
 		}
+	}
+	return fields
+}
+
+// sameFields compares the given fields of two transports. Functions, maps
+// and pointers are the same when they are the same value (one func value,
+// one map, one pointee); everything else by value.
+func sameFields(a, b *http.Transport, fields []int) bool {
+	va, vb := reflect.ValueOf(a).Elem(), reflect.ValueOf(b).Elem()
+	for _, i := range fields {
 		fa, fb := va.Field(i), vb.Field(i)
-		if f.Type.Kind() == reflect.Func {
+		switch fa.Kind() {
+		case reflect.Func:
 			if *(*unsafe.Pointer)(unsafe.Pointer(fa.UnsafeAddr())) != *(*unsafe.Pointer)(unsafe.Pointer(fb.UnsafeAddr())) {
 				return false
 			}
-			continue
-		}
-		if !reflect.DeepEqual(fa.Interface(), fb.Interface()) {
-			return false
+		case reflect.Map, reflect.Pointer, reflect.Slice, reflect.Chan:
+			if fa.Pointer() != fb.Pointer() || fa.Kind() == reflect.Slice && fa.Len() != fb.Len() {
+				return false
+			}
+		default:
+			if !fa.Equal(fb) {
+				return false
+			}
 		}
 	}
 	return true
