@@ -27,6 +27,7 @@ import (
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 	"k8s.io/client-go/transport"
 
+	"github.com/sharedtransport/sharedtransport/internal/memberproxy"
 	"github.com/sharedtransport/sharedtransport/internal/testserver"
 )
 
@@ -667,24 +668,6 @@ func FuzzCopySafety(f *testing.F) {
 	})
 }
 
-// karmadaProxyHeader is a WrapTransport written the way Karmada's
-// Spec.ProxyHeader wrapper is: it clones the *http.Transport it is handed,
-// sets ProxyConnectHeader on the clone, then applies the wrappers the config
-// had before it.
-func karmadaProxyHeader(next transport.WrapperFunc, h http.Header) transport.WrapperFunc {
-	return func(rt http.RoundTripper) http.RoundTripper {
-		if t, ok := rt.(*http.Transport); ok {
-			t = t.Clone()
-			t.ProxyConnectHeader = h.Clone()
-			rt = t
-		}
-		if next != nil {
-			rt = next(rt)
-		}
-		return rt
-	}
-}
-
 // TestProxyConnectHeader: Karmada-shaped member configs (token, CA data, a
 // proxy URL that needs a header) through a CONNECT proxy that refuses tunnels
 // without it, counted at the proxy.
@@ -725,7 +708,7 @@ func (r *proxyHeaderRig) member(proxy *connectProxy, token string, h http.Header
 	cfg.CAData = r.caPEM
 	cfg.Proxy = proxyTo(proxy)
 	if h != nil {
-		cfg.WrapTransport = karmadaProxyHeader(cfg.WrapTransport, h)
+		cfg.WrapTransport = memberproxy.ProxyHeaderWrapper(cfg.WrapTransport, h)
 	}
 	return cfg
 }
@@ -876,11 +859,7 @@ func proxyHeaderOwnDialer(t *testing.T, r *proxyHeaderRig) {
 // transport would. Counted on both servers.
 func TestWrapProxyOtherHosts(t *testing.T) {
 	f := newFixture(t, testserver.Options{})
-	second, err := testserver.Start(testserver.Options{CA: f.ca})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { second.Close() })
+	second := f.startServer(t, testserver.Options{})
 	p := newPool(t)
 	const clients = 2
 	for range clients {
@@ -913,40 +892,21 @@ func TestWrapProxyOtherHosts(t *testing.T) {
 // connections, is not resent with the new material: it is checked again, and
 // goes as the copy's own certificate says.
 func TestCopyResentAfterRotation(t *testing.T) {
-	rec := &cnRecorder{}
-	f := newFixture(t, testserver.Options{OnRequest: rec.record})
-	dave, err := f.ca.IssueClient("dave")
-	if err != nil {
-		t.Fatal(err)
-	}
-	p := newPool(t, WithPollInterval(0), WithDrainTimeout(0), WithDialIdentity(func(*rest.Config) string { return "held first dial" }))
-	d := newCertDir(t, secretVolume, f.alice, f.ca.CertPEM())
-	orig := d.config(f.srv.URL())
-	var dials atomic.Int64
-	release := make(chan struct{})
-	orig.Dial = func(ctx context.Context, network, addr string) (net.Conn, error) {
-		if dials.Add(1) == 1 {
-			<-release
-		}
-		var d net.Dialer
-		return d.DialContext(ctx, network, addr)
-	}
-	if err := p.Wrap(orig); err != nil {
+	h := newHeldDialRotation(t)
+	if err := h.p.Wrap(h.cfg); err != nil {
 		t.Fatal(err)
 	}
 	// The copy holds alice's bytes inline: the same as the files now.
-	cp := rest.CopyConfig(orig)
-	cp.CertFile, cp.KeyFile, cp.CertData, cp.KeyData = "", "", f.alice.CertPEM, f.alice.KeyPEM
+	cp := rest.CopyConfig(h.cfg)
+	cp.CertFile, cp.KeyFile, cp.CertData, cp.KeyData = "", "", h.f.alice.CertPEM, h.f.alice.KeyPEM
 	result := make(chan error, 1)
 	go func() { result <- listNodes(context.Background(), cp) }()
-	waitFor(t, "the copy's first dial starts", func() bool { return dials.Load() == 1 })
-	d.write(t, dave, f.ca.CertPEM())
-	waitFor(t, "rotation", func() bool { return p.Stats().Rotations == 1 })
-	close(release)
+	h.rotateDuringDial(t, "the copy's first dial starts")
+	close(h.release)
 	if err := <-result; err != nil {
 		t.Fatal(err)
 	}
-	if got := rec.cns(); got["dave"] != 0 || got["alice"] != 1 {
+	if got := h.rec.cns(); got["dave"] != 0 || got["alice"] != 1 {
 		t.Errorf("the server saw %v for the copy, want its request once, as alice (client-go alone)", got)
 	}
 }
