@@ -452,11 +452,7 @@ func serverVerifiedBy(t *testing.T, f *fixture, kp *testserver.KeyPair) string {
 		name string
 		kp   *testserver.KeyPair
 	}{{"presenting the certificate itself", kp}, {"presenting a certificate it signed", signed}} {
-		srv, err := testserver.Start(testserver.Options{CA: f.ca, ServerCert: serving.kp})
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { srv.Close() })
+		srv := f.startServer(t, testserver.Options{ServerCert: serving.kp})
 		cfg := &rest.Config{Host: srv.URL()}
 		cfg.CAData, cfg.CertData, cfg.KeyData = kp.CertPEM, f.alice.CertPEM, f.alice.KeyPEM
 		err = listNodes(ctx, cfg)

@@ -159,6 +159,32 @@ func concurrentGets(ctx context.Context, client *http.Client, base, ua string, n
 	return protos, <-errs
 }
 
+// sendHeld sends n lists at once to base through client, each held by the
+// server under hold, and returns release: it releases every held request,
+// waits for all n and fails t on the first error.
+func sendHeld(ctx context.Context, t testing.TB, hold *requestHold, client *http.Client, base string, n int) (release func()) {
+	var wg sync.WaitGroup
+	errs := make(chan error, n)
+	for range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if _, err := getUA(ctx, client, base, "hold"); err != nil {
+				errs <- err
+			}
+		}()
+	}
+	return func() {
+		t.Helper()
+		hold.releaseAll()
+		wg.Wait()
+		close(errs)
+		for err := range errs {
+			t.Fatal(err)
+		}
+	}
+}
+
 // wantSharedHTTP2 sends n lists at once to base through client and fails t
 // unless every one went over HTTP/2 and srv accepted at most newConns
 // connections meanwhile (fewer when a connection open before, a dial that
@@ -287,11 +313,7 @@ func newProtocolBackends(t testing.TB, f *fixture) *protocolBackends {
 		srv     **testserver.Server
 		disable bool
 	}{{&b.h2, false}, {&b.h1, true}} {
-		srv, err := testserver.Start(testserver.Options{CA: f.ca, ServerCert: serving, DisableHTTP2: s.disable})
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { srv.Close() })
+		srv := f.startServer(t, testserver.Options{ServerCert: serving, DisableHTTP2: s.disable})
 		*s.srv = srv
 	}
 	b.relay = newSwitchRelay(t, b.h2.Addr())
@@ -376,11 +398,7 @@ func TestProtocolPerHost(t *testing.T) {
 // watches filling host A's connection leave host B untouched.
 func TestConnectionCapPerHost(t *testing.T) {
 	f := newFixture(t, testserver.Options{})
-	other, err := testserver.Start(testserver.Options{CA: f.ca})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { other.Close() })
+	other := f.startServer(t, testserver.Options{})
 	p := newPool(t, WithMaxConnsPerHost(1))
 	cs := wrappedClient(t, p, f.srv.RestConfig(f.alice))
 	ctx, cancel := context.WithCancel(context.Background())
@@ -401,7 +419,7 @@ func TestConnectionCapPerHost(t *testing.T) {
 	csB := wrappedClient(t, p, cfgB)
 	bctx, bcancel := context.WithTimeout(ctx, 5*time.Second)
 	defer bcancel()
-	_, err = csB.CoreV1().Nodes().List(bctx, metav1.ListOptions{})
+	_, err := csB.CoreV1().Nodes().List(bctx, metav1.ListOptions{})
 	t.Logf("cap 1, %d watches on host A: a list to host B: %v; B accepted %d connections", watches, err, other.Stats().Accepted)
 	if err != nil || other.Stats().Accepted != 1 {
 		t.Errorf("a list to host B beside %d watches on host A: %v, B accepted %d connections", watches, err, other.Stats().Accepted)
@@ -643,43 +661,69 @@ func TestBodyKeepsIdentity(t *testing.T) {
 	}
 }
 
-// TestRetiredGenerationRetried: with WithDrainTimeout(0), a request whose
-// dial outlives the rotation is sent with the new certificate, and ErrClosed
-// stays the error of a closed pool.
-func TestRetiredGenerationRetried(t *testing.T) {
-	rec := &cnRecorder{}
-	f := newFixture(t, testserver.Options{OnRequest: rec.record})
-	dave, err := f.ca.IssueClient("dave")
-	if err != nil {
+// heldDialRotation is a pool with WithDrainTimeout(0) over alice's files in a
+// secret volume, and a config of them whose first dial is held until release
+// closes: a request in that dial outlives the rotation to dave.
+type heldDialRotation struct {
+	f       *fixture
+	rec     *cnRecorder
+	dave    *testserver.KeyPair
+	p       *Pool
+	d       *certDir
+	cfg     *rest.Config
+	dials   atomic.Int64
+	release chan struct{}
+}
+
+func newHeldDialRotation(t testing.TB) *heldDialRotation {
+	t.Helper()
+	h := &heldDialRotation{rec: &cnRecorder{}, release: make(chan struct{})}
+	h.f = newFixture(t, testserver.Options{OnRequest: h.rec.record})
+	var err error
+	if h.dave, err = h.f.ca.IssueClient("dave"); err != nil {
 		t.Fatal(err)
 	}
-	p := newPool(t, WithPollInterval(0), WithDrainTimeout(0), WithDialIdentity(func(*rest.Config) string { return "held first dial" }))
-	d := newCertDir(t, secretVolume, f.alice, f.ca.CertPEM())
-	cfg := d.config(f.srv.URL())
-	var dials atomic.Int64
-	release := make(chan struct{})
-	cfg.Dial = func(ctx context.Context, network, addr string) (net.Conn, error) {
-		if dials.Add(1) == 1 {
-			<-release
+	h.p = newPool(t, WithPollInterval(0), WithDrainTimeout(0), WithDialIdentity(func(*rest.Config) string { return "held first dial" }))
+	h.d = newCertDir(t, secretVolume, h.f.alice, h.f.ca.CertPEM())
+	h.cfg = h.d.config(h.f.srv.URL())
+	h.cfg.Dial = func(ctx context.Context, network, addr string) (net.Conn, error) {
+		if h.dials.Add(1) == 1 {
+			<-h.release
 		}
 		var d net.Dialer
 		return d.DialContext(ctx, network, addr)
 	}
+	return h
+}
+
+// rotateDuringDial waits for the held first dial, then rotates the files to
+// dave and waits for the pool to see it.
+func (h *heldDialRotation) rotateDuringDial(t testing.TB, what string) {
+	t.Helper()
+	waitFor(t, what, func() bool { return h.dials.Load() == 1 })
+	h.d.write(t, h.dave, h.f.ca.CertPEM())
+	waitFor(t, "rotation", func() bool { return h.p.Stats().Rotations == 1 })
+}
+
+// TestRetiredGenerationRetried: with WithDrainTimeout(0), a request whose
+// dial outlives the rotation is sent with the new certificate, and ErrClosed
+// stays the error of a closed pool.
+func TestRetiredGenerationRetried(t *testing.T) {
+	h := newHeldDialRotation(t)
+	f, rec, p, cfg := h.f, h.rec, h.p, h.cfg
 	client := httpClient(t, p, cfg)
 	result := make(chan error, 1)
 	go func() {
 		_, err := getUA(context.Background(), client, f.srv.URL(), "dials across a rotation")
 		result <- err
 	}()
-	waitFor(t, "the first dial starts", func() bool { return dials.Load() == 1 })
-	d.write(t, dave, f.ca.CertPEM())
-	waitFor(t, "rotation", func() bool { return p.Stats().Rotations == 1 })
+	h.rotateDuringDial(t, "the first dial starts")
 	// The request is checked again before it is resent: past client-go's
 	// one-second cache of the files, client-go's transport for the config
 	// presents dave too, so the request may go with the new material.
 	time.Sleep(certFileSettle + 300*time.Millisecond)
-	close(release)
-	err = <-result
+	close(h.release)
+	err := <-result
 	t.Logf("a request whose dial outlived the rotation: %v; server saw %v", err, rec.cns())
 	if err != nil {
 		t.Errorf("a request whose generation retired before it was sent failed: %v (errors.Is ErrClosed: %v)", err, errors.Is(err, ErrClosed))
@@ -705,25 +749,10 @@ func TestFullConnectionGrows(t *testing.T) {
 	const n = 150
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	var wg sync.WaitGroup
-	errs := make(chan error, n)
-	for range n {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			if _, err := getUA(ctx, client, f.srv.URL(), "hold"); err != nil {
-				errs <- err
-			}
-		}()
-	}
+	release := sendHeld(ctx, t, hold, client, f.srv.URL(), n)
 	waitFor(t, "the server holds every request", func() bool { return hold.held.Load() == n })
 	st := f.srv.Stats()
-	hold.releaseAll()
-	wg.Wait()
-	close(errs)
-	for err := range errs {
-		t.Fatal(err)
-	}
+	release()
 	if st.Accepted != 2 || st.Open != 2 {
 		t.Errorf("%d requests held by the server: %d connections accepted, %d open; want 2 and 2", n, st.Accepted, st.Open)
 	}
@@ -742,28 +771,13 @@ func TestConnectionCapFewerStreams(t *testing.T) {
 	const n = 100
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	var wg sync.WaitGroup
-	errs := make(chan error, n)
-	for range n {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			if _, err := getUA(ctx, client, f.srv.URL(), "hold"); err != nil {
-				errs <- err
-			}
-		}()
-	}
+	release := sendHeld(ctx, t, hold, client, f.srv.URL(), n)
 	waitFor(t, "the server holds 90 requests", func() bool { return hold.held.Load() >= streamsInFlight })
 	// Time for a request to go and get another connection, as a full
 	// connection's waiters do after growWait.
 	time.Sleep(20 * growWait)
 	st, held := f.srv.Stats(), hold.held.Load()
-	hold.releaseAll()
-	wg.Wait()
-	close(errs)
-	for err := range errs {
-		t.Fatal(err)
-	}
+	release()
 	if st.Accepted != 1 || held != streamsInFlight {
 		t.Errorf("cap 1, %d requests, %d streams: the server accepted %d connections and held %d requests; want 1 and %d", n, streamsInFlight, st.Accepted, held, streamsInFlight)
 	}
@@ -801,27 +815,12 @@ func TestConnectionCapHTTP1(t *testing.T) {
 			const n = 5
 			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 			defer cancel()
-			var wg sync.WaitGroup
-			errs := make(chan error, n)
-			for range n {
-				wg.Add(1)
-				go func() {
-					defer wg.Done()
-					if _, err := getUA(ctx, client, f.srv.URL(), "hold"); err != nil {
-						errs <- err
-					}
-				}()
-			}
+			release := sendHeld(ctx, t, hold, client, f.srv.URL(), n)
 			waitFor(t, "the server holds 2 requests", func() bool { return hold.held.Load() >= 2 })
 			// Time for a third request to get a connection if the cap let it.
 			time.Sleep(20 * growWait)
 			held := hold.held.Load()
-			hold.releaseAll()
-			wg.Wait()
-			close(errs)
-			for err := range errs {
-				t.Fatal(err)
-			}
+			release()
 			if held != 2 {
 				t.Errorf("cap 2, %d requests: the server held %d at once, want 2", n, held)
 			}

@@ -196,11 +196,7 @@ func TestCloseIdleConnectionsFor(t *testing.T) {
 	})
 	t.Run("other host", func(t *testing.T) {
 		f := newFixture(t, testserver.Options{})
-		other, err := testserver.Start(testserver.Options{CA: f.ca})
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { other.Close() })
+		other := f.startServer(t, testserver.Options{})
 		proxy := newConnectProxy(t)
 		p := newPool(t)
 		cfg := f.srv.RestConfig(f.alice)

@@ -2,9 +2,13 @@ package sharedtransport
 
 import (
 	"flag"
+	"os"
 	"testing"
 
 	"go.uber.org/goleak"
+
+	"github.com/sharedtransport/sharedtransport/internal/childproc"
+	"github.com/sharedtransport/sharedtransport/internal/testserver"
 )
 
 // focusedTests, set under the mutation build tag (mutation_test.go), is the
@@ -12,6 +16,11 @@ import (
 var focusedTests string
 
 func TestMain(m *testing.M) {
+	// Run as startMemberProcess's child, this binary serves the member
+	// server and runs no test.
+	if code, isChild := childproc.Main(memberProcessEnv, map[string]childproc.Starter{"member": testserver.ServeProcess}); isChild {
+		os.Exit(code)
+	}
 	if focusedTests != "" {
 		// The mutation tester runs plain go test: the set and -short
 		// are chosen here.

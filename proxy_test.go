@@ -629,12 +629,12 @@ func memStats(fr *memberproxy.Client) memSnapshot {
 const memberProcessEnv = "SHAREDTRANSPORT_MEMBER_PROCESS"
 
 // startMemberProcess runs a testserver in a child process of this test
-// binary (TestProxyMemberProcess), so that its heap is not the front's.
+// binary (served from TestMain), so that its heap is not the front's.
 func startMemberProcess(t *testing.T) *testserver.Process {
 	t.Helper()
 	m, err := testserver.StartProcess(context.Background(), "member", childproc.Options{
 		Env:    memberProcessEnv,
-		Args:   []string{"-test.run=^TestProxyMemberProcess$", "-test.count=1"},
+		Args:   []string{"-test.run=^$", "-test.count=1"},
 		Stderr: os.Stderr,
 	})
 	if err != nil {
@@ -655,16 +655,4 @@ func memberStats(t testing.TB, m *testserver.Process) testserver.Stats {
 		t.Fatal(err)
 	}
 	return st
-}
-
-// TestProxyMemberProcess is the member server of TestProxyManyIdentities when
-// run as its child process; otherwise it is skipped.
-func TestProxyMemberProcess(t *testing.T) {
-	code, isChild := childproc.Main(memberProcessEnv, map[string]childproc.Starter{"member": testserver.ServeProcess})
-	if !isChild {
-		t.Skip("the member server of TestProxyManyIdentities, run in a child process")
-	}
-	if code != 0 {
-		t.Fatalf("member process exited with code %d", code)
-	}
 }

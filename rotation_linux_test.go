@@ -6,9 +6,7 @@ import (
 	"context"
 	"fmt"
 	"os"
-	"os/exec"
 	"path/filepath"
-	"regexp"
 	"runtime"
 	"slices"
 	"strconv"
@@ -22,6 +20,7 @@ import (
 	"k8s.io/client-go/rest"
 
 	"github.com/sharedtransport/sharedtransport/internal/hangfs"
+	"github.com/sharedtransport/sharedtransport/internal/nstest"
 	"github.com/sharedtransport/sharedtransport/internal/testserver"
 )
 
@@ -242,38 +241,19 @@ func unreadableAfterGood(t *testing.T, ctx context.Context, p *Pool, f *fixture,
 // which waits for the child and reports its result.
 func inUserNamespace(t *testing.T, limits map[string]int) bool {
 	t.Helper()
-	const env = "SHAREDTRANSPORT_TEST_USERNS"
-	if os.Getenv(env) == t.Name() {
-		for name, v := range limits {
-			if err := os.WriteFile("/proc/sys/user/"+name, []byte(strconv.Itoa(v)), 0o644); err != nil {
-				t.Fatal(err)
+	return nstest.Rerun(t, nstest.Namespaces{
+		Env:     "SHAREDTRANSPORT_TEST_USERNS",
+		Where:   fmt.Sprintf("a user namespace with %v", limits),
+		Timeout: 3 * time.Minute,
+		Setup: func() error {
+			for name, v := range limits {
+				if err := os.WriteFile("/proc/sys/user/"+name, []byte(strconv.Itoa(v)), 0o644); err != nil {
+					return err
+				}
 			}
-		}
-		return true
-	}
-	var run []string
-	for _, part := range strings.Split(t.Name(), "/") {
-		run = append(run, "^"+regexp.QuoteMeta(part)+"$")
-	}
-	cmd := exec.Command(os.Args[0], "-test.run="+strings.Join(run, "/"), "-test.v", "-test.count=1", "-test.timeout=3m")
-	cmd.Env = append(os.Environ(), env+"="+t.Name())
-	cmd.SysProcAttr = &syscall.SysProcAttr{
-		Cloneflags:  syscall.CLONE_NEWUSER,
-		UidMappings: []syscall.SysProcIDMap{{ContainerID: 0, HostID: os.Getuid(), Size: 1}},
-		GidMappings: []syscall.SysProcIDMap{{ContainerID: 0, HostID: os.Getgid(), Size: 1}},
-	}
-	out, err := cmd.CombinedOutput()
-	var lines []string
-	for _, l := range strings.Split(string(out), "\n") {
-		if strings.Contains(l, "_test.go:") || strings.HasPrefix(strings.TrimSpace(l), "---") || strings.Contains(l, "panic") {
-			lines = append(lines, l)
-		}
-	}
-	t.Logf("in a user namespace with %v:\n%s", limits, strings.Join(lines, "\n"))
-	if err != nil {
-		t.Fatalf("the test failed in its user namespace (or none could be made: this test needs user namespaces): %v", err)
-	}
-	return false
+			return nil
+		},
+	})
 }
 
 // inotifyWatches returns the watches the kernel holds for each inotify

@@ -53,12 +53,17 @@ func (r *cnRecorder) firstSince(cn string, t time.Time) (time.Time, bool) {
 	return time.Time{}, false
 }
 
-func (r *cnRecorder) cns() map[string]int {
+func (r *cnRecorder) cns() map[string]int { return r.cnsSince(time.Time{}) }
+
+// cnsSince counts the requests the server saw at or after t, by CN.
+func (r *cnRecorder) cnsSince(t time.Time) map[string]int {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	m := map[string]int{}
 	for _, s := range r.seen {
-		m[s.cn]++
+		if !s.at.Before(t) {
+			m[s.cn]++
+		}
 	}
 	return m
 }
@@ -738,14 +743,7 @@ func TestRotationPresentsNewCertificateAtOnce(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	seen := map[string]int{}
-	rec.mu.Lock()
-	for _, s := range rec.seen {
-		if !s.at.Before(rotated) {
-			seen[s.cn]++
-		}
-	}
-	rec.mu.Unlock()
+	seen := rec.cnsSince(rotated)
 	if seen["bob"] != 2 || len(seen) != 1 {
 		t.Errorf("after the rotation the server saw requests from %v, want 2 from bob", seen)
 	}
@@ -793,14 +791,7 @@ func TestRotationClientCatchesUp(t *testing.T) {
 	for range 3 {
 		list()
 	}
-	seen := map[string]int{}
-	rec.mu.Lock()
-	for _, s := range rec.seen {
-		if !s.at.Before(settled) {
-			seen[s.cn]++
-		}
-	}
-	rec.mu.Unlock()
+	seen := rec.cnsSince(settled)
 	if seen["bob"] != 3 || len(seen) != 1 {
 		t.Errorf("once client-go's certificate cache expired the server saw requests from %v, want 3 from bob", seen)
 	}

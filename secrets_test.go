@@ -22,6 +22,7 @@ import (
 	"k8s.io/client-go/rest"
 	"k8s.io/klog/v2"
 
+	"github.com/sharedtransport/sharedtransport/internal/memberproxy"
 	"github.com/sharedtransport/sharedtransport/internal/testserver"
 )
 
@@ -182,7 +183,7 @@ func (sc *secretsScan) proxied(t *testing.T, proxyPassword, proxyCred string) *r
 	proxyCfg := sc.f.srv.RestConfig(sc.f.alice)
 	proxyURL, _ := url.Parse("http://proxyuser:" + proxyPassword + "@127.0.0.1:1")
 	proxyCfg.Proxy = http.ProxyURL(proxyURL)
-	proxyCfg.WrapTransport = karmadaProxyHeader(nil, http.Header{"Proxy-Authorization": {"Basic " + proxyCred}})
+	proxyCfg.WrapTransport = memberproxy.ProxyHeaderWrapper(nil, http.Header{"Proxy-Authorization": {"Basic " + proxyCred}})
 	if err := sc.p.Wrap(proxyCfg); err != nil {
 		t.Fatal(err)
 	}

@@ -61,6 +61,19 @@ func newFixture(t testing.TB, opts testserver.Options) *fixture {
 	return f
 }
 
+// startServer starts another server of the fixture's CA with opts, closed
+// when the test ends.
+func (f *fixture) startServer(t testing.TB, opts testserver.Options) *testserver.Server {
+	t.Helper()
+	opts.CA = f.ca
+	srv, err := testserver.Start(opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { srv.Close() })
+	return srv
+}
+
 // kubeconfig writes a kubeconfig for client with certificate files beside it.
 func (f *fixture) kubeconfig(t testing.TB, name string, client *testserver.KeyPair) testserver.Paths {
 	t.Helper()

@@ -29,6 +29,7 @@ import (
 	"k8s.io/client-go/tools/cache"
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 
+	"github.com/sharedtransport/sharedtransport/internal/memberproxy"
 	"github.com/sharedtransport/sharedtransport/internal/testserver"
 )
 
@@ -380,11 +381,7 @@ func passThroughNoTLS(t *testing.T) {
 // environment's (direct here).
 func TestTransportForProxyOtherHosts(t *testing.T) {
 	f := newFixture(t, testserver.Options{})
-	second, err := testserver.Start(testserver.Options{CA: f.ca})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { second.Close() })
+	second := f.startServer(t, testserver.Options{})
 	proxy := newConnectProxy(t)
 	proxyURL, _ := url.Parse(proxy.url())
 	// via reports whether the last request to srv came through the proxy.
@@ -445,11 +442,7 @@ func TestTransportForProxyOtherHosts(t *testing.T) {
 // on client-go's tunnel for requests to another host.
 func TestTransportForConnectHeader(t *testing.T) {
 	f := newFixture(t, testserver.Options{})
-	second, err := testserver.Start(testserver.Options{CA: f.ca})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { second.Close() })
+	second := f.startServer(t, testserver.Options{})
 	proxy := newAuthProxy(t, "Basic a")
 	p := newPool(t)
 	const configs = 20
@@ -459,7 +452,7 @@ func TestTransportForConnectHeader(t *testing.T) {
 		cfg := f.srv.RestConfig(nil)
 		cfg.BearerToken = fmt.Sprintf("token-%d", i)
 		cfg.Proxy = proxyTo(proxy)
-		cfg.WrapTransport = karmadaProxyHeader(cfg.WrapTransport, http.Header{"Proxy-Authorization": {"Basic a"}})
+		cfg.WrapTransport = memberproxy.ProxyHeaderWrapper(cfg.WrapTransport, http.Header{"Proxy-Authorization": {"Basic a"}})
 		cfg.CertData, cfg.KeyData = f.alice.CertPEM, f.alice.KeyPEM
 		rt, err := p.TransportFor(cfg)
 		if err != nil {

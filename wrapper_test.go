@@ -27,6 +27,7 @@ import (
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 	"k8s.io/client-go/transport"
 
+	"github.com/sharedtransport/sharedtransport/internal/memberproxy"
 	"github.com/sharedtransport/sharedtransport/internal/testserver"
 )
 
@@ -667,24 +668,6 @@ func FuzzCopySafety(f *testing.F) {
 	})
 }
 
-// karmadaProxyHeader is a WrapTransport written the way Karmada's
-// Spec.ProxyHeader wrapper is: it clones the *http.Transport it is handed,
-// sets ProxyConnectHeader on the clone, then applies the wrappers the config
-// had before it.
-func karmadaProxyHeader(next transport.WrapperFunc, h http.Header) transport.WrapperFunc {
-	return func(rt http.RoundTripper) http.RoundTripper {
-		if t, ok := rt.(*http.Transport); ok {
-			t = t.Clone()
-			t.ProxyConnectHeader = h.Clone()
-			rt = t
-		}
-		if next != nil {
-			rt = next(rt)
-		}
-		return rt
-	}
-}
-
 // TestProxyConnectHeader: Karmada-shaped member configs (token, CA data, a
 // proxy URL that needs a header) through a CONNECT proxy that refuses tunnels
 // without it, counted at the proxy.
@@ -725,9 +708,29 @@ func (r *proxyHeaderRig) member(proxy *connectProxy, token string, h http.Header
 	cfg.CAData = r.caPEM
 	cfg.Proxy = proxyTo(proxy)
 	if h != nil {
-		cfg.WrapTransport = karmadaProxyHeader(cfg.WrapTransport, h)
+		cfg.WrapTransport = memberproxy.ProxyHeaderWrapper(cfg.WrapTransport, h)
 	}
 	return cfg
+}
+
+// mustObserve observes a request of cfg and fails t unless it succeeded.
+// (The rig's via cannot tell the auth proxy's tunnels: the proxy's Stats
+// say where requests went.)
+func (r *proxyHeaderRig) mustObserve(t *testing.T, cfg *rest.Config) observation {
+	t.Helper()
+	o := r.observe(cfg)
+	if o.Err != "" {
+		t.Fatalf("%+v", o)
+	}
+	return o
+}
+
+// wantTunnels fails t unless proxy opened n tunnels and refused none.
+func wantTunnels(t *testing.T, proxy *connectProxy, n uint64, what string) {
+	t.Helper()
+	if got, rej := proxy.Stats().Tunnels, proxy.Stats().Rejected; got != n || rej != 0 {
+		t.Errorf("%s: the proxy opened %d tunnels and refused %d, want %d and 0", what, got, rej, n)
+	}
 }
 
 // proxyHeaderOneTunnel is TestProxyConnectHeader's "one tunnel for many
@@ -741,13 +744,11 @@ func proxyHeaderOneTunnel(t *testing.T, r *proxyHeaderRig) {
 		if err := p.Wrap(cfg); err != nil {
 			t.Fatal(err)
 		}
-		if o := r.observe(cfg); o.Err != "" || o.Token != "token-x" || o.Via != "proxy 1" && !strings.HasPrefix(o.Via, "direct") {
+		if o := r.mustObserve(t, cfg); o.Token != "token-x" {
 			t.Fatalf("reconcile %d: %+v", i, o)
 		}
 	}
-	if n, rej := proxy.Stats().Tunnels, proxy.Stats().Rejected; n != 1 || rej != 0 {
-		t.Errorf("the proxy opened %d tunnels and refused %d for %d configs, want 1 and 0", n, rej, reconciles)
-	}
+	wantTunnels(t, proxy, 1, fmt.Sprintf("%d configs", reconciles))
 	for _, tn := range proxy.Tunnels() {
 		if h := tn.Header.Get("Proxy-Authorization"); h != "Basic a" {
 			t.Errorf("tunnel %s carried %q", tn.Upstream, h)
@@ -760,13 +761,9 @@ func proxyHeaderOneTunnel(t *testing.T, r *proxyHeaderRig) {
 func proxyHeaderClientGoAlone(t *testing.T, r *proxyHeaderRig) {
 	proxy := r.newProxy(t)
 	for range 5 {
-		if o := r.observe(r.member(proxy, "token-x", proxyCredA)); o.Err != "" {
-			t.Fatalf("%+v", o)
-		}
+		r.mustObserve(t, r.member(proxy, "token-x", proxyCredA))
 	}
-	if n, rej := proxy.Stats().Tunnels, proxy.Stats().Rejected; n != 5 || rej != 0 {
-		t.Errorf("client-go alone: %d tunnels, %d refused, want 5 and 0", n, rej)
-	}
+	wantTunnels(t, proxy, 5, "client-go alone")
 }
 
 // proxyHeaderOtherHeaders is TestProxyConnectHeader's "other headers, other
@@ -782,9 +779,7 @@ func proxyHeaderOtherHeaders(t *testing.T, r *proxyHeaderRig) {
 	}
 	for range 3 {
 		for _, cfg := range []*rest.Config{a, b} {
-			if o := r.observe(cfg); o.Err != "" {
-				t.Fatalf("%+v", o)
-			}
+			r.mustObserve(t, cfg)
 		}
 	}
 	if n := proxy.Stats().Tunnels; n != 2 {
@@ -812,13 +807,9 @@ func proxyHeaderOption(t *testing.T, r *proxyHeaderRig) {
 		if err := p.Wrap(cfg); err != nil {
 			t.Fatal(err)
 		}
-		if o := r.observe(cfg); o.Err != "" {
-			t.Fatalf("%+v", o)
-		}
+		r.mustObserve(t, cfg)
 	}
-	if n, rej := proxy.Stats().Tunnels, proxy.Stats().Rejected; n != 1 || rej != 0 {
-		t.Errorf("%d tunnels, %d refused, want 1 and 0", n, rej)
-	}
+	wantTunnels(t, proxy, 1, "10 configs, the header from WithProxyConnectHeader")
 }
 
 // proxyHeaderCopyOtherHost is TestProxyConnectHeader's "a copy for another
@@ -832,12 +823,8 @@ func proxyHeaderCopyOtherHost(t *testing.T, r *proxyHeaderRig) {
 	}
 	cp := rest.CopyConfig(cfg)
 	cp.Host = strings.Replace(cp.Host, "127.0.0.1", "localhost", 1)
-	if o := r.observe(cp); o.Err != "" || o.Via != "proxy 1" && proxy.Stats().Tunnels == 0 {
-		t.Fatalf("%+v", o)
-	}
-	if rej := proxy.Stats().Rejected; rej != 0 {
-		t.Errorf("the proxy refused %d tunnels", rej)
-	}
+	r.mustObserve(t, cp)
+	wantTunnels(t, proxy, 1, "a copy for another host")
 }
 
 // proxyHeaderOwnDialer is TestProxyConnectHeader's "a wrapper that changes
@@ -876,11 +863,7 @@ func proxyHeaderOwnDialer(t *testing.T, r *proxyHeaderRig) {
 // transport would. Counted on both servers.
 func TestWrapProxyOtherHosts(t *testing.T) {
 	f := newFixture(t, testserver.Options{})
-	second, err := testserver.Start(testserver.Options{CA: f.ca})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { second.Close() })
+	second := f.startServer(t, testserver.Options{})
 	p := newPool(t)
 	const clients = 2
 	for range clients {
@@ -913,40 +896,21 @@ func TestWrapProxyOtherHosts(t *testing.T) {
 // connections, is not resent with the new material: it is checked again, and
 // goes as the copy's own certificate says.
 func TestCopyResentAfterRotation(t *testing.T) {
-	rec := &cnRecorder{}
-	f := newFixture(t, testserver.Options{OnRequest: rec.record})
-	dave, err := f.ca.IssueClient("dave")
-	if err != nil {
-		t.Fatal(err)
-	}
-	p := newPool(t, WithPollInterval(0), WithDrainTimeout(0), WithDialIdentity(func(*rest.Config) string { return "held first dial" }))
-	d := newCertDir(t, secretVolume, f.alice, f.ca.CertPEM())
-	orig := d.config(f.srv.URL())
-	var dials atomic.Int64
-	release := make(chan struct{})
-	orig.Dial = func(ctx context.Context, network, addr string) (net.Conn, error) {
-		if dials.Add(1) == 1 {
-			<-release
-		}
-		var d net.Dialer
-		return d.DialContext(ctx, network, addr)
-	}
-	if err := p.Wrap(orig); err != nil {
+	h := newHeldDialRotation(t)
+	if err := h.p.Wrap(h.cfg); err != nil {
 		t.Fatal(err)
 	}
 	// The copy holds alice's bytes inline: the same as the files now.
-	cp := rest.CopyConfig(orig)
-	cp.CertFile, cp.KeyFile, cp.CertData, cp.KeyData = "", "", f.alice.CertPEM, f.alice.KeyPEM
+	cp := rest.CopyConfig(h.cfg)
+	cp.CertFile, cp.KeyFile, cp.CertData, cp.KeyData = "", "", h.f.alice.CertPEM, h.f.alice.KeyPEM
 	result := make(chan error, 1)
 	go func() { result <- listNodes(context.Background(), cp) }()
-	waitFor(t, "the copy's first dial starts", func() bool { return dials.Load() == 1 })
-	d.write(t, dave, f.ca.CertPEM())
-	waitFor(t, "rotation", func() bool { return p.Stats().Rotations == 1 })
-	close(release)
+	h.rotateDuringDial(t, "the copy's first dial starts")
+	close(h.release)
 	if err := <-result; err != nil {
 		t.Fatal(err)
 	}
-	if got := rec.cns(); got["dave"] != 0 || got["alice"] != 1 {
+	if got := h.rec.cns(); got["dave"] != 0 || got["alice"] != 1 {
 		t.Errorf("the server saw %v for the copy, want its request once, as alice (client-go alone)", got)
 	}
 }

@@ -10,9 +10,7 @@ import (
 	"io"
 	"net"
 	"os"
-	"os/exec"
 	"path/filepath"
-	"regexp"
 	"strings"
 	"syscall"
 	"testing"
@@ -20,6 +18,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/sharedtransport/sharedtransport/internal/nstest"
 	"github.com/sharedtransport/sharedtransport/internal/testserver"
 )
 
@@ -300,32 +299,13 @@ func TestClusterTarget(t *testing.T) {
 // parent, which waits for the child and reports its result.
 func inOwnNetworkNamespace(t *testing.T) bool {
 	t.Helper()
-	const env = "CONNCOUNT_TEST_NETNS"
-	if os.Getenv(env) == t.Name() {
-		if err := loopbackUp(); err != nil {
-			t.Fatalf("bring lo up in the test's network namespace: %v", err)
-		}
-		return true
-	}
-	cmd := exec.Command(os.Args[0], "-test.run=^"+regexp.QuoteMeta(t.Name())+"$", "-test.v", "-test.count=1", "-test.timeout=5m")
-	cmd.Env = append(os.Environ(), env+"="+t.Name())
-	cmd.SysProcAttr = &syscall.SysProcAttr{
-		Cloneflags:  syscall.CLONE_NEWUSER | syscall.CLONE_NEWNET,
-		UidMappings: []syscall.SysProcIDMap{{ContainerID: 0, HostID: os.Getuid(), Size: 1}},
-		GidMappings: []syscall.SysProcIDMap{{ContainerID: 0, HostID: os.Getgid(), Size: 1}},
-	}
-	out, err := cmd.CombinedOutput()
-	var lines []string
-	for _, l := range strings.Split(string(out), "\n") {
-		if strings.Contains(l, "_test.go:") || strings.HasPrefix(strings.TrimSpace(l), "---") || strings.Contains(l, "panic") {
-			lines = append(lines, l)
-		}
-	}
-	t.Logf("in a network namespace of its own:\n%s", strings.Join(lines, "\n"))
-	if err != nil {
-		t.Fatalf("the test failed in its network namespace (or none could be made: this test needs unprivileged user namespaces): %v", err)
-	}
-	return false
+	return nstest.Rerun(t, nstest.Namespaces{
+		Env:        "CONNCOUNT_TEST_NETNS",
+		Cloneflags: syscall.CLONE_NEWNET,
+		Where:      "a network namespace of its own",
+		Timeout:    5 * time.Minute,
+		Setup:      loopbackUp,
+	})
 }
 
 // loopbackUp sets the lo interface of this network namespace up, as

@@ -150,17 +150,18 @@ func RestConfig(cl Cluster) (*rest.Config, error) {
 		}
 		cfg.Proxy = http.ProxyURL(u)
 		if len(cl.ProxyHeader) > 0 {
-			cfg.WrapTransport = proxyHeaderWrapper(cfg.WrapTransport, cl.ProxyHeader)
+			cfg.WrapTransport = ProxyHeaderWrapper(cfg.WrapTransport, cl.ProxyHeader)
 		}
 	}
 	return cfg, nil
 }
 
-// proxyHeaderWrapper is a WrapTransport of the shape Karmada's config builder
-// uses for Spec.ProxyHeader: it clones the *http.Transport it is handed, sets
-// ProxyConnectHeader on the clone and hands that to next. Any other round
+// ProxyHeaderWrapper is a WrapTransport of the shape Karmada's config builder
+// uses for Spec.ProxyHeader, exported for the library's tests of that shape:
+// it clones the *http.Transport it is handed, sets ProxyConnectHeader on the
+// clone and hands that to next. Any other round
 // tripper goes to next unchanged (the wrapper cannot set a header on it).
-func proxyHeaderWrapper(next transport.WrapperFunc, h http.Header) transport.WrapperFunc {
+func ProxyHeaderWrapper(next transport.WrapperFunc, h http.Header) transport.WrapperFunc {
 	return func(rt http.RoundTripper) http.RoundTripper {
 		if t, ok := rt.(*http.Transport); ok {
 			t = t.Clone()

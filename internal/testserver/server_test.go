@@ -375,7 +375,7 @@ func TestInlineKubeconfig(t *testing.T) {
 		t.Fatal(err)
 	}
 	if len(cfg.CertData) == 0 || len(cfg.CAData) == 0 {
-		t.Fatalf("config: %+v", cfg)
+		t.Fatalf("the config has %d bytes of CertData and %d of CAData, want both", len(cfg.CertData), len(cfg.CAData))
 	}
 	ownTransport(t, cfg, false)
 	if _, err := kubernetes.NewForConfigOrDie(cfg).CoreV1().Nodes().List(context.Background(), metav1.ListOptions{}); err != nil {
