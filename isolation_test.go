@@ -127,7 +127,7 @@ type isolationWant int
 const (
 	differ isolationWant = iota
 	share                // one transport, one connection
-	shareTransport
+	shareTransport       // one transport, a connection per host name
 )
 
 // isolationKit builds TestIsolation's sides on one fixture.
@@ -277,6 +277,9 @@ func checkIsolation(t *testing.T, want isolationWant, ledger *connLedger, p *Poo
 		}
 		if want == share && shared != 1 {
 			t.Errorf("the two configs used %d shared connections, want 1", shared)
+		}
+		if want == shareTransport && shared != 0 {
+			t.Errorf("the two configs, of two host names, used %d shared connections, want none", shared)
 		}
 	}
 }
