@@ -125,9 +125,9 @@ type isolationSide struct {
 type isolationWant int
 
 const (
-	differ isolationWant = iota
-	share                // one transport, one connection
-	shareTransport       // one transport, a connection per host name
+	differ         isolationWant = iota
+	share                        // one transport, one connection
+	shareTransport               // one transport, a connection per host name
 )
 
 // isolationKit builds TestIsolation's sides on one fixture.
