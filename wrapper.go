@@ -399,13 +399,20 @@ func sameShape(rt http.RoundTripper, got *http.Transport, g *generation, id *ide
 	if fp := fingerprintDial(got.DialContext); !fp.known() || fp != dial {
 		return false
 	}
-	if id.getCert != nil {
+	// client-go's certificate-file transports dial through a tracked dialer
+	// too, one of their own: only a tracked dialer without them is an exec
+	// authenticator's.
+	t := execTracker(got.DialContext)
+	if id.getCert != nil || t != nil && !readsCertFiles(got.TLSClientConfig) {
 		// An exec identity's client-go transports dial through a dialer
 		// tracked by the authenticator's connection tracker, one per
 		// authenticator: anything else (a copy with a token, its own
 		// plugin, inline material) holds other credentials, or the same
-		// ones only for now.
-		if t := execTracker(got.DialContext); t == nil || t != execTracker(id.dial) {
+		// ones only for now. The same holds the other way: a transport of
+		// an exec plugin never matches an identity without that plugin,
+		// whatever it presents now, since the plugin may hand out another
+		// certificate at any request and a finding holds for a generation.
+		if t == nil || t != execTracker(id.dial) {
 			return false
 		}
 	}

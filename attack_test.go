@@ -1,0 +1,55 @@
+package sharedtransport
+
+// Second adversarial review of the copy-safety rule (branch rv-attack): each
+// test makes a client of a copy, or a TransportFor round tripper, that the
+// server or the proxies see otherwise than the same config through client-go
+// alone.
+
+import (
+	"testing"
+	"time"
+
+	"k8s.io/client-go/rest"
+
+	"github.com/sharedtransport/sharedtransport/internal/testserver"
+)
+
+// TestAdversaryCopyExecOverInline: the original holds alice's certificate
+// inline; a copy drops it for an exec plugin that prints alice's certificate
+// too, for now. The copy's transport presents alice's bytes when the hook
+// compares, so it rides the shared transport; once the plugin hands out
+// bob's certificate, client-go alone presents bob (its exec authenticator
+// closes its connections), and the pool must not keep presenting alice.
+func TestAdversaryCopyExecOverInline(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	r := newCopyRig(t, testserver.Options{CA: f.ca})
+	exec := writeExecPlugin(t, f.dir, "atk-inline", f.alice)
+	expiry := time.Now().Add(2 * time.Second).Truncate(time.Second)
+	writeExecCredential(t, f.dir, "atk-inline", f.alice, expiry)
+	pair := wrapPair(t, newPool(t), func() *rest.Config { return r.srv.RestConfig(f.alice) })
+	cp := pair.copies(func(c *rest.Config) {
+		c.CertData, c.KeyData = nil, nil
+		e := *exec
+		c.ExecProvider = &e
+	})
+	before := [2]*rigClient{r.client(cp.wrapped), r.client(cp.control)}
+	aliceSeen := observation{CN: "alice", Proto: h2, Gzip: true, Via: "direct"}
+	for i, c := range before {
+		if o := c.observe(); o != aliceSeen {
+			t.Fatalf("client %d before the plugin's change: %+v, want %+v", i, o, aliceSeen)
+		}
+	}
+	writeExecCredential(t, f.dir, "atk-inline", f.bob, time.Time{})
+	time.Sleep(time.Until(expiry) + 200*time.Millisecond)
+	bobSeen := observation{CN: "bob", Proto: h2, Gzip: true, Via: "direct"}
+	for range 2 {
+		got, control := before[0].observe(), before[1].observe()
+		if got != control {
+			t.Errorf("client of the copy built before the plugin's change: through the pool %+v, through client-go alone %+v", got, control)
+		}
+		if control != bobSeen {
+			t.Errorf("control saw %+v, want %+v (the test's premise is wrong)", control, bobSeen)
+		}
+	}
+	r.check(t, cp, &bobSeen)
+}
