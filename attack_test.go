@@ -6,9 +6,13 @@ package sharedtransport
 // alone.
 
 import (
+	"net/http"
+	"net/url"
+	"strings"
 	"testing"
 	"time"
 
+	utilnet "k8s.io/apimachinery/pkg/util/net"
 	"k8s.io/client-go/rest"
 
 	"github.com/sharedtransport/sharedtransport/internal/testserver"
@@ -52,4 +56,65 @@ func TestAdversaryCopyExecOverInline(t *testing.T) {
 		}
 	}
 	r.check(t, cp, &bobSeen)
+}
+
+// TestAdversaryTransportForProxyPerPath: TestAdversaryProxyPerPath for
+// TransportFor. http.Transport asks the config's Proxy for every request;
+// TransportFor sends every request to the config's host over the shared
+// transport, whose proxy is the answer the function gave for the probe
+// request. A Proxy that sends some paths (or schemes) elsewhere is bypassed.
+func TestAdversaryTransportForProxyPerPath(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	proxy := newConnectProxy(t)
+	proxyURL, _ := url.Parse(proxy.url())
+	for _, tc := range []struct {
+		name  string
+		proxy func(*http.Request) (*url.URL, error)
+	}{
+		{"nodes through the proxy, the rest direct", func(req *http.Request) (*url.URL, error) {
+			if strings.HasSuffix(req.URL.Path, "/nodes") {
+				return proxyURL, nil
+			}
+			return nil, nil
+		}},
+		{"nodes direct, the rest through the proxy", func(req *http.Request) (*url.URL, error) {
+			if strings.HasSuffix(req.URL.Path, "/nodes") {
+				return nil, nil
+			}
+			return proxyURL, nil
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			p := newPool(t)
+			cfg := f.srv.RestConfig(f.alice)
+			cfg.Proxy = tc.proxy
+			vias := map[string][]string{}
+			for name, newRT := range map[string]func(*rest.Config) (http.RoundTripper, error){"pool": p.TransportFor, "client-go": rest.TransportFor} {
+				rt, err := newRT(rest.CopyConfig(cfg))
+				if err != nil {
+					t.Fatal(err)
+				}
+				for _, path := range []string{"/version", "/api/v1/nodes", "/version", "/api/v1/nodes"} {
+					// A new connection each time: HTTP/2 reuses a connection
+					// to the host whatever the proxy says.
+					utilnet.CloseIdleConnectionsFor(rt)
+					if code, err := getVia(rt, f.srv.URL()+path); err != nil || code >= 500 {
+						t.Fatalf("%s %s: %d %v", name, path, code, err)
+					}
+					ri, ok := f.srv.LastRequest(path)
+					if !ok {
+						t.Fatalf("%s %s: the server saw no request", name, path)
+					}
+					via := "direct"
+					if _, ok := proxy.Carried(ri.RemoteAddr, f.srv.Addr()); ok {
+						via = "proxy"
+					}
+					vias[name] = append(vias[name], path+" "+via)
+				}
+			}
+			if strings.Join(vias["pool"], ", ") != strings.Join(vias["client-go"], ", ") {
+				t.Errorf("through the pool: %v; through client-go alone: %v", vias["pool"], vias["client-go"])
+			}
+		})
+	}
 }
