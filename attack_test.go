@@ -6,14 +6,17 @@ package sharedtransport
 // alone.
 
 import (
+	"crypto/tls"
 	"net/http"
 	"net/url"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	utilnet "k8s.io/apimachinery/pkg/util/net"
 	"k8s.io/client-go/rest"
+	"k8s.io/client-go/transport"
 
 	"github.com/sharedtransport/sharedtransport/internal/testserver"
 )
@@ -116,5 +119,58 @@ func TestAdversaryTransportForProxyPerPath(t *testing.T) {
 				t.Errorf("through the pool: %v; through client-go alone: %v", vias["pool"], vias["client-go"])
 			}
 		})
+	}
+}
+
+// TestAdversaryInnerWrapperOwnCertificate: a copy prepends a wrapper (inside
+// the hook) that hands client-go's transport a GetClientCertificate of its
+// own: alice's certificate now, bob's later. The hook asks it once, finds
+// alice's bytes, and remembers the match for the generation (an inline
+// identity has one for good): after the wrapper's function hands out bob,
+// client-go alone presents bob and the pool must not present alice.
+func TestAdversaryInnerWrapperOwnCertificate(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	r := newCopyRig(t, testserver.Options{CA: f.ca})
+	alice, err := f.alice.TLSCertificate()
+	if err != nil {
+		t.Fatal(err)
+	}
+	bob, err := f.bob.TLSCertificate()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var current atomic.Pointer[tls.Certificate]
+	current.Store(&alice)
+	pair := wrapPair(t, newPool(t), func() *rest.Config { return r.srv.RestConfig(f.alice) })
+	cp := pair.copies(func(c *rest.Config) {
+		c.CertData, c.KeyData = nil, nil
+		c.WrapTransport = transport.Wrappers(func(rt http.RoundTripper) http.RoundTripper {
+			t, ok := rt.(*http.Transport)
+			if !ok {
+				return rt
+			}
+			t = t.Clone()
+			t.TLSClientConfig.GetClientCertificate = func(*tls.CertificateRequestInfo) (*tls.Certificate, error) { return current.Load(), nil }
+			return t
+		}, c.WrapTransport)
+	})
+	before := [2]*rigClient{r.client(cp.wrapped), r.client(cp.control)}
+	aliceSeen := observation{CN: "alice", Proto: h2, Gzip: true, Via: "direct"}
+	for i, c := range before {
+		if o := c.observe(); o != aliceSeen {
+			t.Fatalf("client %d before the wrapper's change: %+v, want %+v", i, o, aliceSeen)
+		}
+	}
+	current.Store(&bob)
+	// The clone's HTTP/2 connections live in the pool of the transport it
+	// was cloned from, which closing the clone's idle connections does not
+	// reach: the server closes them, so every client handshakes again.
+	r.srv.CloseClientConnections()
+	got, control := before[0].observe(), before[1].observe()
+	if got != control {
+		t.Errorf("client of the copy built before the change: through the pool %+v, through client-go alone %+v", got, control)
+	}
+	if bobSeen := (observation{CN: "bob", Proto: h2, Gzip: true, Via: "direct"}); control != bobSeen {
+		t.Errorf("control saw %+v, want %+v (the test's premise is wrong)", control, bobSeen)
 	}
 }

@@ -385,6 +385,18 @@ func readsCertFiles(c *tls.Config) bool {
 	return fn == nil || strings.Contains(fn.Name(), "dynamicClientCert")
 }
 
+// clientGoCertificate reports whether c's client certificate, if any, comes
+// from client-go's transport package: its static certificate, its
+// certificate-file reloader, or an exec plugin's (which sameShape ties to the
+// identity's authenticator).
+func clientGoCertificate(c *tls.Config) bool {
+	if c.GetClientCertificate == nil {
+		return true
+	}
+	fn := runtime.FuncForPC(reflect.ValueOf(c.GetClientCertificate).Pointer())
+	return fn != nil && strings.HasPrefix(fn.Name(), "k8s.io/client-go/transport.")
+}
+
 // sameShape is sameTransport but for the client certificate: everything that
 // can be compared without asking client-go's transport for it.
 func sameShape(rt http.RoundTripper, got *http.Transport, g *generation, id *identity, dial dialFingerprint) bool {
@@ -429,6 +441,12 @@ func sameShape(rt http.RoundTripper, got *http.Transport, g *generation, id *ide
 	}
 	if !onlyFieldsSet(gotTLS, "RootCAs", "ServerName", "InsecureSkipVerify", "MinVersion", "MaxVersion",
 		"NextProtos", "GetClientCertificate") {
+		return false
+	}
+	if !clientGoCertificate(gotTLS) {
+		// A certificate function of anyone else's (a wrapper inside the
+		// hook set it) may present another certificate at any handshake;
+		// what it presents when asked proves nothing for later.
 		return false
 	}
 	if gotTLS.ServerName != wantTLS.ServerName || gotTLS.InsecureSkipVerify != wantTLS.InsecureSkipVerify ||
