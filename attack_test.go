@@ -174,3 +174,54 @@ func TestAdversaryInnerWrapperOwnCertificate(t *testing.T) {
 		t.Errorf("control saw %+v, want %+v (the test's premise is wrong)", control, bobSeen)
 	}
 }
+
+// TestAdversaryOuterWrapperUnwraps: a wrapper added after Wrap (above the
+// hook) that finds the *http.Transport below it the way client-go's own
+// helpers do (through utilnet.RoundTripperWrapper), clones it and sends the
+// clone through another proxy. Above the hook it finds the pool's shared
+// transport, and its clone keeps what the pool's generation presented when
+// the client was built.
+func TestAdversaryOuterWrapperUnwraps(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	r := newCopyRig(t, testserver.Options{CA: f.ca})
+	proxy2 := proxyTo(r.proxies[1])
+	unwrapAndProxy := func(rt http.RoundTripper) http.RoundTripper {
+		inner := rt
+		for range 8 {
+			if t, ok := inner.(*http.Transport); ok {
+				t = t.Clone()
+				t.Proxy = proxy2
+				return t
+			}
+			w, ok := inner.(utilnet.RoundTripperWrapper)
+			if !ok {
+				break
+			}
+			inner = w.WrappedRoundTripper()
+		}
+		return rt
+	}
+	p := newPool(t, WithPollInterval(0))
+	d := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
+	pair := wrapPair(t, p, func() *rest.Config { return d.config(r.srv.URL()) })
+	cp := pair.copies(func(c *rest.Config) { c.Wrap(unwrapAndProxy) })
+	before := [2]*rigClient{r.client(cp.wrapped), r.client(cp.control)}
+	aliceSeen := observation{CN: "alice", Proto: h2, Gzip: true, Via: "proxy 2"}
+	for i, c := range before {
+		if o := c.observe(); o != aliceSeen {
+			t.Errorf("client %d before rotation: %+v, want %+v", i, o, aliceSeen)
+		}
+	}
+	d.write(t, f.bob, f.ca.CertPEM())
+	waitFor(t, "rotation to bob", func() bool { return p.Stats().Rotations == 1 })
+	time.Sleep(certFileSettle + 500*time.Millisecond)
+	bobSeen := observation{CN: "bob", Proto: h2, Gzip: true, Via: "proxy 2"}
+	got, control := before[0].observe(), before[1].observe()
+	if got != control {
+		t.Errorf("client built before rotation: through the pool %+v, through client-go alone %+v", got, control)
+	}
+	if control != bobSeen {
+		t.Errorf("control saw %+v, want %+v (the test's premise is wrong)", control, bobSeen)
+	}
+	r.check(t, cp, &bobSeen)
+}

@@ -473,13 +473,14 @@ func (c *clientTransport) CloseIdleConnections() {
 	utilnet.CloseIdleConnectionsFor(c.lease)
 }
 
-// WrappedRoundTripper is the transport that carries the client's requests now.
-func (c *clientTransport) WrappedRoundTripper() http.RoundTripper {
-	if c.verdict().shared {
-		return c.lease
-	}
-	return c.clientGo
-}
+// WrappedRoundTripper is client-go's transport for the client, which the
+// shared one was shown to agree with: client-go helpers reading it
+// (utilnet.TLSClientConfig, utilnet.DialerFor) see what the client's requests
+// get. A wrapper above the hook that unwraps to the *http.Transport and
+// clones it to change it (another proxy, dialer or TLS setting) clones what
+// it would clone without the pool; the shared transport's own dialer serves
+// the pool's connections only, and a clone of it could not dial.
+func (c *clientTransport) WrappedRoundTripper() http.RoundTripper { return c.clientGo }
 
 var _ utilnet.RoundTripperWrapper = &clientTransport{}
 
