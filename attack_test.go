@@ -145,8 +145,9 @@ func TestAdversaryInnerWrapperOwnCertificate(t *testing.T) {
 	cp := pair.copies(func(c *rest.Config) {
 		c.CertData, c.KeyData = nil, nil
 		c.WrapTransport = transport.Wrappers(func(rt http.RoundTripper) http.RoundTripper {
-			t, ok := rt.(*http.Transport)
-			if !ok {
+			// client-go v0.36+ hands wrappers its transport inside holders.
+			t := httpTransport(rt)
+			if t == nil {
 				return rt
 			}
 			t = t.Clone()
