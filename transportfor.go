@@ -6,6 +6,7 @@ package sharedtransport
 import (
 	"fmt"
 	"net/http"
+	"net/url"
 	"sync"
 
 	utilnet "k8s.io/apimachinery/pkg/util/net"
@@ -33,10 +34,10 @@ func HTTPClientFor(cfg *rest.Config) (*http.Client, error) { return defaultPool(
 //
 // The round tripper keeps the identity alive. Later changes to cfg do not
 // reach it.
-// For a config with a Proxy function, only requests to cfg's host use the
-// shared transport; requests to other hosts go through client-go's own
-// transport for cfg, built at the first of them, which asks the function
-// itself.
+// For a config with a Proxy function, only requests to cfg's host that the
+// function sends where it sent cfg's host use the shared transport; other
+// requests go through client-go's own transport for cfg, built at the first
+// of them, which asks the function itself.
 //
 // A config the pool cannot share (its own Transport, one client-go would
 // send through [http.DefaultTransport], a custom Dial without
@@ -71,6 +72,7 @@ func (p *Pool) TransportFor(cfg *rest.Config) (http.RoundTripper, error) {
 			return nil, err
 		}
 		base.onlyHost = probe.URL.Host
+		base.proxy = tc.Proxy
 		base.elsewhere = sync.OnceValues(func() (http.RoundTripper, error) { return clientGoTransportFor(tc, id) })
 	}
 	return transport.HTTPWrappersForConfig(tc, base)
@@ -99,12 +101,17 @@ type configTransport struct {
 	// onlyHost, set when the config has a Proxy function, is the host that
 	// function was asked about (see hook.onlyHost).
 	onlyHost string
+	// proxy is the config's Proxy function: asked again for every request
+	// to onlyHost, since it may send another path or scheme elsewhere than
+	// the request it was asked about when the identity was computed.
+	proxy func(*http.Request) (*url.URL, error)
 	// elsewhere builds, once, client-go's transport for the config.
 	elsewhere func() (http.RoundTripper, error)
 }
 
 func (c *configTransport) RoundTrip(req *http.Request) (*http.Response, error) {
-	if c.onlyHost == "" || req.URL.Host == c.onlyHost || c.lease.e.closed.Load() {
+	if c.onlyHost == "" || c.lease.e.closed.Load() ||
+		req.URL.Host == c.onlyHost && sameProxy(c.proxy, c.lease.e.current.Load().transport.Proxy, req) {
 		return c.lease.RoundTrip(req)
 	}
 	rt, err := c.elsewhere()

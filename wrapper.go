@@ -382,6 +382,18 @@ func readsCertFiles(c *tls.Config) bool {
 	return fn == nil || strings.Contains(fn.Name(), "dynamicClientCert")
 }
 
+// clientGoCertificate reports whether c's client certificate, if any, comes
+// from client-go's transport package: its static certificate, its
+// certificate-file reloader, or an exec plugin's (which sameShape ties to the
+// identity's authenticator).
+func clientGoCertificate(c *tls.Config) bool {
+	if c.GetClientCertificate == nil {
+		return true
+	}
+	fn := runtime.FuncForPC(reflect.ValueOf(c.GetClientCertificate).Pointer())
+	return fn != nil && strings.HasPrefix(fn.Name(), "k8s.io/client-go/transport.")
+}
+
 // sameShape is sameTransport but for the client certificate: everything that
 // can be compared without asking client-go's transport for it.
 func sameShape(rt http.RoundTripper, got *http.Transport, g *generation, id *identity, dial dialFingerprint) bool {
@@ -399,13 +411,20 @@ func sameShape(rt http.RoundTripper, got *http.Transport, g *generation, id *ide
 	if fp := fingerprintDial(got.DialContext); !fp.known() || fp != dial {
 		return false
 	}
-	if id.getCert != nil {
+	// client-go's certificate-file transports dial through a tracked dialer
+	// too, one of their own: only a tracked dialer without them is an exec
+	// authenticator's.
+	t := execTracker(got.DialContext)
+	if id.getCert != nil || t != nil && !readsCertFiles(got.TLSClientConfig) {
 		// An exec identity's client-go transports dial through a dialer
 		// tracked by the authenticator's connection tracker, one per
 		// authenticator: anything else (a copy with a token, its own
 		// plugin, inline material) holds other credentials, or the same
-		// ones only for now.
-		if t := execTracker(got.DialContext); t == nil || t != execTracker(id.dial) {
+		// ones only for now. The same holds the other way: a transport of
+		// an exec plugin never matches an identity without that plugin,
+		// whatever it presents now, since the plugin may hand out another
+		// certificate at any request and a finding holds for a generation.
+		if t == nil || t != execTracker(id.dial) {
 			return false
 		}
 	}
@@ -416,6 +435,12 @@ func sameShape(rt http.RoundTripper, got *http.Transport, g *generation, id *ide
 	// client-go's TLS configs set these fields only: no fixed
 	// certificates, no verification callbacks, no key log.
 	if !onlyFieldsSet(gotTLS) {
+		return false
+	}
+	if !clientGoCertificate(gotTLS) {
+		// A certificate function of anyone else's (a wrapper inside the
+		// hook set it) may present another certificate at any handshake;
+		// what it presents when asked proves nothing for later.
 		return false
 	}
 	if gotTLS.ServerName != wantTLS.ServerName || gotTLS.InsecureSkipVerify != wantTLS.InsecureSkipVerify ||
@@ -441,13 +466,14 @@ func (c *clientTransport) CloseIdleConnections() {
 	utilnet.CloseIdleConnectionsFor(c.lease)
 }
 
-// WrappedRoundTripper is the transport that carries the client's requests now.
-func (c *clientTransport) WrappedRoundTripper() http.RoundTripper {
-	if c.verdict().shared {
-		return c.lease
-	}
-	return c.clientGo
-}
+// WrappedRoundTripper is client-go's transport for the client, which the
+// shared one was shown to agree with: client-go helpers reading it
+// (utilnet.TLSClientConfig, utilnet.DialerFor) see what the client's requests
+// get. A wrapper above the hook that unwraps to the *http.Transport and
+// clones it to change it (another proxy, dialer or TLS setting) clones what
+// it would clone without the pool; the shared transport's own dialer serves
+// the pool's connections only, and a clone of it could not dial.
+func (c *clientTransport) WrappedRoundTripper() http.RoundTripper { return c.clientGo }
 
 var _ utilnet.RoundTripperWrapper = &clientTransport{}
 
