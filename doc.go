@@ -57,6 +57,11 @@
 // version of the identity's material: after a rotation each client checks
 // again, and material the pool used before never makes a match.
 //
+// A wrapper added to a copy after Wrap runs above the hook and is handed the
+// pool's round tripper: one that type-asserts *http.Transport to change it
+// (a certificate, a proxy header) finds none and changes nothing. Add such
+// wrappers before Wrap, where the hook compares what they built.
+//
 // An identity no client refers to any more is released, connections and
 // memory, after [WithIdleTimeout].
 //
