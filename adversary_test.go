@@ -831,3 +831,89 @@ func TestAdversaryOuterWrapperUnwraps(t *testing.T) {
 	}
 	r.check(t, cp, &bobSeen)
 }
+
+// TestAdversaryClientGoCertificateHolder: TestAdversaryInnerWrapperOwnCertificate
+// spelled with client-go's own helper. A copy presents a certificate through a
+// transport.GetCertHolder of its own (alice's certificate now, bob's later),
+// handed to client-go's transport.TLSConfigFor: by a wrapper inside the hook,
+// or in a transport of the copy's own built by transport.New. The certificate
+// function is then client-go's (TLSConfigFor's closure), but what it presents
+// is the holder's, which may change at any handshake: a match with alice's
+// bytes proves nothing for later. A copy of an exec plugin's config whose
+// wrapper does the same keeps the plugin's tracked dialer, and the pool took
+// the plugin's certificate for what it presents without asking.
+func TestAdversaryClientGoCertificateHolder(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	r := newCopyRig(t, testserver.Options{CA: f.ca})
+	alice, err := f.alice.TLSCertificate()
+	if err != nil {
+		t.Fatal(err)
+	}
+	bob, err := f.bob.TLSCertificate()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var current atomic.Pointer[tls.Certificate]
+	holder := &transport.GetCertHolder{GetCert: func() (*tls.Certificate, error) { return current.Load(), nil }}
+	byHolder, err := transport.TLSConfigFor(&transport.Config{TLS: transport.TLSConfig{GetCertHolder: holder}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	holderInside := func(c *rest.Config) {
+		c.CertData, c.KeyData = nil, nil
+		c.WrapTransport = transport.Wrappers(func(rt http.RoundTripper) http.RoundTripper {
+			t := httpTransport(rt)
+			if t == nil {
+				return rt
+			}
+			t = t.Clone()
+			t.TLSClientConfig.GetClientCertificate = byHolder.GetClientCertificate
+			return t
+		}, c.WrapTransport)
+	}
+	exec := writeExecPlugin(t, f.dir, "atk-holder", f.alice)
+	for _, tc := range []struct {
+		name        string
+		newOriginal func() *rest.Config
+		mutate      func(*rest.Config)
+	}{
+		{"a wrapper inside the hook", func() *rest.Config { return r.srv.RestConfig(f.alice) }, holderInside},
+		{"a wrapper inside the hook, exec plugin", func() *rest.Config {
+			c := r.srv.RestConfig(nil)
+			e := *exec
+			c.ExecProvider = &e
+			return c
+		}, holderInside},
+		{"the copy's own transport", func() *rest.Config { return r.srv.RestConfig(f.alice) }, func(c *rest.Config) {
+			own, err := transport.New(&transport.Config{TLS: transport.TLSConfig{CAData: c.CAData, GetCertHolder: holder}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			c.TLSClientConfig = rest.TLSClientConfig{}
+			c.Transport = own
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			current.Store(&alice)
+			pair := wrapPair(t, newPool(t), tc.newOriginal)
+			cp := pair.copies(tc.mutate)
+			before := [2]*rigClient{r.client(cp.wrapped), r.client(cp.control)}
+			aliceSeen := observation{CN: "alice", Proto: h2, Gzip: true, Via: "direct"}
+			for i, c := range before {
+				if o := c.observe(); o != aliceSeen {
+					t.Fatalf("client %d before the holder's change: %+v, want %+v", i, o, aliceSeen)
+				}
+			}
+			current.Store(&bob)
+			// Every client handshakes again.
+			r.srv.CloseClientConnections()
+			got, control := before[0].observe(), before[1].observe()
+			if got != control {
+				t.Errorf("client of the copy built before the change: through the pool %+v, through client-go alone %+v", got, control)
+			}
+			if bobSeen := (observation{CN: "bob", Proto: h2, Gzip: true, Via: "direct"}); control != bobSeen {
+				t.Errorf("control saw %+v, want %+v (the test's premise is wrong)", control, bobSeen)
+			}
+		})
+	}
+}

@@ -9,12 +9,16 @@ package sharedtransport
 import (
 	"bytes"
 	"context"
+	"crypto/ed25519"
+	"crypto/rand"
 	"crypto/tls"
 	"crypto/x509"
 	"encoding/binary"
+	"encoding/pem"
 	"errors"
 	"fmt"
 	"maps"
+	"math/big"
 	"net"
 	"net/http"
 	"net/url"
@@ -339,8 +343,9 @@ func sameTransport(rt http.RoundTripper, got *http.Transport, g *generation, id 
 	}
 	if id.getCert != nil {
 		// sameShape found client-go's transport dialing through the exec
-		// authenticator's own dialer: the same authenticator, so the same
-		// certificate, now and after the plugin hands out another.
+		// authenticator's own dialer and asking its own certificate
+		// holder: the same authenticator, so the same certificate, now and
+		// after the plugin hands out another.
 		return true, true
 	}
 	if isClientGoTransportFor(got, id) {
@@ -382,16 +387,129 @@ func readsCertFiles(c *tls.Config) bool {
 	return fn == nil || strings.Contains(fn.Name(), "dynamicClientCert")
 }
 
-// clientGoCertificate reports whether c's client certificate, if any, comes
-// from client-go's transport package: its static certificate, its
-// certificate-file reloader, or an exec plugin's (which sameShape ties to the
-// identity's authenticator).
-func clientGoCertificate(c *tls.Config) bool {
+// clientGoCertificate reports whether c's client certificate, if any, is
+// shown to be what client-go presents for a config of id: its certificate-file
+// reloader, its static certificate (inline data: fixed for good, so what it
+// presents when compared it presents later) for an identity without an exec
+// plugin, or id's exec plugin's own certificate holder. transport.TLSConfigFor
+// hands out one function for the last two and for any GetCertHolder a caller
+// gives it (a wrapper inside the hook, a transport of the config's own), so
+// the function's name is not enough: what it captured tells which.
+func clientGoCertificate(c *tls.Config, id *identity) bool {
 	if c.GetClientCertificate == nil {
 		return true
 	}
 	fn := runtime.FuncForPC(reflect.ValueOf(c.GetClientCertificate).Pointer())
-	return fn != nil && strings.HasPrefix(fn.Name(), "k8s.io/client-go/transport.")
+	if fn == nil || !strings.HasPrefix(fn.Name(), "k8s.io/client-go/transport.") {
+		return false
+	}
+	if readsCertFiles(c) {
+		return true
+	}
+	static, loader, cfg, ok := tlsConfigForCaptures(c.GetClientCertificate)
+	switch {
+	case !ok || loader:
+		return false
+	case id.getCert == nil:
+		return static
+	}
+	return !static && cfg.TLS.GetCertHolder == id.getCert
+}
+
+// tlsConfigForCaptures reads what the certificate function f, when it is
+// transport.TLSConfigFor's, captured: whether it has a static certificate
+// (which it presents whatever else it has), a certificate-file loader, and
+// the transport.Config whose GetCertHolder it asks otherwise. ok is false for
+// any other function, or when the closure's layout is not as
+// certClosureLayout found it.
+func tlsConfigForCaptures(f certFunc) (static, loader bool, cfg *transport.Config, ok bool) {
+	l := certClosureLayout()
+	if !l.ok || reflect.ValueOf(f).Pointer() != l.code {
+		return false, false, nil, false
+	}
+	cfg = (*transport.Config)(certClosureWord(f, l.config))
+	return certClosureWord(f, l.static) != nil, certClosureWord(f, l.loader) != nil, cfg, cfg != nil
+}
+
+type certFunc = func(*tls.CertificateRequestInfo) (*tls.Certificate, error)
+
+// certClosureWord returns word i of f's closure record: the code pointer, then
+// what f captured (see closureOf).
+func certClosureWord(f certFunc, i int) unsafe.Pointer {
+	rec := *(*unsafe.Pointer)(unsafe.Pointer(&f))
+	return *(*unsafe.Pointer)(unsafe.Add(rec, uintptr(i)*unsafe.Sizeof(uintptr(0))))
+}
+
+type certClosure struct {
+	ok                     bool
+	code                   uintptr // TLSConfigFor's certificate function
+	static, loader, config int     // the words of its closure record holding each capture
+}
+
+// certClosureCaptures is how many variables transport.TLSConfigFor's
+// certificate function captures: the static certificate, the file loader and
+// the config.
+const certClosureCaptures = 3
+
+// certClosureLayout finds where transport.TLSConfigFor's certificate function
+// keeps what it captured, from two functions it builds here: one with a
+// static certificate, one with a certificate holder. Anything not found as
+// expected leaves every such function unrecognised, and configs presenting
+// one pass through.
+var certClosureLayout = sync.OnceValue(func() certClosure {
+	certPEM, keyPEM, err := selfSignedPair()
+	if err != nil {
+		return certClosure{}
+	}
+	staticCfg := &transport.Config{TLS: transport.TLSConfig{CertData: certPEM, KeyData: keyPEM}}
+	holderCfg := &transport.Config{TLS: transport.TLSConfig{GetCertHolder: &transport.GetCertHolder{GetCert: func() (*tls.Certificate, error) { return nil, nil }}}}
+	s, err1 := transport.TLSConfigFor(staticCfg)
+	h, err2 := transport.TLSConfigFor(holderCfg)
+	if err1 != nil || err2 != nil || s == nil || h == nil || s.GetClientCertificate == nil || h.GetClientCertificate == nil {
+		return certClosure{}
+	}
+	sf, hf := s.GetClientCertificate, h.GetClientCertificate
+	l := certClosure{code: reflect.ValueOf(sf).Pointer(), static: -1, loader: -1, config: -1}
+	if reflect.ValueOf(hf).Pointer() != l.code {
+		return certClosure{}
+	}
+	cert, err := sf(&tls.CertificateRequestInfo{})
+	if err != nil || cert == nil {
+		return certClosure{}
+	}
+	for i := 1; i <= certClosureCaptures; i++ {
+		sw, hw := certClosureWord(sf, i), certClosureWord(hf, i)
+		switch {
+		case sw == unsafe.Pointer(cert) && hw == nil && l.static < 0:
+			l.static = i
+		case sw == unsafe.Pointer(staticCfg) && hw == unsafe.Pointer(holderCfg) && l.config < 0:
+			l.config = i
+		case sw == nil && hw == nil && l.loader < 0:
+			l.loader = i
+		default:
+			return certClosure{}
+		}
+	}
+	l.ok = l.static > 0 && l.loader > 0 && l.config > 0
+	return l
+})
+
+// selfSignedPair returns a throwaway certificate and key, PEM-encoded.
+func selfSignedPair() (certPEM, keyPEM []byte, err error) {
+	pub, key, err := ed25519.GenerateKey(rand.Reader)
+	if err != nil {
+		return nil, nil, err
+	}
+	tmpl := &x509.Certificate{SerialNumber: big.NewInt(1), NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour)}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, pub, key)
+	if err != nil {
+		return nil, nil, err
+	}
+	pkcs8, err := x509.MarshalPKCS8PrivateKey(key)
+	if err != nil {
+		return nil, nil, err
+	}
+	return pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}), pem.EncodeToMemory(&pem.Block{Type: "PRIVATE KEY", Bytes: pkcs8}), nil
 }
 
 // sameShape is sameTransport but for the client certificate: everything that
@@ -437,10 +555,11 @@ func sameShape(rt http.RoundTripper, got *http.Transport, g *generation, id *ide
 	if !onlyFieldsSet(gotTLS) {
 		return false
 	}
-	if !clientGoCertificate(gotTLS) {
+	if !clientGoCertificate(gotTLS, id) {
 		// A certificate function of anyone else's (a wrapper inside the
-		// hook set it) may present another certificate at any handshake;
-		// what it presents when asked proves nothing for later.
+		// hook set it, or a holder of its own handed to client-go) may
+		// present another certificate at any handshake; what it presents
+		// when asked proves nothing for later.
 		return false
 	}
 	if gotTLS.ServerName != wantTLS.ServerName || gotTLS.InsecureSkipVerify != wantTLS.InsecureSkipVerify ||
