@@ -917,3 +917,46 @@ func TestAdversaryClientGoCertificateHolder(t *testing.T) {
 		})
 	}
 }
+
+// TestAdversaryCopyFilesRotateOriginalBad: TestAdversaryCopyFilesRotate while
+// the original's files are bad. A copy names other certificate files holding
+// the original's bytes; its match, made by comparing what those files held,
+// lasts while the original's files fail to load (so that the original's own
+// clients do not read the files the pool just failed to read). The copy's
+// files are not those: they change, and the copy keeps presenting the
+// original's certificate for as long as the original's files stay bad.
+func TestAdversaryCopyFilesRotateOriginalBad(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	r := newCopyRig(t, testserver.Options{CA: f.ca})
+	p := newPool(t, WithPollInterval(0))
+	d := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
+	other := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
+	pair := wrapPair(t, p, func() *rest.Config { return d.config(r.srv.URL()) })
+	cp := pair.copies(func(c *rest.Config) { c.CertFile, c.KeyFile = other.cert, other.key })
+	before := [2]*rigClient{r.client(cp.wrapped), r.client(cp.control)}
+	// A copy reading the original's own files, which client-go builds a
+	// transport of its own for (a Proxy): it keeps the last good material.
+	own := r.client(pair.copies(func(c *rest.Config) { c.Proxy = http.ProxyURL(nil) }).wrapped)
+	aliceSeen := observation{CN: "alice", Proto: h2, Gzip: true, Via: "direct"}
+	for i, c := range append(before[:], own) {
+		if o := c.observe(); o != aliceSeen {
+			t.Fatalf("client %d before the files changed: %+v, want %+v", i, o, aliceSeen)
+		}
+	}
+	writeAtomic(t, d.key, f.bob.KeyPEM) // the original's key no longer matches its certificate
+	waitFor(t, "the original's bad key rejected", func() bool { return p.Stats().RotationErrors == 1 })
+	other.write(t, f.bob, f.ca.CertPEM())
+	time.Sleep(certFileSettle + 500*time.Millisecond)
+	if o := own.observe(); o != aliceSeen {
+		t.Errorf("client of a copy reading the original's bad files, built before they went bad: %+v, want the last good material %+v", o, aliceSeen)
+	}
+	bobSeen := observation{CN: "bob", Proto: h2, Gzip: true, Via: "direct"}
+	got, control := before[0].observe(), before[1].observe()
+	if got != control {
+		t.Errorf("client of the copy built before its files changed: through the pool %+v, through client-go alone %+v", got, control)
+	}
+	if control != bobSeen {
+		t.Errorf("control saw %+v, want %+v (the test's premise is wrong)", control, bobSeen)
+	}
+	r.check(t, cp, &bobSeen)
+}

@@ -251,7 +251,12 @@ func (c *clientTransport) verdict() *verdict {
 	e := c.lease.e
 	g := e.current.Load()
 	v := c.state.Load()
-	if v != nil && v.g == g && (!v.provisional || !e.settled(g)) && (v.expires.IsZero() || time.Now().Before(v.expires) || e.filesBad.Load()) {
+	// While the identity's files fail to load, a finding about a client
+	// whose transport reads those very files stands: asking it would read
+	// them (see check), and the pool presents their last good material. A
+	// transport reading other files is asked as usual.
+	if v != nil && v.g == g && (!v.provisional || !e.settled(g)) &&
+		(v.expires.IsZero() || time.Now().Before(v.expires) || e.filesBad.Load() && readsFilesOf(c.got, e.id)) {
 		return v
 	}
 	settled := e.settled(g)
@@ -386,6 +391,45 @@ func readsCertFiles(c *tls.Config) bool {
 	fn := runtime.FuncForPC(reflect.ValueOf(c.GetClientCertificate).Pointer())
 	return fn == nil || strings.Contains(fn.Name(), "dynamicClientCert")
 }
+
+// readsFilesOf reports whether got's client certificate comes from client-go's
+// certificate-file reloader reading id's certificate and key files. The
+// reloader (client-go's dynamicClientCert, a type the pool cannot name) keeps
+// the function reading the files just before the connrotation dialer got
+// dials with; that function is transport.TLSConfigFor's, whose config names
+// the files.
+func readsFilesOf(got *http.Transport, id *identity) bool {
+	c := got.TLSClientConfig
+	if id.certFile == "" || c == nil || c.GetClientCertificate == nil || !dialInspection() ||
+		reflect.ValueOf(got.DialContext).Pointer() != rotDialerCode {
+		return false
+	}
+	fn := runtime.FuncForPC(reflect.ValueOf(c.GetClientCertificate).Pointer())
+	if fn == nil || fn.Name() != "k8s.io/client-go/transport.(*dynamicClientCert).GetClientCertificate-fm" {
+		return false
+	}
+	reloader := certClosureWord(c.GetClientCertificate, 1) // the method value's receiver
+	dialer := unsafe.Pointer(receiverOf[connrotation.Dialer](got.DialContext))
+	word := unsafe.Sizeof(uintptr(0))
+	for i := uintptr(1); i < maxReloaderWords; i++ {
+		if *(*unsafe.Pointer)(unsafe.Add(reloader, i*word)) != dialer {
+			continue
+		}
+		_, _, cfg, ok := tlsConfigForCaptures(*(*certFunc)(unsafe.Add(reloader, (i-1)*word)))
+		if !ok || !cfg.TLS.ReloadTLSFiles {
+			return false
+		}
+		cert, err1 := filepath.Abs(cfg.TLS.CertFile)
+		key, err2 := filepath.Abs(cfg.TLS.KeyFile)
+		return err1 == nil && err2 == nil && cert == id.certFile && key == id.keyFile
+	}
+	return false
+}
+
+// maxReloaderWords bounds the search for the dialer in client-go's
+// certificate-file reloader: it lies within its first words (the sixth in
+// client-go v0.31, the ninth in v0.37).
+const maxReloaderWords = 12
 
 // clientGoCertificate reports whether c's client certificate, if any, is
 // shown to be what client-go presents for a config of id: its certificate-file
