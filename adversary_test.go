@@ -536,13 +536,21 @@ func TestAdversaryCopyProxyWithNoProxyCIDR(t *testing.T) {
 // (cfg.Transport: client-go's transport for the same identity, cloned, with
 // one setting client-go never makes) keeps it. The dialer, roots and
 // certificate match the pool's, but the pool's connections would not do
-// what that setting does: log TLS keys, or refuse long response headers.
+// what that setting does: log TLS keys, refuse long response headers, or
+// hand HTTP/2 connections to a function of its own (which here adds a token:
+// the server authenticates the copy's requests as another user).
 func TestAdversaryOwnTransportSettings(t *testing.T) {
 	f := newFixture(t, testserver.Options{})
 	r := newCopyRig(t, testserver.Options{CA: f.ca})
 	for name, set := range map[string]func(*http.Transport, *strings.Builder){
 		"TLS key log":           func(t *http.Transport, log *strings.Builder) { t.TLSClientConfig.KeyLogWriter = log },
 		"response header limit": func(t *http.Transport, _ *strings.Builder) { t.MaxResponseHeaderBytes = 10 },
+		"HTTP/2 of its own": func(t *http.Transport, _ *strings.Builder) {
+			up := t.TLSNextProto["h2"]
+			t.TLSNextProto["h2"] = func(authority string, c *tls.Conn) http.RoundTripper {
+				return transport.NewBearerAuthRoundTripper("token-y", up(authority, c))
+			}
+		},
 	} {
 		t.Run(name, func(t *testing.T) {
 			orig := r.srv.RestConfig(f.alice)

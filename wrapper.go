@@ -33,6 +33,7 @@ import (
 	"unsafe"
 	"weak"
 
+	"golang.org/x/net/http2"
 	utilnet "k8s.io/apimachinery/pkg/util/net"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/transport"
@@ -608,7 +609,7 @@ func sameShape(rt http.RoundTripper, got *http.Transport, g *generation, id *ide
 	}
 	if gotTLS.ServerName != wantTLS.ServerName || gotTLS.InsecureSkipVerify != wantTLS.InsecureSkipVerify ||
 		gotTLS.MinVersion != wantTLS.MinVersion || gotTLS.MaxVersion != wantTLS.MaxVersion ||
-		!slices.Equal(settledALPN(got), generationALPN(g, id)) || !sameHTTP2(got, g.transport) {
+		!slices.Equal(settledALPN(got), generationALPN(g, id)) || !sameHTTP2(got, g.transport) || !clientGoUpgrades(got) {
 		return false
 	}
 	return samePool(gotTLS.RootCAs, g.roots) || readsCAFile(rt, id.caFile)
@@ -621,6 +622,39 @@ func sameShape(rt http.RoundTripper, got *http.Transport, g *generation, id *ide
 func sameHTTP2(got, want *http.Transport) bool {
 	return !slices.Contains(want.TLSClientConfig.NextProtos, "h2") || speaksHTTP2(got) == speaksHTTP2(want)
 }
+
+// clientGoUpgrades reports whether every function t hands a negotiated
+// protocol's connections to (TLSNextProto: HTTP/2) is the one HTTP/2 as
+// client-go configures it registers. One of anyone else's (a transport of the
+// config's own) carries every request on such a connection, and may change
+// it: the pool's connections would not.
+func clientGoUpgrades(t *http.Transport) bool {
+	if t.Protocols != nil {
+		t = t.Clone() // settled: net/http registers its HTTP/2 at first use
+	}
+	for _, f := range t.TLSNextProto {
+		if !slices.Contains(http2Upgrades(), reflect.ValueOf(f).Pointer()) {
+			return false
+		}
+	}
+	return true
+}
+
+// http2Upgrades is the code of the functions x/net's HTTP/2, which client-go
+// configures, registers in a transport's TLSNextProto (net/http's own, where
+// x/net hands HTTP/2 to it).
+var http2Upgrades = sync.OnceValue(func() []uintptr {
+	t := &http.Transport{TLSClientConfig: &tls.Config{}}
+	if _, err := http2.ConfigureTransports(t); err != nil {
+		return nil
+	}
+	settleProtocols(t)
+	var codes []uintptr
+	for _, f := range t.TLSNextProto {
+		codes = append(codes, reflect.ValueOf(f).Pointer())
+	}
+	return codes
+})
 
 // CloseIdleConnections closes idle connections of both transports the client
 // may use.
