@@ -968,3 +968,48 @@ func TestAdversaryCopyFilesRotateOriginalBad(t *testing.T) {
 	}
 	r.check(t, cp, &bobSeen)
 }
+
+// TestAdversaryProxyTokenAsUserName: a proxy that takes its credential as the
+// user name of the proxy URL (http://TOKEN@proxy, or http://APIKEY:@proxy
+// with an empty password, as some hosted proxies want it). url.Redacted
+// hides a password only, so the pool's redaction printed the credential in
+// Identities (documented as safe to export as metrics) and in its logs.
+// client-go alone prints neither.
+func TestAdversaryProxyTokenAsUserName(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	const token = "pr0xy-T0ken"
+	for _, userInfo := range []string{token, token + ":"} {
+		t.Run(userInfo, func(t *testing.T) {
+			logs := captureKlog(t, 10)
+			proxyURL, err := url.Parse("http://" + userInfo + "@127.0.0.1:3128")
+			if err != nil {
+				t.Fatal(err)
+			}
+			p := newPool(t)
+			cfg := f.srv.RestConfig(f.alice)
+			cfg.Proxy = http.ProxyURL(proxyURL)
+			if err := p.Wrap(cfg); err != nil {
+				t.Fatal(err)
+			}
+			// A config whose Proxy fails passes through, and its Host is
+			// logged.
+			failing := f.srv.RestConfig(f.alice)
+			failing.Host = "https://" + userInfo + "@" + strings.TrimPrefix(failing.Host, "https://")
+			failing.Proxy = func(*http.Request) (*url.URL, error) { return nil, fmt.Errorf("no route") }
+			if err := p.Wrap(failing); err != nil {
+				t.Fatal(err)
+			}
+			identities := fmt.Sprintf("%+v", p.Identities())
+			if !strings.Contains(identities, "127.0.0.1:3128") {
+				t.Fatalf("Identities names no proxy (the test's premise is wrong): %s", identities)
+			}
+			if strings.Contains(identities, token) {
+				t.Errorf("Identities holds the proxy's credential: %s", identities)
+			}
+			klog.Flush()
+			if strings.Contains(logs.String(), token) {
+				t.Errorf("a log line holds the credential:\n%s", logs)
+			}
+		})
+	}
+}
