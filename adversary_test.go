@@ -1013,3 +1013,94 @@ func TestAdversaryProxyTokenAsUserName(t *testing.T) {
 		})
 	}
 }
+
+// TestAdversaryWrapperChangesTLSInPlace: a wrapper in the original's
+// WrapTransport (set before Wrap) that changes the TLS configuration of the
+// *http.Transport it is handed, in place (here a certificate of its own; a
+// debugging key log, a CA added to the roots, are the same). Wrap runs the
+// wrappers over a probe to find out what they do, but the probe has no TLS
+// configuration: the wrapper panics there (recovered, and taken for one that
+// does nothing), or skips it when it checks first. Above the hook, the
+// wrapper that type-asserts is handed the pool's round tripper and does
+// nothing; the one that unwraps changes client-go's transport after the
+// hook found it to be the identity's own (certificate files: client-go's
+// cached transport for them).
+func TestAdversaryWrapperChangesTLSInPlace(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	r := newCopyRig(t, testserver.Options{CA: f.ca})
+	bob, err := f.bob.TLSCertificate()
+	if err != nil {
+		t.Fatal(err)
+	}
+	asBob := func(*tls.CertificateRequestInfo) (*tls.Certificate, error) { return &bob, nil }
+	finds := map[string]func(http.RoundTripper) *http.Transport{
+		"type assertion": func(rt http.RoundTripper) *http.Transport { t, _ := rt.(*http.Transport); return t },
+		"unwrapping":     httpTransport,
+	}
+	for name, change := range map[string]func(*http.Transport){
+		"unchecked": func(t *http.Transport) { t.TLSClientConfig.GetClientCertificate = asBob },
+		"checked": func(t *http.Transport) {
+			if t.TLSClientConfig != nil {
+				t.TLSClientConfig.GetClientCertificate = asBob
+			}
+		},
+	} {
+		for how, find := range finds {
+			for _, files := range []bool{false, true} {
+				t.Run(fmt.Sprintf("%s, %s, files %v", name, how, files), func(t *testing.T) {
+					// A certificate of the subtest's own: the wrapper changes
+					// client-go's cached transport for it, for good.
+					kp, err := f.ca.IssueClient("alice")
+					if err != nil {
+						t.Fatal(err)
+					}
+					pair := wrapPair(t, newPool(t), func() *rest.Config {
+						c := r.srv.RestConfig(kp)
+						if files {
+							c = newCertDir(t, renameOver, kp, f.ca.CertPEM()).config(r.srv.URL())
+						}
+						c.WrapTransport = func(rt http.RoundTripper) http.RoundTripper {
+							if t := find(rt); t != nil {
+								change(t)
+							}
+							return rt
+						}
+						return c
+					})
+					r.check(t, pair, &observation{CN: "bob", Proto: h2, Gzip: true, Via: "direct"})
+				})
+			}
+		}
+	}
+}
+
+// TestAdversaryOuterWrapperChangesInPlace: TestAdversaryOuterWrapperUnwraps
+// with a wrapper that changes the transport it finds in place instead of
+// cloning it (here its certificate). Above the hook it unwraps the pool's
+// round tripper to client-go's transport and changes that, after the hook
+// found it to be client-go's cached transport for the identity's files: the
+// finding, remembered for the generation, is never made again.
+func TestAdversaryOuterWrapperChangesInPlace(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	r := newCopyRig(t, testserver.Options{CA: f.ca})
+	bob, err := f.bob.TLSCertificate()
+	if err != nil {
+		t.Fatal(err)
+	}
+	kp, err := f.ca.IssueClient("alice") // client-go's cached transport for it is changed for good
+	if err != nil {
+		t.Fatal(err)
+	}
+	pair := wrapPair(t, newPool(t), func() *rest.Config {
+		return newCertDir(t, renameOver, kp, f.ca.CertPEM()).config(r.srv.URL())
+	})
+	cp := pair.copies(func(c *rest.Config) {
+		c.Wrap(func(rt http.RoundTripper) http.RoundTripper {
+			if t := httpTransport(rt); t != nil {
+				t.TLSClientConfig.GetClientCertificate = func(*tls.CertificateRequestInfo) (*tls.Certificate, error) { return &bob, nil }
+			}
+			return rt
+		})
+	})
+	r.check(t, cp, &observation{CN: "bob", Proto: h2, Gzip: true, Via: "direct"})
+}

@@ -282,7 +282,10 @@ func (c *clientTransport) verdict() *verdict {
 func (c *clientTransport) check(g *generation) (shared, byContent bool) {
 	e := c.lease.e
 	if e.agrees(c.got, g, c.dial) {
-		return true, false
+		// The finding holds for client-go's transport as it was: a
+		// wrapper above the hook that unwraps the pool's round tripper
+		// may have changed it in place since (see WrappedRoundTripper).
+		return sameShape(c.clientGo, c.got, g, e.id, c.dial), false
 	}
 	fromFiles := readsCertFiles(c.got.TLSClientConfig)
 	if (fromFiles || e.id.watchesFiles()) && e.filesBad.Load() {
@@ -669,7 +672,8 @@ func (c *clientTransport) CloseIdleConnections() {
 // get. A wrapper above the hook that unwraps to the *http.Transport and
 // clones it to change it (another proxy, dialer or TLS setting) clones what
 // it would clone without the pool; the shared transport's own dialer serves
-// the pool's connections only, and a clone of it could not dial.
+// the pool's connections only, and a clone of it could not dial. One that
+// changes it in place is seen by the client's first check (see check).
 func (c *clientTransport) WrappedRoundTripper() http.RoundTripper { return c.clientGo }
 
 var _ utilnet.RoundTripperWrapper = &clientTransport{}
@@ -974,9 +978,15 @@ func (p *Pool) connectHeaderFor(cfg *rest.Config) (h http.Header, fromWrappers, 
 // that the result differs from the probe in its CONNECT headers at most (a
 // static header: GetProxyConnectHeader is not recognised).
 func probeWrappers(wrap transport.WrapperFunc) (h http.Header, replaced, ok bool) {
-	probe := &http.Transport{Proxy: probeProxy, DialContext: probeDial}
+	// The probe has a TLS configuration, as client-go's transports do, for
+	// wrappers that change theirs.
+	probe := &http.Transport{Proxy: probeProxy, DialContext: probeDial, TLSClientConfig: &tls.Config{}}
 	pristine := probe.Clone()
-	t := httpTransport(runWrappers(wrap, probe))
+	out, ran := runWrappers(wrap, probe)
+	if !ran {
+		return nil, true, false
+	}
+	t := httpTransport(out)
 	if t == nil || t == probe {
 		// A wrapper may also change the transport it is handed in place:
 		// the pool's round tripper would hide that change from it too.
@@ -994,15 +1004,16 @@ func probeWrappers(wrap transport.WrapperFunc) (h http.Header, replaced, ok bool
 	return t.ProxyConnectHeader.Clone(), true, true
 }
 
-// runWrappers returns what wrap makes of probe, or nil when it panics: a
-// wrapper written for client-go's transports may not expect a probe.
-func runWrappers(wrap transport.WrapperFunc, probe *http.Transport) (out http.RoundTripper) {
+// runWrappers returns what wrap makes of probe; ran is false when it panics.
+// A wrapper written for client-go's transports may not expect a probe, and
+// what it does to theirs is then unknown.
+func runWrappers(wrap transport.WrapperFunc, probe *http.Transport) (out http.RoundTripper, ran bool) {
 	defer func() {
 		if recover() != nil {
-			out = nil
+			out, ran = nil, false
 		}
 	}()
-	return wrap(probe)
+	return wrap(probe), true
 }
 
 func isProbe(rt http.RoundTripper) bool {
@@ -1019,9 +1030,25 @@ func probeDial(context.Context, string, string) (net.Conn, error) {
 }
 
 // sameButConnectHeader compares every exported field of two transports but
-// ProxyConnectHeader and GetProxyConnectHeader.
+// ProxyConnectHeader and GetProxyConnectHeader; their TLS configurations
+// (a clone's is a copy) must set nothing, as the probe's.
 func sameButConnectHeader(a, b *http.Transport) bool {
-	return sameFields(a, b, probeFields())
+	return sameFields(a, b, probeFields()) && tlsUnset(a.TLSClientConfig) && tlsUnset(b.TLSClientConfig)
+}
+
+// tlsUnset reports whether c is a TLS configuration that sets no exported
+// field.
+func tlsUnset(c *tls.Config) bool {
+	if c == nil {
+		return false
+	}
+	v := reflect.ValueOf(c).Elem()
+	for _, i := range tlsFields() {
+		if !v.Field(i).IsZero() {
+			return false
+		}
+	}
+	return true
 }
 
 // onlyFieldsSet reports whether c sets no exported field but those client-go
@@ -1048,8 +1075,9 @@ var (
 			"DisableKeepAlives", "ProxyConnectHeader", "TLSNextProto", "Protocols", "HTTP2")
 	})
 	probeFields = sync.OnceValue(func() []int {
-		return exportedFieldsBut(reflect.TypeFor[http.Transport](), "ProxyConnectHeader", "GetProxyConnectHeader")
+		return exportedFieldsBut(reflect.TypeFor[http.Transport](), "ProxyConnectHeader", "GetProxyConnectHeader", "TLSClientConfig")
 	})
+	tlsFields        = sync.OnceValue(func() []int { return exportedFieldsBut(reflect.TypeFor[tls.Config]()) })
 	clientGoTLSUnset = sync.OnceValue(func() []int {
 		return exportedFieldsBut(reflect.TypeFor[tls.Config](), "RootCAs", "ServerName", "InsecureSkipVerify",
 			"MinVersion", "MaxVersion", "NextProtos", "GetClientCertificate")
