@@ -536,13 +536,21 @@ func TestAdversaryCopyProxyWithNoProxyCIDR(t *testing.T) {
 // (cfg.Transport: client-go's transport for the same identity, cloned, with
 // one setting client-go never makes) keeps it. The dialer, roots and
 // certificate match the pool's, but the pool's connections would not do
-// what that setting does: log TLS keys, or refuse long response headers.
+// what that setting does: log TLS keys, refuse long response headers, or
+// hand HTTP/2 connections to a function of its own (which here adds a token:
+// the server authenticates the copy's requests as another user).
 func TestAdversaryOwnTransportSettings(t *testing.T) {
 	f := newFixture(t, testserver.Options{})
 	r := newCopyRig(t, testserver.Options{CA: f.ca})
 	for name, set := range map[string]func(*http.Transport, *strings.Builder){
 		"TLS key log":           func(t *http.Transport, log *strings.Builder) { t.TLSClientConfig.KeyLogWriter = log },
 		"response header limit": func(t *http.Transport, _ *strings.Builder) { t.MaxResponseHeaderBytes = 10 },
+		"HTTP/2 of its own": func(t *http.Transport, _ *strings.Builder) {
+			up := t.TLSNextProto["h2"]
+			t.TLSNextProto["h2"] = func(authority string, c *tls.Conn) http.RoundTripper {
+				return transport.NewBearerAuthRoundTripper("token-y", up(authority, c))
+			}
+		},
 	} {
 		t.Run(name, func(t *testing.T) {
 			orig := r.srv.RestConfig(f.alice)
@@ -830,4 +838,269 @@ func TestAdversaryOuterWrapperUnwraps(t *testing.T) {
 		t.Errorf("control saw %+v, want %+v (the test's premise is wrong)", control, bobSeen)
 	}
 	r.check(t, cp, &bobSeen)
+}
+
+// TestAdversaryClientGoCertificateHolder: TestAdversaryInnerWrapperOwnCertificate
+// spelled with client-go's own helper. A copy presents a certificate through a
+// transport.GetCertHolder of its own (alice's certificate now, bob's later),
+// handed to client-go's transport.TLSConfigFor: by a wrapper inside the hook,
+// or in a transport of the copy's own built by transport.New. The certificate
+// function is then client-go's (TLSConfigFor's closure), but what it presents
+// is the holder's, which may change at any handshake: a match with alice's
+// bytes proves nothing for later. A copy of an exec plugin's config whose
+// wrapper does the same keeps the plugin's tracked dialer, and the pool took
+// the plugin's certificate for what it presents without asking.
+func TestAdversaryClientGoCertificateHolder(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	r := newCopyRig(t, testserver.Options{CA: f.ca})
+	alice, err := f.alice.TLSCertificate()
+	if err != nil {
+		t.Fatal(err)
+	}
+	bob, err := f.bob.TLSCertificate()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var current atomic.Pointer[tls.Certificate]
+	holder := &transport.GetCertHolder{GetCert: func() (*tls.Certificate, error) { return current.Load(), nil }}
+	byHolder, err := transport.TLSConfigFor(&transport.Config{TLS: transport.TLSConfig{GetCertHolder: holder}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	holderInside := func(c *rest.Config) {
+		c.CertData, c.KeyData = nil, nil
+		c.WrapTransport = transport.Wrappers(func(rt http.RoundTripper) http.RoundTripper {
+			t := httpTransport(rt)
+			if t == nil {
+				return rt
+			}
+			t = t.Clone()
+			t.TLSClientConfig.GetClientCertificate = byHolder.GetClientCertificate
+			return t
+		}, c.WrapTransport)
+	}
+	exec := writeExecPlugin(t, f.dir, "atk-holder", f.alice)
+	for _, tc := range []struct {
+		name        string
+		newOriginal func() *rest.Config
+		mutate      func(*rest.Config)
+	}{
+		{"a wrapper inside the hook", func() *rest.Config { return r.srv.RestConfig(f.alice) }, holderInside},
+		{"a wrapper inside the hook, exec plugin", func() *rest.Config {
+			c := r.srv.RestConfig(nil)
+			e := *exec
+			c.ExecProvider = &e
+			return c
+		}, holderInside},
+		{"the copy's own transport", func() *rest.Config { return r.srv.RestConfig(f.alice) }, func(c *rest.Config) {
+			own, err := transport.New(&transport.Config{TLS: transport.TLSConfig{CAData: c.CAData, GetCertHolder: holder}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			c.TLSClientConfig = rest.TLSClientConfig{}
+			c.Transport = own
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			current.Store(&alice)
+			pair := wrapPair(t, newPool(t), tc.newOriginal)
+			cp := pair.copies(tc.mutate)
+			before := [2]*rigClient{r.client(cp.wrapped), r.client(cp.control)}
+			aliceSeen := observation{CN: "alice", Proto: h2, Gzip: true, Via: "direct"}
+			for i, c := range before {
+				if o := c.observe(); o != aliceSeen {
+					t.Fatalf("client %d before the holder's change: %+v, want %+v", i, o, aliceSeen)
+				}
+			}
+			current.Store(&bob)
+			// Every client handshakes again.
+			r.srv.CloseClientConnections()
+			got, control := before[0].observe(), before[1].observe()
+			if got != control {
+				t.Errorf("client of the copy built before the change: through the pool %+v, through client-go alone %+v", got, control)
+			}
+			if bobSeen := (observation{CN: "bob", Proto: h2, Gzip: true, Via: "direct"}); control != bobSeen {
+				t.Errorf("control saw %+v, want %+v (the test's premise is wrong)", control, bobSeen)
+			}
+		})
+	}
+}
+
+// TestAdversaryCopyFilesRotateOriginalBad: TestAdversaryCopyFilesRotate while
+// the original's files are bad. A copy names other certificate files holding
+// the original's bytes; its match, made by comparing what those files held,
+// lasts while the original's files fail to load (so that the original's own
+// clients do not read the files the pool just failed to read). The copy's
+// files are not those: they change, and the copy keeps presenting the
+// original's certificate for as long as the original's files stay bad.
+func TestAdversaryCopyFilesRotateOriginalBad(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	r := newCopyRig(t, testserver.Options{CA: f.ca})
+	p := newPool(t, WithPollInterval(0))
+	d := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
+	other := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
+	pair := wrapPair(t, p, func() *rest.Config { return d.config(r.srv.URL()) })
+	cp := pair.copies(func(c *rest.Config) { c.CertFile, c.KeyFile = other.cert, other.key })
+	before := [2]*rigClient{r.client(cp.wrapped), r.client(cp.control)}
+	// A copy reading the original's own files, which client-go builds a
+	// transport of its own for (a Proxy): it keeps the last good material.
+	own := r.client(pair.copies(func(c *rest.Config) { c.Proxy = http.ProxyURL(nil) }).wrapped)
+	aliceSeen := observation{CN: "alice", Proto: h2, Gzip: true, Via: "direct"}
+	for i, c := range append(before[:], own) {
+		if o := c.observe(); o != aliceSeen {
+			t.Fatalf("client %d before the files changed: %+v, want %+v", i, o, aliceSeen)
+		}
+	}
+	writeAtomic(t, d.key, f.bob.KeyPEM) // the original's key no longer matches its certificate
+	waitFor(t, "the original's bad key rejected", func() bool { return p.Stats().RotationErrors == 1 })
+	other.write(t, f.bob, f.ca.CertPEM())
+	time.Sleep(certFileSettle + 500*time.Millisecond)
+	if o := own.observe(); o != aliceSeen {
+		t.Errorf("client of a copy reading the original's bad files, built before they went bad: %+v, want the last good material %+v", o, aliceSeen)
+	}
+	bobSeen := observation{CN: "bob", Proto: h2, Gzip: true, Via: "direct"}
+	got, control := before[0].observe(), before[1].observe()
+	if got != control {
+		t.Errorf("client of the copy built before its files changed: through the pool %+v, through client-go alone %+v", got, control)
+	}
+	if control != bobSeen {
+		t.Errorf("control saw %+v, want %+v (the test's premise is wrong)", control, bobSeen)
+	}
+	r.check(t, cp, &bobSeen)
+}
+
+// TestAdversaryProxyTokenAsUserName: a proxy that takes its credential as the
+// user name of the proxy URL (http://TOKEN@proxy, or http://APIKEY:@proxy
+// with an empty password, as some hosted proxies want it). url.Redacted
+// hides a password only, so the pool's redaction printed the credential in
+// Identities (documented as safe to export as metrics) and in its logs.
+// client-go alone prints neither.
+func TestAdversaryProxyTokenAsUserName(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	const token = "pr0xy-T0ken"
+	for _, userInfo := range []string{token, token + ":"} {
+		t.Run(userInfo, func(t *testing.T) {
+			logs := captureKlog(t, 10)
+			proxyURL, err := url.Parse("http://" + userInfo + "@127.0.0.1:3128")
+			if err != nil {
+				t.Fatal(err)
+			}
+			p := newPool(t)
+			cfg := f.srv.RestConfig(f.alice)
+			cfg.Proxy = http.ProxyURL(proxyURL)
+			if err := p.Wrap(cfg); err != nil {
+				t.Fatal(err)
+			}
+			// A config whose Proxy fails passes through, and its Host is
+			// logged.
+			failing := f.srv.RestConfig(f.alice)
+			failing.Host = "https://" + userInfo + "@" + strings.TrimPrefix(failing.Host, "https://")
+			failing.Proxy = func(*http.Request) (*url.URL, error) { return nil, fmt.Errorf("no route") }
+			if err := p.Wrap(failing); err != nil {
+				t.Fatal(err)
+			}
+			identities := fmt.Sprintf("%+v", p.Identities())
+			if !strings.Contains(identities, "127.0.0.1:3128") {
+				t.Fatalf("Identities names no proxy (the test's premise is wrong): %s", identities)
+			}
+			if strings.Contains(identities, token) {
+				t.Errorf("Identities holds the proxy's credential: %s", identities)
+			}
+			klog.Flush()
+			if strings.Contains(logs.String(), token) {
+				t.Errorf("a log line holds the credential:\n%s", logs)
+			}
+		})
+	}
+}
+
+// TestAdversaryWrapperChangesTLSInPlace: a wrapper in the original's
+// WrapTransport (set before Wrap) that changes the TLS configuration of the
+// *http.Transport it is handed, in place (here a certificate of its own; a
+// debugging key log, a CA added to the roots, are the same). Wrap runs the
+// wrappers over a probe to find out what they do, but the probe has no TLS
+// configuration: the wrapper panics there (recovered, and taken for one that
+// does nothing), or skips it when it checks first. Above the hook, the
+// wrapper that type-asserts is handed the pool's round tripper and does
+// nothing; the one that unwraps changes client-go's transport after the
+// hook found it to be the identity's own (certificate files: client-go's
+// cached transport for them).
+func TestAdversaryWrapperChangesTLSInPlace(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	r := newCopyRig(t, testserver.Options{CA: f.ca})
+	bob, err := f.bob.TLSCertificate()
+	if err != nil {
+		t.Fatal(err)
+	}
+	asBob := func(*tls.CertificateRequestInfo) (*tls.Certificate, error) { return &bob, nil }
+	finds := map[string]func(http.RoundTripper) *http.Transport{
+		"type assertion": func(rt http.RoundTripper) *http.Transport { t, _ := rt.(*http.Transport); return t },
+		"unwrapping":     httpTransport,
+	}
+	for name, change := range map[string]func(*http.Transport){
+		"unchecked": func(t *http.Transport) { t.TLSClientConfig.GetClientCertificate = asBob },
+		"checked": func(t *http.Transport) {
+			if t.TLSClientConfig != nil {
+				t.TLSClientConfig.GetClientCertificate = asBob
+			}
+		},
+	} {
+		for how, find := range finds {
+			for _, files := range []bool{false, true} {
+				t.Run(fmt.Sprintf("%s, %s, files %v", name, how, files), func(t *testing.T) {
+					// A certificate of the subtest's own: the wrapper changes
+					// client-go's cached transport for it, for good.
+					kp, err := f.ca.IssueClient("alice")
+					if err != nil {
+						t.Fatal(err)
+					}
+					pair := wrapPair(t, newPool(t), func() *rest.Config {
+						c := r.srv.RestConfig(kp)
+						if files {
+							c = newCertDir(t, renameOver, kp, f.ca.CertPEM()).config(r.srv.URL())
+						}
+						c.WrapTransport = func(rt http.RoundTripper) http.RoundTripper {
+							if t := find(rt); t != nil {
+								change(t)
+							}
+							return rt
+						}
+						return c
+					})
+					r.check(t, pair, &observation{CN: "bob", Proto: h2, Gzip: true, Via: "direct"})
+				})
+			}
+		}
+	}
+}
+
+// TestAdversaryOuterWrapperChangesInPlace: TestAdversaryOuterWrapperUnwraps
+// with a wrapper that changes the transport it finds in place instead of
+// cloning it (here its certificate). Above the hook it unwraps the pool's
+// round tripper to client-go's transport and changes that, after the hook
+// found it to be client-go's cached transport for the identity's files: the
+// finding, remembered for the generation, is never made again.
+func TestAdversaryOuterWrapperChangesInPlace(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	r := newCopyRig(t, testserver.Options{CA: f.ca})
+	bob, err := f.bob.TLSCertificate()
+	if err != nil {
+		t.Fatal(err)
+	}
+	kp, err := f.ca.IssueClient("alice") // client-go's cached transport for it is changed for good
+	if err != nil {
+		t.Fatal(err)
+	}
+	pair := wrapPair(t, newPool(t), func() *rest.Config {
+		return newCertDir(t, renameOver, kp, f.ca.CertPEM()).config(r.srv.URL())
+	})
+	cp := pair.copies(func(c *rest.Config) {
+		c.Wrap(func(rt http.RoundTripper) http.RoundTripper {
+			if t := httpTransport(rt); t != nil {
+				t.TLSClientConfig.GetClientCertificate = func(*tls.CertificateRequestInfo) (*tls.Certificate, error) { return &bob, nil }
+			}
+			return rt
+		})
+	})
+	r.check(t, cp, &observation{CN: "bob", Proto: h2, Gzip: true, Via: "direct"})
 }

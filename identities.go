@@ -23,8 +23,9 @@ type IdentityInfo struct {
 	// Hosts are the servers the identity sent requests to, as
 	// "scheme://host:port"; empty until the first request.
 	Hosts []string
-	// Proxy is the proxy URL the identity's configs set, user info
-	// redacted; "direct" for none, and "" when the environment's proxy
+	// Proxy is the proxy URL the identity's configs set, its password
+	// redacted (and a user name without one, which is the credential
+	// then); "direct" for none, and "" when the environment's proxy
 	// settings apply.
 	Proxy string
 	// Files are the CA, client certificate and key files watched for

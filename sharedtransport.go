@@ -644,15 +644,22 @@ func probeRequest(cfg *rest.Config) (*http.Request, error) {
 	return &http.Request{Method: http.MethodGet, URL: u, Header: http.Header{}, Host: u.Host}, nil
 }
 
-// redactHost hides a password a config's Host may carry. A Host that does not
+// redactHost hides a password a config's Host (or a proxy URL) may carry. A
+// user name without a password is hidden too: it is the credential itself
+// (a token as user name, as some proxies take it). A Host that does not
 // parse is redacted by hand: everything between the scheme and the last "@"
 // may be user info.
 func redactHost(host string) string {
 	if u, err := url.Parse(host); err == nil {
-		if u.User != nil {
-			return u.Redacted()
+		if u.User == nil {
+			return host
 		}
-		return host
+		if pw, ok := u.User.Password(); !ok || pw == "" {
+			r := *u
+			r.User = url.User("xxxxx")
+			return r.String()
+		}
+		return u.Redacted()
 	}
 	rest, scheme := host, ""
 	if i := strings.Index(rest, "://"); i >= 0 {

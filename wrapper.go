@@ -9,12 +9,16 @@ package sharedtransport
 import (
 	"bytes"
 	"context"
+	"crypto/ed25519"
+	"crypto/rand"
 	"crypto/tls"
 	"crypto/x509"
 	"encoding/binary"
+	"encoding/pem"
 	"errors"
 	"fmt"
 	"maps"
+	"math/big"
 	"net"
 	"net/http"
 	"net/url"
@@ -29,6 +33,7 @@ import (
 	"unsafe"
 	"weak"
 
+	"golang.org/x/net/http2"
 	utilnet "k8s.io/apimachinery/pkg/util/net"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/transport"
@@ -247,7 +252,12 @@ func (c *clientTransport) verdict() *verdict {
 	e := c.lease.e
 	g := e.current.Load()
 	v := c.state.Load()
-	if v != nil && v.g == g && (!v.provisional || !e.settled(g)) && (v.expires.IsZero() || time.Now().Before(v.expires) || e.filesBad.Load()) {
+	// While the identity's files fail to load, a finding about a client
+	// whose transport reads those very files stands: asking it would read
+	// them (see check), and the pool presents their last good material. A
+	// transport reading other files is asked as usual.
+	if v != nil && v.g == g && (!v.provisional || !e.settled(g)) &&
+		(v.expires.IsZero() || time.Now().Before(v.expires) || e.filesBad.Load() && readsFilesOf(c.got, e.id)) {
 		return v
 	}
 	settled := e.settled(g)
@@ -272,7 +282,10 @@ func (c *clientTransport) verdict() *verdict {
 func (c *clientTransport) check(g *generation) (shared, byContent bool) {
 	e := c.lease.e
 	if e.agrees(c.got, g, c.dial) {
-		return true, false
+		// The finding holds for client-go's transport as it was: a
+		// wrapper above the hook that unwraps the pool's round tripper
+		// may have changed it in place since (see WrappedRoundTripper).
+		return sameShape(c.clientGo, c.got, g, e.id, c.dial), false
 	}
 	fromFiles := readsCertFiles(c.got.TLSClientConfig)
 	if (fromFiles || e.id.watchesFiles()) && e.filesBad.Load() {
@@ -339,8 +352,9 @@ func sameTransport(rt http.RoundTripper, got *http.Transport, g *generation, id 
 	}
 	if id.getCert != nil {
 		// sameShape found client-go's transport dialing through the exec
-		// authenticator's own dialer: the same authenticator, so the same
-		// certificate, now and after the plugin hands out another.
+		// authenticator's own dialer and asking its own certificate
+		// holder: the same authenticator, so the same certificate, now and
+		// after the plugin hands out another.
 		return true, true
 	}
 	if isClientGoTransportFor(got, id) {
@@ -382,16 +396,168 @@ func readsCertFiles(c *tls.Config) bool {
 	return fn == nil || strings.Contains(fn.Name(), "dynamicClientCert")
 }
 
-// clientGoCertificate reports whether c's client certificate, if any, comes
-// from client-go's transport package: its static certificate, its
-// certificate-file reloader, or an exec plugin's (which sameShape ties to the
-// identity's authenticator).
-func clientGoCertificate(c *tls.Config) bool {
+// readsFilesOf reports whether got's client certificate comes from client-go's
+// certificate-file reloader reading id's certificate and key files. The
+// reloader (client-go's dynamicClientCert, a type the pool cannot name) keeps
+// the function reading the files just before the connrotation dialer got
+// dials with; that function is transport.TLSConfigFor's, whose config names
+// the files.
+func readsFilesOf(got *http.Transport, id *identity) bool {
+	c := got.TLSClientConfig
+	if id.certFile == "" || c == nil || c.GetClientCertificate == nil || !dialInspection() ||
+		reflect.ValueOf(got.DialContext).Pointer() != rotDialerCode {
+		return false
+	}
+	fn := runtime.FuncForPC(reflect.ValueOf(c.GetClientCertificate).Pointer())
+	if fn == nil || fn.Name() != "k8s.io/client-go/transport.(*dynamicClientCert).GetClientCertificate-fm" {
+		return false
+	}
+	reloader := certClosureWord(c.GetClientCertificate, 1) // the method value's receiver
+	dialer := unsafe.Pointer(receiverOf[connrotation.Dialer](got.DialContext))
+	word := unsafe.Sizeof(uintptr(0))
+	for i := uintptr(1); i < maxReloaderWords; i++ {
+		if *(*unsafe.Pointer)(unsafe.Add(reloader, i*word)) != dialer {
+			continue
+		}
+		_, _, cfg, ok := tlsConfigForCaptures(*(*certFunc)(unsafe.Add(reloader, (i-1)*word)))
+		if !ok || !cfg.TLS.ReloadTLSFiles {
+			return false
+		}
+		cert, err1 := filepath.Abs(cfg.TLS.CertFile)
+		key, err2 := filepath.Abs(cfg.TLS.KeyFile)
+		return err1 == nil && err2 == nil && cert == id.certFile && key == id.keyFile
+	}
+	return false
+}
+
+// maxReloaderWords bounds the search for the dialer in client-go's
+// certificate-file reloader: it lies within its first words (the sixth in
+// client-go v0.31, the ninth in v0.37).
+const maxReloaderWords = 12
+
+// clientGoCertificate reports whether c's client certificate, if any, is
+// shown to be what client-go presents for a config of id: its certificate-file
+// reloader, its static certificate (inline data: fixed for good, so what it
+// presents when compared it presents later) for an identity without an exec
+// plugin, or id's exec plugin's own certificate holder. transport.TLSConfigFor
+// hands out one function for the last two and for any GetCertHolder a caller
+// gives it (a wrapper inside the hook, a transport of the config's own), so
+// the function's name is not enough: what it captured tells which.
+func clientGoCertificate(c *tls.Config, id *identity) bool {
 	if c.GetClientCertificate == nil {
 		return true
 	}
 	fn := runtime.FuncForPC(reflect.ValueOf(c.GetClientCertificate).Pointer())
-	return fn != nil && strings.HasPrefix(fn.Name(), "k8s.io/client-go/transport.")
+	if fn == nil || !strings.HasPrefix(fn.Name(), "k8s.io/client-go/transport.") {
+		return false
+	}
+	if readsCertFiles(c) {
+		return true
+	}
+	static, loader, cfg, ok := tlsConfigForCaptures(c.GetClientCertificate)
+	switch {
+	case !ok || loader:
+		return false
+	case id.getCert == nil:
+		return static
+	}
+	return !static && cfg.TLS.GetCertHolder == id.getCert
+}
+
+// tlsConfigForCaptures reads what the certificate function f, when it is
+// transport.TLSConfigFor's, captured: whether it has a static certificate
+// (which it presents whatever else it has), a certificate-file loader, and
+// the transport.Config whose GetCertHolder it asks otherwise. ok is false for
+// any other function, or when the closure's layout is not as
+// certClosureLayout found it.
+func tlsConfigForCaptures(f certFunc) (static, loader bool, cfg *transport.Config, ok bool) {
+	l := certClosureLayout()
+	if !l.ok || reflect.ValueOf(f).Pointer() != l.code {
+		return false, false, nil, false
+	}
+	cfg = (*transport.Config)(certClosureWord(f, l.config))
+	return certClosureWord(f, l.static) != nil, certClosureWord(f, l.loader) != nil, cfg, cfg != nil
+}
+
+type certFunc = func(*tls.CertificateRequestInfo) (*tls.Certificate, error)
+
+// certClosureWord returns word i of f's closure record: the code pointer, then
+// what f captured (see closureOf).
+func certClosureWord(f certFunc, i int) unsafe.Pointer {
+	rec := *(*unsafe.Pointer)(unsafe.Pointer(&f))
+	return *(*unsafe.Pointer)(unsafe.Add(rec, uintptr(i)*unsafe.Sizeof(uintptr(0))))
+}
+
+type certClosure struct {
+	ok                     bool
+	code                   uintptr // TLSConfigFor's certificate function
+	static, loader, config int     // the words of its closure record holding each capture
+}
+
+// certClosureCaptures is how many variables transport.TLSConfigFor's
+// certificate function captures: the static certificate, the file loader and
+// the config.
+const certClosureCaptures = 3
+
+// certClosureLayout finds where transport.TLSConfigFor's certificate function
+// keeps what it captured, from two functions it builds here: one with a
+// static certificate, one with a certificate holder. Anything not found as
+// expected leaves every such function unrecognised, and configs presenting
+// one pass through.
+var certClosureLayout = sync.OnceValue(func() certClosure {
+	certPEM, keyPEM, err := selfSignedPair()
+	if err != nil {
+		return certClosure{}
+	}
+	staticCfg := &transport.Config{TLS: transport.TLSConfig{CertData: certPEM, KeyData: keyPEM}}
+	holderCfg := &transport.Config{TLS: transport.TLSConfig{GetCertHolder: &transport.GetCertHolder{GetCert: func() (*tls.Certificate, error) { return nil, nil }}}}
+	s, err1 := transport.TLSConfigFor(staticCfg)
+	h, err2 := transport.TLSConfigFor(holderCfg)
+	if err1 != nil || err2 != nil || s == nil || h == nil || s.GetClientCertificate == nil || h.GetClientCertificate == nil {
+		return certClosure{}
+	}
+	sf, hf := s.GetClientCertificate, h.GetClientCertificate
+	l := certClosure{code: reflect.ValueOf(sf).Pointer(), static: -1, loader: -1, config: -1}
+	if reflect.ValueOf(hf).Pointer() != l.code {
+		return certClosure{}
+	}
+	cert, err := sf(&tls.CertificateRequestInfo{})
+	if err != nil || cert == nil {
+		return certClosure{}
+	}
+	for i := 1; i <= certClosureCaptures; i++ {
+		sw, hw := certClosureWord(sf, i), certClosureWord(hf, i)
+		switch {
+		case sw == unsafe.Pointer(cert) && hw == nil && l.static < 0:
+			l.static = i
+		case sw == unsafe.Pointer(staticCfg) && hw == unsafe.Pointer(holderCfg) && l.config < 0:
+			l.config = i
+		case sw == nil && hw == nil && l.loader < 0:
+			l.loader = i
+		default:
+			return certClosure{}
+		}
+	}
+	l.ok = l.static > 0 && l.loader > 0 && l.config > 0
+	return l
+})
+
+// selfSignedPair returns a throwaway certificate and key, PEM-encoded.
+func selfSignedPair() (certPEM, keyPEM []byte, err error) {
+	pub, key, err := ed25519.GenerateKey(rand.Reader)
+	if err != nil {
+		return nil, nil, err
+	}
+	tmpl := &x509.Certificate{SerialNumber: big.NewInt(1), NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour)}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, pub, key)
+	if err != nil {
+		return nil, nil, err
+	}
+	pkcs8, err := x509.MarshalPKCS8PrivateKey(key)
+	if err != nil {
+		return nil, nil, err
+	}
+	return pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}), pem.EncodeToMemory(&pem.Block{Type: "PRIVATE KEY", Bytes: pkcs8}), nil
 }
 
 // sameShape is sameTransport but for the client certificate: everything that
@@ -437,15 +603,16 @@ func sameShape(rt http.RoundTripper, got *http.Transport, g *generation, id *ide
 	if !onlyFieldsSet(gotTLS) {
 		return false
 	}
-	if !clientGoCertificate(gotTLS) {
+	if !clientGoCertificate(gotTLS, id) {
 		// A certificate function of anyone else's (a wrapper inside the
-		// hook set it) may present another certificate at any handshake;
-		// what it presents when asked proves nothing for later.
+		// hook set it, or a holder of its own handed to client-go) may
+		// present another certificate at any handshake; what it presents
+		// when asked proves nothing for later.
 		return false
 	}
 	if gotTLS.ServerName != wantTLS.ServerName || gotTLS.InsecureSkipVerify != wantTLS.InsecureSkipVerify ||
 		gotTLS.MinVersion != wantTLS.MinVersion || gotTLS.MaxVersion != wantTLS.MaxVersion ||
-		!slices.Equal(settledALPN(got), generationALPN(g, id)) || !sameHTTP2(got, g.transport) {
+		!slices.Equal(settledALPN(got), generationALPN(g, id)) || !sameHTTP2(got, g.transport) || !clientGoUpgrades(got) {
 		return false
 	}
 	return samePool(gotTLS.RootCAs, g.roots) || readsCAFile(rt, id.caFile)
@@ -458,6 +625,39 @@ func sameShape(rt http.RoundTripper, got *http.Transport, g *generation, id *ide
 func sameHTTP2(got, want *http.Transport) bool {
 	return !slices.Contains(want.TLSClientConfig.NextProtos, "h2") || speaksHTTP2(got) == speaksHTTP2(want)
 }
+
+// clientGoUpgrades reports whether every function t hands a negotiated
+// protocol's connections to (TLSNextProto: HTTP/2) is the one HTTP/2 as
+// client-go configures it registers. One of anyone else's (a transport of the
+// config's own) carries every request on such a connection, and may change
+// it: the pool's connections would not.
+func clientGoUpgrades(t *http.Transport) bool {
+	if t.Protocols != nil {
+		t = t.Clone() // settled: net/http registers its HTTP/2 at first use
+	}
+	for _, f := range t.TLSNextProto {
+		if !slices.Contains(http2Upgrades(), reflect.ValueOf(f).Pointer()) {
+			return false
+		}
+	}
+	return true
+}
+
+// http2Upgrades is the code of the functions x/net's HTTP/2, which client-go
+// configures, registers in a transport's TLSNextProto (net/http's own, where
+// x/net hands HTTP/2 to it).
+var http2Upgrades = sync.OnceValue(func() []uintptr {
+	t := &http.Transport{TLSClientConfig: &tls.Config{}}
+	if _, err := http2.ConfigureTransports(t); err != nil {
+		return nil
+	}
+	settleProtocols(t)
+	var codes []uintptr
+	for _, f := range t.TLSNextProto {
+		codes = append(codes, reflect.ValueOf(f).Pointer())
+	}
+	return codes
+})
 
 // CloseIdleConnections closes idle connections of both transports the client
 // may use.
@@ -472,7 +672,8 @@ func (c *clientTransport) CloseIdleConnections() {
 // get. A wrapper above the hook that unwraps to the *http.Transport and
 // clones it to change it (another proxy, dialer or TLS setting) clones what
 // it would clone without the pool; the shared transport's own dialer serves
-// the pool's connections only, and a clone of it could not dial.
+// the pool's connections only, and a clone of it could not dial. One that
+// changes it in place is seen by the client's first check (see check).
 func (c *clientTransport) WrappedRoundTripper() http.RoundTripper { return c.clientGo }
 
 var _ utilnet.RoundTripperWrapper = &clientTransport{}
@@ -777,9 +978,15 @@ func (p *Pool) connectHeaderFor(cfg *rest.Config) (h http.Header, fromWrappers, 
 // that the result differs from the probe in its CONNECT headers at most (a
 // static header: GetProxyConnectHeader is not recognised).
 func probeWrappers(wrap transport.WrapperFunc) (h http.Header, replaced, ok bool) {
-	probe := &http.Transport{Proxy: probeProxy, DialContext: probeDial}
+	// The probe has a TLS configuration, as client-go's transports do, for
+	// wrappers that change theirs.
+	probe := &http.Transport{Proxy: probeProxy, DialContext: probeDial, TLSClientConfig: &tls.Config{}}
 	pristine := probe.Clone()
-	t := httpTransport(runWrappers(wrap, probe))
+	out, ran := runWrappers(wrap, probe)
+	if !ran {
+		return nil, true, false
+	}
+	t := httpTransport(out)
 	if t == nil || t == probe {
 		// A wrapper may also change the transport it is handed in place:
 		// the pool's round tripper would hide that change from it too.
@@ -797,15 +1004,16 @@ func probeWrappers(wrap transport.WrapperFunc) (h http.Header, replaced, ok bool
 	return t.ProxyConnectHeader.Clone(), true, true
 }
 
-// runWrappers returns what wrap makes of probe, or nil when it panics: a
-// wrapper written for client-go's transports may not expect a probe.
-func runWrappers(wrap transport.WrapperFunc, probe *http.Transport) (out http.RoundTripper) {
+// runWrappers returns what wrap makes of probe; ran is false when it panics.
+// A wrapper written for client-go's transports may not expect a probe, and
+// what it does to theirs is then unknown.
+func runWrappers(wrap transport.WrapperFunc, probe *http.Transport) (out http.RoundTripper, ran bool) {
 	defer func() {
 		if recover() != nil {
-			out = nil
+			out, ran = nil, false
 		}
 	}()
-	return wrap(probe)
+	return wrap(probe), true
 }
 
 func isProbe(rt http.RoundTripper) bool {
@@ -822,9 +1030,25 @@ func probeDial(context.Context, string, string) (net.Conn, error) {
 }
 
 // sameButConnectHeader compares every exported field of two transports but
-// ProxyConnectHeader and GetProxyConnectHeader.
+// ProxyConnectHeader and GetProxyConnectHeader; their TLS configurations
+// (a clone's is a copy) must set nothing, as the probe's.
 func sameButConnectHeader(a, b *http.Transport) bool {
-	return sameFields(a, b, probeFields())
+	return sameFields(a, b, probeFields()) && tlsUnset(a.TLSClientConfig) && tlsUnset(b.TLSClientConfig)
+}
+
+// tlsUnset reports whether c is a TLS configuration that sets no exported
+// field.
+func tlsUnset(c *tls.Config) bool {
+	if c == nil {
+		return false
+	}
+	v := reflect.ValueOf(c).Elem()
+	for _, i := range tlsFields() {
+		if !v.Field(i).IsZero() {
+			return false
+		}
+	}
+	return true
 }
 
 // onlyFieldsSet reports whether c sets no exported field but those client-go
@@ -851,8 +1075,9 @@ var (
 			"DisableKeepAlives", "ProxyConnectHeader", "TLSNextProto", "Protocols", "HTTP2")
 	})
 	probeFields = sync.OnceValue(func() []int {
-		return exportedFieldsBut(reflect.TypeFor[http.Transport](), "ProxyConnectHeader", "GetProxyConnectHeader")
+		return exportedFieldsBut(reflect.TypeFor[http.Transport](), "ProxyConnectHeader", "GetProxyConnectHeader", "TLSClientConfig")
 	})
+	tlsFields        = sync.OnceValue(func() []int { return exportedFieldsBut(reflect.TypeFor[tls.Config]()) })
 	clientGoTLSUnset = sync.OnceValue(func() []int {
 		return exportedFieldsBut(reflect.TypeFor[tls.Config](), "RootCAs", "ServerName", "InsecureSkipVerify",
 			"MinVersion", "MaxVersion", "NextProtos", "GetClientCertificate")
