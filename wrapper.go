@@ -413,11 +413,20 @@ func readsFilesOf(got *http.Transport, id *identity) bool {
 		return false
 	}
 	reloader := certClosureWord(c.GetClientCertificate, 1) // the method value's receiver
-	dialer := unsafe.Pointer(receiverOf[connrotation.Dialer](got.DialContext))
+	dialer := uintptr(unsafe.Pointer(receiverOf[connrotation.Dialer](got.DialContext)))
 	word := unsafe.Sizeof(uintptr(0))
 	for i := uintptr(1); i < maxReloaderWords; i++ {
-		if *(*unsafe.Pointer)(unsafe.Add(reloader, i*word)) != dialer {
+		// Words are compared as integers: some of the reloader's (its
+		// mutex) are not pointers, and must not be loaded as one.
+		if *(*uintptr)(unsafe.Add(reloader, i*word)) != dialer {
 			continue
+		}
+		// The word before the dialer is the function reading the files in
+		// every client-go this was checked against (v0.31 to v0.37). A word
+		// that cannot be a function value (zero, in the never-mapped first
+		// page, unaligned) ends the look before it is read as one.
+		if w := *(*uintptr)(unsafe.Add(reloader, (i-1)*word)); w < 1<<12 || w%word != 0 {
+			return false
 		}
 		_, _, cfg, ok := tlsConfigForCaptures(*(*certFunc)(unsafe.Add(reloader, (i-1)*word)))
 		if !ok || !cfg.TLS.ReloadTLSFiles {
