@@ -1,7 +1,8 @@
 // The Pool API (New, Wrap, BuildConfigFromFlags, the clientcmd adapters,
 // Stats, Close) and what a pool shares transports by: a config's identity,
 // which identityFor computes and identityKey compares. An identity's entry
-// and its lifetime are in entry.go; the hook Wrap installs is in wrapper.go.
+// and its lifetime are in entry.go; the hook Wrap installs is in wrapper.go,
+// and what it reads from client-go's transports in inspect.go.
 
 package sharedtransport
 
