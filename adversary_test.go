@@ -10,6 +10,7 @@ import (
 	"crypto/tls"
 	"encoding/base64"
 	"fmt"
+	"maps"
 	"net"
 	"net/http"
 	"net/url"
@@ -17,6 +18,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -546,7 +548,13 @@ func TestAdversaryOwnTransportSettings(t *testing.T) {
 		"TLS key log":           func(t *http.Transport, log *strings.Builder) { t.TLSClientConfig.KeyLogWriter = log },
 		"response header limit": func(t *http.Transport, _ *strings.Builder) { t.MaxResponseHeaderBytes = 10 },
 		"HTTP/2 of its own": func(t *http.Transport, _ *strings.Builder) {
+			// Where HTTP/2 is net/http's own (Go 1.27 with x/net v0.63),
+			// its handler is registered at first use.
+			settleProtocols(t)
 			up := t.TLSNextProto["h2"]
+			if up == nil {
+				panic(fmt.Sprintf("no HTTP/2 handler to wrap in %v", slices.Collect(maps.Keys(t.TLSNextProto))))
+			}
 			t.TLSNextProto["h2"] = func(authority string, c *tls.Conn) http.RoundTripper {
 				return transport.NewBearerAuthRoundTripper("token-y", up(authority, c))
 			}
