@@ -1062,11 +1062,14 @@ func TestAdversaryWrapperChangesTLSInPlace(t *testing.T) {
 					if err != nil {
 						t.Fatal(err)
 					}
-					pair := wrapPair(t, newPool(t), func() *rest.Config {
-						c := r.srv.RestConfig(kp)
+					config := func() *rest.Config {
 						if files {
-							c = newCertDir(t, renameOver, kp, f.ca.CertPEM()).config(r.srv.URL())
+							return newCertDir(t, renameOver, kp, f.ca.CertPEM()).config(r.srv.URL())
 						}
+						return r.srv.RestConfig(kp)
+					}
+					pair := wrapPair(t, newPool(t), func() *rest.Config {
+						c := config()
 						c.WrapTransport = func(rt http.RoundTripper) http.RoundTripper {
 							if t := find(rt); t != nil {
 								change(t)
@@ -1075,11 +1078,31 @@ func TestAdversaryWrapperChangesTLSInPlace(t *testing.T) {
 						}
 						return c
 					})
-					r.check(t, pair, &observation{CN: "bob", Proto: h2, Gzip: true, Via: "direct"})
+					want := observation{CN: "bob", Proto: h2, Gzip: true, Via: "direct"}
+					if how == "type assertion" && !clientGoHandsTransport(t, config()) {
+						want.CN = "alice" // the wrapper finds nothing to change through client-go alone either
+					}
+					r.check(t, pair, &want)
 				})
 			}
 		}
 	}
+}
+
+// clientGoHandsTransport reports whether client-go hands WrapTransport an
+// *http.Transport for cfg: before v0.36 it always does; from v0.36 some
+// configs' transports come inside a holder of its own.
+func clientGoHandsTransport(t *testing.T, cfg *rest.Config) bool {
+	t.Helper()
+	var handed bool
+	cfg.WrapTransport = func(rt http.RoundTripper) http.RoundTripper {
+		_, handed = rt.(*http.Transport)
+		return rt
+	}
+	if _, err := rest.TransportFor(cfg); err != nil {
+		t.Fatal(err)
+	}
+	return handed
 }
 
 // TestAdversaryOuterWrapperChangesInPlace: TestAdversaryOuterWrapperUnwraps
