@@ -1135,3 +1135,52 @@ func TestAdversaryOuterWrapperChangesInPlace(t *testing.T) {
 	})
 	r.check(t, cp, &observation{CN: "bob", Proto: h2, Gzip: true, Via: "direct"})
 }
+
+// TestAdversaryCopyOtherCAFile: a copy names another CA file holding the
+// identity's roots. From v0.36 client-go re-reads a CA file on its own
+// schedule (every five minutes), so roots alike today prove nothing for
+// later, when that file may hold others: the copy keeps client-go's
+// transport. Before v0.36 client-go reads the file once, for good, and the
+// copy rides the shared transport.
+func TestAdversaryCopyOtherCAFile(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	r := newCopyRig(t, testserver.Options{CA: f.ca})
+	p := newPool(t, WithPollInterval(0))
+	d := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
+	other := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
+	pair := wrapPair(t, p, func() *rest.Config { return d.config(r.srv.URL()) })
+	aliceSeen := observation{CN: "alice", Proto: h2, Gzip: true, Via: "direct"}
+	r.check(t, pair, &aliceSeen)
+	if n := p.Stats().PassThrough; n != 0 {
+		t.Fatalf("the original passed through (%d): the test's premise is wrong", n)
+	}
+	cp := pair.copies(func(c *rest.Config) { c.CAFile = other.ca })
+	r.check(t, cp, &aliceSeen)
+
+	tc, err := rest.CopyConfig(cp.control).TransportConfig()
+	if err != nil {
+		t.Fatal(err)
+	}
+	rt, err := transport.New(tc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// client-go's own type for a transport whose roots it re-reads, under
+	// the layers client-go may put above it.
+	rereads := false
+	for range 8 {
+		rereads = rereads || strings.Contains(fmt.Sprintf("%T", rt), "atomicTransportHolder")
+		w, ok := rt.(utilnet.RoundTripperWrapper)
+		if !ok {
+			break
+		}
+		rt = w.WrappedRoundTripper()
+	}
+	want := uint64(0)
+	if rereads {
+		want = 1
+	}
+	if got := p.Stats().PassThrough; got != want {
+		t.Errorf("client-go re-reads the copy's CA file: %v; %d clients passed through, want %d", rereads, got, want)
+	}
+}

@@ -299,31 +299,31 @@ func clientGoHolder(rt http.RoundTripper) string {
 	return t.Elem().Name()
 }
 
-// readsCAFile reports whether rt is client-go's CA-reloading holder for
-// caFile (client-go v0.36+, ClientsAllowCARotation): its roots are that
-// file's, refreshed on client-go's own schedule, so the pool (which reloads
-// the same file sooner) trusts what it trusts. A transport with the same
-// roots from inline data is not such a holder.
-func readsCAFile(rt http.RoundTripper, caFile string) bool {
-	if caFile == "" {
-		return false
-	}
+// caFileHolder reports whether rt is (or wraps) client-go's CA-reloading
+// holder (client-go v0.36+, ClientsAllowCARotation), and the CA file it
+// re-reads, made absolute; file is "" when the holder's layout is not as
+// expected. Such a holder's roots are that file's, refreshed on client-go's
+// own schedule: what they are now says nothing about later.
+func caFileHolder(rt http.RoundTripper) (file string, holder bool) {
 	for range 8 {
 		if clientGoHolder(rt) == "atomicTransportHolder" {
 			f := reflect.ValueOf(rt).Elem().FieldByName("caFile")
-			if f.Kind() != reflect.String {
-				return false
+			if f.Kind() != reflect.String || f.String() == "" {
+				return "", true
 			}
 			abs, err := filepath.Abs(f.String())
-			return err == nil && abs == caFile
+			if err != nil {
+				return "", true
+			}
+			return abs, true
 		}
 		w, ok := rt.(utilnet.RoundTripperWrapper)
 		if !ok {
-			return false
+			return "", false
 		}
 		rt = w.WrappedRoundTripper()
 	}
-	return false
+	return "", false
 }
 
 // envProxierCode is the code of the proxy function client-go's transports use

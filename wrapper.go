@@ -432,7 +432,13 @@ func sameShape(rt http.RoundTripper, got *http.Transport, g *generation, id *ide
 		!slices.Equal(settledALPN(got), generationALPN(g, id)) || !sameHTTP2(got, g.transport) || !clientGoUpgrades(got) {
 		return false
 	}
-	return samePool(gotTLS.RootCAs, g.roots) || readsCAFile(rt, id.caFile)
+	if file, holder := caFileHolder(rt); holder {
+		// Roots client-go re-reads from a file trust alike for good only
+		// when the file is the identity's, which the pool reloads sooner;
+		// another file with the same roots today may hold others tomorrow.
+		return file != "" && file == id.caFile
+	}
+	return samePool(gotTLS.RootCAs, g.roots)
 }
 
 // sameHTTP2 reports whether got speaks HTTP/2 as want does, when want offers
