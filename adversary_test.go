@@ -50,21 +50,13 @@ func TestAdversaryCopyFilesRotate(t *testing.T) {
 			other := newCertDir(t, layout, f.alice, f.ca.CertPEM())
 			pair := wrapPair(t, p, func() *rest.Config { return d.config(r.srv.URL()) })
 			cp := pair.copies(func(c *rest.Config) { c.CertFile, c.KeyFile = other.cert, other.key })
-			before := [2]*rigClient{r.client(cp.wrapped), r.client(cp.control)}
-			aliceSeen := observation{CN: "alice", Proto: h2, Gzip: true, Via: "direct"}
-			for _, c := range before {
-				if o := c.observe(); o != aliceSeen {
-					t.Fatalf("before the copy's files changed: %+v, want %+v", o, aliceSeen)
-				}
-			}
+			before := r.hold(t, cp, &observation{CN: "alice", Proto: h2, Gzip: true, Via: "direct"})
 			other.write(t, f.bob, f.ca.CertPEM())
 			// Past client-go's one-second cache of the files and the pool's 1.2 s
 			// limit on a finding made by comparing what files hold.
 			time.Sleep(certFileSettle + 500*time.Millisecond)
 			bobSeen := observation{CN: "bob", Proto: h2, Gzip: true, Via: "direct"}
-			if got, control := before[0].observe(), before[1].observe(); got != control {
-				t.Errorf("client of the copy built before its files changed: through the pool %+v, through client-go alone %+v", got, control)
-			}
+			before.agree(t, &bobSeen)
 			r.check(t, cp, &bobSeen)
 		})
 	}
@@ -102,14 +94,12 @@ func TestAdversaryExecRotationRemembered(t *testing.T) {
 		cp := pair.copies(func(c *rest.Config) { c.CertData, c.KeyData = first.CertPEM, first.KeyPEM })
 		firstSeen := observation{CN: "exec-first", Proto: h2, Gzip: true, Via: "direct"}
 		r.check(t, cp, &firstSeen)
-		before := [2]*rigClient{r.client(cp.wrapped), r.client(cp.control)}
+		before := r.hold(t, cp, nil)
 		writeExecCredential(t, f.dir, "adv-inline", next, time.Time{})
 		time.Sleep(time.Until(expiry) + 200*time.Millisecond)
 		// The original's own client runs the plugin again and moves on.
 		waitFor(t, "the original presents exec-next", func() bool { return r.observe(pair.wrapped).CN == "exec-next" })
-		if got, control := before[0].observe(), before[1].observe(); got != control {
-			t.Errorf("client of the copy built before the plugin's change: through the pool %+v, through client-go alone %+v", got, control)
-		}
+		before.agree(t, nil)
 		r.check(t, cp, &firstSeen)
 	})
 
@@ -356,7 +346,7 @@ func TestAdversaryDisableHTTP2AfterWrap(t *testing.T) {
 				c.NextProtos = nextProtos
 				return c
 			})
-			before := [2]*rigClient{r.client(pair.wrapped), r.client(pair.control)}
+			before := r.hold(t, pair, nil)
 			for _, c := range before {
 				if o := c.observe(); o.Proto != "HTTP/2.0" || o.CN != "alice" {
 					t.Fatalf("before: %+v", o)
@@ -366,9 +356,7 @@ func TestAdversaryDisableHTTP2AfterWrap(t *testing.T) {
 			d.write(t, f.bob, f.ca.CertPEM())
 			waitFor(t, "rotation to bob", func() bool { return p.Stats().Rotations == 1 })
 			time.Sleep(certFileSettle)
-			if got, control := before[0].observe(), before[1].observe(); got != control {
-				t.Errorf("client built before: through the pool %+v, through client-go alone %+v", got, control)
-			}
+			before.agree(t, nil)
 			if nextProtos == nil {
 				// With h2 in the list and HTTP/2 off, client-go alone fails
 				// too: a new client has nothing to compare with.
@@ -660,24 +648,12 @@ func TestAdversaryCopyExecOverInline(t *testing.T) {
 		e := *exec
 		c.ExecProvider = &e
 	})
-	before := [2]*rigClient{r.client(cp.wrapped), r.client(cp.control)}
-	aliceSeen := observation{CN: "alice", Proto: h2, Gzip: true, Via: "direct"}
-	for i, c := range before {
-		if o := c.observe(); o != aliceSeen {
-			t.Fatalf("client %d before the plugin's change: %+v, want %+v", i, o, aliceSeen)
-		}
-	}
+	before := r.hold(t, cp, &observation{CN: "alice", Proto: h2, Gzip: true, Via: "direct"})
 	writeExecCredential(t, f.dir, "atk-inline", f.bob, time.Time{})
 	time.Sleep(time.Until(expiry) + 200*time.Millisecond)
 	bobSeen := observation{CN: "bob", Proto: h2, Gzip: true, Via: "direct"}
 	for range 2 {
-		got, control := before[0].observe(), before[1].observe()
-		if got != control {
-			t.Errorf("client of the copy built before the plugin's change: through the pool %+v, through client-go alone %+v", got, control)
-		}
-		if control != bobSeen {
-			t.Errorf("control saw %+v, want %+v (the test's premise is wrong)", control, bobSeen)
-		}
+		before.agree(t, &bobSeen)
 	}
 	r.check(t, cp, &bobSeen)
 }
@@ -776,25 +752,13 @@ func TestAdversaryInnerWrapperOwnCertificate(t *testing.T) {
 			return t
 		}, c.WrapTransport)
 	})
-	before := [2]*rigClient{r.client(cp.wrapped), r.client(cp.control)}
-	aliceSeen := observation{CN: "alice", Proto: h2, Gzip: true, Via: "direct"}
-	for i, c := range before {
-		if o := c.observe(); o != aliceSeen {
-			t.Fatalf("client %d before the wrapper's change: %+v, want %+v", i, o, aliceSeen)
-		}
-	}
+	before := r.hold(t, cp, &observation{CN: "alice", Proto: h2, Gzip: true, Via: "direct"})
 	current.Store(&bob)
 	// The clone's HTTP/2 connections live in the pool of the transport it
 	// was cloned from, which closing the clone's idle connections does not
 	// reach: the server closes them, so every client handshakes again.
 	r.srv.CloseClientConnections()
-	got, control := before[0].observe(), before[1].observe()
-	if got != control {
-		t.Errorf("client of the copy built before the change: through the pool %+v, through client-go alone %+v", got, control)
-	}
-	if bobSeen := (observation{CN: "bob", Proto: h2, Gzip: true, Via: "direct"}); control != bobSeen {
-		t.Errorf("control saw %+v, want %+v (the test's premise is wrong)", control, bobSeen)
-	}
+	before.agree(t, &observation{CN: "bob", Proto: h2, Gzip: true, Via: "direct"})
 }
 
 // TestAdversaryOuterWrapperUnwraps: a wrapper added after Wrap (above the
@@ -827,24 +791,12 @@ func TestAdversaryOuterWrapperUnwraps(t *testing.T) {
 	d := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
 	pair := wrapPair(t, p, func() *rest.Config { return d.config(r.srv.URL()) })
 	cp := pair.copies(func(c *rest.Config) { c.Wrap(unwrapAndProxy) })
-	before := [2]*rigClient{r.client(cp.wrapped), r.client(cp.control)}
-	aliceSeen := observation{CN: "alice", Proto: h2, Gzip: true, Via: "proxy 2"}
-	for i, c := range before {
-		if o := c.observe(); o != aliceSeen {
-			t.Errorf("client %d before rotation: %+v, want %+v", i, o, aliceSeen)
-		}
-	}
+	before := r.hold(t, cp, &observation{CN: "alice", Proto: h2, Gzip: true, Via: "proxy 2"})
 	d.write(t, f.bob, f.ca.CertPEM())
 	waitFor(t, "rotation to bob", func() bool { return p.Stats().Rotations == 1 })
 	time.Sleep(certFileSettle + 500*time.Millisecond)
 	bobSeen := observation{CN: "bob", Proto: h2, Gzip: true, Via: "proxy 2"}
-	got, control := before[0].observe(), before[1].observe()
-	if got != control {
-		t.Errorf("client built before rotation: through the pool %+v, through client-go alone %+v", got, control)
-	}
-	if control != bobSeen {
-		t.Errorf("control saw %+v, want %+v (the test's premise is wrong)", control, bobSeen)
-	}
+	before.agree(t, &bobSeen)
 	r.check(t, cp, &bobSeen)
 }
 
@@ -913,23 +865,11 @@ func TestAdversaryClientGoCertificateHolder(t *testing.T) {
 			current.Store(&alice)
 			pair := wrapPair(t, newPool(t), tc.newOriginal)
 			cp := pair.copies(tc.mutate)
-			before := [2]*rigClient{r.client(cp.wrapped), r.client(cp.control)}
-			aliceSeen := observation{CN: "alice", Proto: h2, Gzip: true, Via: "direct"}
-			for i, c := range before {
-				if o := c.observe(); o != aliceSeen {
-					t.Fatalf("client %d before the holder's change: %+v, want %+v", i, o, aliceSeen)
-				}
-			}
+			before := r.hold(t, cp, &observation{CN: "alice", Proto: h2, Gzip: true, Via: "direct"})
 			current.Store(&bob)
 			// Every client handshakes again.
 			r.srv.CloseClientConnections()
-			got, control := before[0].observe(), before[1].observe()
-			if got != control {
-				t.Errorf("client of the copy built before the change: through the pool %+v, through client-go alone %+v", got, control)
-			}
-			if bobSeen := (observation{CN: "bob", Proto: h2, Gzip: true, Via: "direct"}); control != bobSeen {
-				t.Errorf("control saw %+v, want %+v (the test's premise is wrong)", control, bobSeen)
-			}
+			before.agree(t, &observation{CN: "bob", Proto: h2, Gzip: true, Via: "direct"})
 		})
 	}
 }
@@ -949,7 +889,7 @@ func TestAdversaryCopyFilesRotateOriginalBad(t *testing.T) {
 	other := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
 	pair := wrapPair(t, p, func() *rest.Config { return d.config(r.srv.URL()) })
 	cp := pair.copies(func(c *rest.Config) { c.CertFile, c.KeyFile = other.cert, other.key })
-	before := [2]*rigClient{r.client(cp.wrapped), r.client(cp.control)}
+	before := r.hold(t, cp, nil)
 	// A copy reading the original's own files, which client-go builds a
 	// transport of its own for (a Proxy): it keeps the last good material.
 	own := r.client(pair.copies(func(c *rest.Config) { c.Proxy = http.ProxyURL(nil) }).wrapped)
@@ -967,13 +907,7 @@ func TestAdversaryCopyFilesRotateOriginalBad(t *testing.T) {
 		t.Errorf("client of a copy reading the original's bad files, built before they went bad: %+v, want the last good material %+v", o, aliceSeen)
 	}
 	bobSeen := observation{CN: "bob", Proto: h2, Gzip: true, Via: "direct"}
-	got, control := before[0].observe(), before[1].observe()
-	if got != control {
-		t.Errorf("client of the copy built before its files changed: through the pool %+v, through client-go alone %+v", got, control)
-	}
-	if control != bobSeen {
-		t.Errorf("control saw %+v, want %+v (the test's premise is wrong)", control, bobSeen)
-	}
+	before.agree(t, &bobSeen)
 	r.check(t, cp, &bobSeen)
 }
 

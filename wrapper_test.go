@@ -244,6 +244,37 @@ func (r *copyRig) check(t *testing.T, pair copyPair, want *observation) {
 	}
 }
 
+// heldClients is a client of each side of a copy pair, built before the
+// change a test then makes: [0] through the pool, [1] through client-go alone.
+type heldClients [2]*rigClient
+
+// hold builds a client of each side of pair and, when want is not nil,
+// asserts that the far side sees each as want before the change.
+func (r *copyRig) hold(t *testing.T, pair copyPair, want *observation) heldClients {
+	t.Helper()
+	h := heldClients{r.client(pair.wrapped), r.client(pair.control)}
+	for i, c := range h {
+		if o := c.observe(); want != nil && o != *want {
+			t.Fatalf("client %d before the change: %+v, want %+v", i, o, *want)
+		}
+	}
+	return h
+}
+
+// agree asserts that after the change the far side sees the held client
+// through the pool exactly as the one through client-go alone, and, when
+// want is not nil, the latter as want.
+func (h heldClients) agree(t *testing.T, want *observation) {
+	t.Helper()
+	got, control := h[0].observe(), h[1].observe()
+	if got != control {
+		t.Errorf("client built before the change: through the pool %+v, through client-go alone %+v", got, control)
+	}
+	if want != nil && control != *want {
+		t.Errorf("control saw %+v, want %+v (the test's premise is wrong)", control, *want)
+	}
+}
+
 // expect asserts what the far side sees for a new client of cfg.
 func (r *copyRig) expect(t *testing.T, cfg *rest.Config, want observation) {
 	t.Helper()
@@ -349,18 +380,11 @@ func copyCrossingsSameBytes(t *testing.T, f *fixture, r *copyRig) {
 	same := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
 	pair := wrapPair(t, p, func() *rest.Config { return d.config(r.srv.URL()) })
 	cp := pair.copies(func(c *rest.Config) { c.CertFile, c.KeyFile, c.CAFile = same.cert, same.key, same.ca })
-	before := [2]*rigClient{r.client(cp.wrapped), r.client(cp.control)}
 	aliceSeen := observation{CN: "alice", Proto: h2, Gzip: true, Via: "direct"}
-	for _, c := range before {
-		if o := c.observe(); o != aliceSeen {
-			t.Fatalf("before the rotation: %+v, want %+v", o, aliceSeen)
-		}
-	}
+	before := r.hold(t, cp, &aliceSeen)
 	d.write(t, f.carol, f.ca.CertPEM())
 	waitFor(t, "rotation to carol", func() bool { return p.Stats().Rotations == 1 })
-	if got, control := before[0].observe(), before[1].observe(); got != control || got != aliceSeen {
-		t.Errorf("a client of the copy built before the rotation: %+v through the pool, %+v alone, want %+v", got, control, aliceSeen)
-	}
+	before.agree(t, &aliceSeen)
 	r.check(t, cp, &aliceSeen)
 	waitFor(t, "the original moves to carol", func() bool { return r.observe(pair.wrapped).CN == "carol" })
 }
