@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"net/url"
 	"sync"
+	"sync/atomic"
 
 	utilnet "k8s.io/apimachinery/pkg/util/net"
 	"k8s.io/client-go/rest"
@@ -73,7 +74,7 @@ func (p *Pool) TransportFor(cfg *rest.Config) (http.RoundTripper, error) {
 		}
 		base.onlyHost = probe.URL.Host
 		base.proxy = tc.Proxy
-		base.elsewhere = sync.OnceValues(func() (http.RoundTripper, error) { return clientGoTransportFor(tc, id) })
+		base.elsewhere = &clientGoLater{tc: tc, id: id}
 	}
 	return transport.HTTPWrappersForConfig(tc, base)
 }
@@ -105,16 +106,57 @@ type configTransport struct {
 	// to onlyHost, since it may send another path or scheme elsewhere than
 	// the request it was asked about when the identity was computed.
 	proxy func(*http.Request) (*url.URL, error)
-	// elsewhere builds, once, client-go's transport for the config.
-	elsewhere func() (http.RoundTripper, error)
+	// elsewhere is client-go's transport for the config, for the requests
+	// pick gives to no generation.
+	elsewhere *clientGoLater
 }
 
 func (c *configTransport) RoundTrip(req *http.Request) (*http.Response, error) {
-	if c.onlyHost == "" || c.lease.e.closed.Load() ||
-		req.URL.Host == c.onlyHost && sameProxy(c.proxy, c.lease.e.current.Load().transport.Proxy, req) {
-		return c.lease.RoundTrip(req)
+	return c.lease.roundTrip(req, c, c.elsewhere)
+}
+
+// pick sends req over the identity's current generation, unless the config
+// has a Proxy function that sends req elsewhere than the shared transport
+// goes: to another host, or by another route (asked per request, as
+// http.Transport asks it, and again before a resend).
+func (c *configTransport) pick(req *http.Request) *generation {
+	g := c.lease.e.current.Load()
+	if c.onlyHost != "" && (req.URL.Host != c.onlyHost || !sameProxy(c.proxy, g.transport.Proxy, req)) {
+		return nil
 	}
-	rt, err := c.elsewhere()
+	return g
+}
+
+// CloseIdleConnections closes idle connections of both transports the
+// round tripper may use.
+func (c *configTransport) CloseIdleConnections() {
+	if c.elsewhere != nil {
+		c.elsewhere.CloseIdleConnections()
+	}
+	utilnet.CloseIdleConnectionsFor(c.lease)
+}
+
+// clientGoLater is client-go's transport for a config, built at the first
+// request that needs it.
+type clientGoLater struct {
+	tc    *transport.Config
+	id    *identity
+	once  sync.Once
+	rt    http.RoundTripper
+	err   error
+	built atomic.Bool // rt is there
+}
+
+func (l *clientGoLater) get() (http.RoundTripper, error) {
+	l.once.Do(func() {
+		l.rt, l.err = clientGoTransportFor(l.tc, l.id)
+		l.built.Store(l.err == nil)
+	})
+	return l.rt, l.err
+}
+
+func (l *clientGoLater) RoundTrip(req *http.Request) (*http.Response, error) {
+	rt, err := l.get()
 	if err != nil {
 		if req.Body != nil {
 			req.Body.Close()
@@ -124,15 +166,12 @@ func (c *configTransport) RoundTrip(req *http.Request) (*http.Response, error) {
 	return rt.RoundTrip(req)
 }
 
-// CloseIdleConnections closes idle connections of both transports the
-// round tripper may use.
-func (c *configTransport) CloseIdleConnections() {
-	if c.elsewhere != nil {
-		if rt, err := c.elsewhere(); err == nil {
-			utilnet.CloseIdleConnectionsFor(rt)
-		}
+// CloseIdleConnections closes the transport's idle connections, if it was
+// built: a transport built only to close nothing would be waste.
+func (l *clientGoLater) CloseIdleConnections() {
+	if l.built.Load() {
+		utilnet.CloseIdleConnectionsFor(l.rt)
 	}
-	utilnet.CloseIdleConnectionsFor(c.lease)
 }
 
 // WrappedRoundTripper is the shared transport, for client-go helpers
