@@ -55,12 +55,28 @@ func churn(t testing.TB, p *Pool, f *fixture, from, n int, keep bool) []*rest.Co
 	return kept
 }
 
+// waitReleased waits until every identity of p is released and its file
+// watch stopped: an identity leaves the pool's count just before its entry
+// is closed, outside the pool's lock.
 func waitReleased(t testing.TB, p *Pool) {
 	t.Helper()
 	waitFor(t, "every identity released", func() bool {
 		runtime.GC()
-		return p.Stats().Identities == 0
+		return p.Stats().Identities == 0 && watchesLeft(p) == 0
 	})
+}
+
+// watchesLeft is the number of identities p's file watcher still serves.
+func watchesLeft(p *Pool) int {
+	p.mu.Lock()
+	w := p.watcher
+	p.mu.Unlock()
+	if w == nil {
+		return 0
+	}
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return len(w.watches)
 }
 
 // TestChurnMemory: 10,000 identities created, used to build clients and

@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"runtime"
 	"slices"
 	"sort"
 	"strings"
@@ -278,10 +277,7 @@ func TestRotationSharedWatch(t *testing.T) {
 		t.Errorf("directory used by %d identities, want 2", refs)
 	}
 	alice, bob = nil, nil
-	waitFor(t, "both identities released", func() bool {
-		runtime_GC()
-		return p.Stats().Identities == 0
-	})
+	waitReleased(t, p)
 	if got := w.notify.WatchList(); len(got) != 0 {
 		t.Errorf("fsnotify still watches %v after every identity was released", got)
 	}
@@ -564,8 +560,6 @@ func TestRotationCloseReleasesEverything(t *testing.T) {
 	}
 	waitFor(t, "file descriptors back to the baseline", func() bool { return countFDs(t) <= before })
 }
-
-var runtime_GC = runtime.GC
 
 // logLines collects a pool's log messages.
 type logLines struct {
