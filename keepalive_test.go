@@ -239,9 +239,9 @@ func TestKeepAliveOff(t *testing.T) {
 	if st.Accepted != n {
 		t.Errorf("keep-alive off: %d requests, %d connections, want one each", n, st.Accepted)
 	}
-	if st.Open > 1 {
-		t.Errorf("keep-alive off left %d connections open", st.Open)
-	}
+	// The server sees each connection closed a moment after the response
+	// the client read: the last ones may still be open here.
+	waitFor(t, "keep-alive off leaves no connection open", func() bool { return f.srv.Stats().Open == 0 })
 
 	// client-go's own transport for an unrelated config keeps its connection.
 	f.srv.ResetStats()

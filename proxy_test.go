@@ -240,13 +240,27 @@ func TestProxySecretRotation(t *testing.T) {
 				runtime.GC()
 				return p.Stats().Identities == 1
 			})
+			// The old identity leaves the pool's count just before its
+			// connections are closed, and the pool's open connections
+			// count them until then: the pool and the member agree, and
+			// every connection the pool counts is the remaining identity's.
 			waitFor(t, "old identity's connections closed", func() bool {
-				return m.OpenConns() == p.Stats().OpenConns
+				open := p.Stats().OpenConns
+				return m.OpenConns() == open && identityConns(p) == open
 			})
 			checkProxyRotation(t, tc.name, tc.newIdentity, m, before, afterLoad, clients*requests)
 			runtime.KeepAlive(current)
 		})
 	}
+}
+
+// identityConns is the sum of the open connections of p's identities.
+func identityConns(p *Pool) int {
+	n := 0
+	for _, i := range p.Identities() {
+		n += i.OpenConns
+	}
+	return n
 }
 
 // checkProxyRotation checks what member m saw of TestProxySecretRotation's
