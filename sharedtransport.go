@@ -55,6 +55,9 @@ type Pool struct {
 	entries map[identityKey]*entry
 	closed  bool
 	watcher *fileWatcher // nil until a config names certificate files
+
+	closeOnce sync.Once
+	closeErr  error // what the first Close returned
 }
 
 // New returns a pool configured by opts.
@@ -134,13 +137,16 @@ func (p *Pool) Wrap(cfg *rest.Config) error {
 // Close closes every connection of the pool, stops watching files and waits
 // for the pool's goroutines to exit. Requests sent afterwards through configs
 // the pool wrapped fail with [ErrClosed], as do requests in flight and reads
-// of response bodies whose connection it closed. Close is idempotent.
+// of response bodies whose connection it closed. Close is idempotent: every
+// call, concurrent ones included, returns once the pool is closed, with the
+// first call's result.
 func (p *Pool) Close() error {
+	p.closeOnce.Do(func() { p.closeErr = p.shutdown() })
+	return p.closeErr
+}
+
+func (p *Pool) shutdown() error {
 	p.mu.Lock()
-	if p.closed {
-		p.mu.Unlock()
-		return nil
-	}
 	p.closed = true
 	entries := p.entries
 	p.entries = map[identityKey]*entry{}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"net/http"
 	"net/url"
 	"path/filepath"
@@ -599,4 +600,63 @@ func waitFor(t testing.TB, what string, cond func() bool) {
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
+}
+
+// TestCloseRaced: a Close called while another is still closing the pool
+// returns only once the pool is closed, with the same result, so whichever
+// caller returns first may rely on every connection being closed.
+func TestCloseRaced(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	p := newPool(t, WithDialIdentity(func(*rest.Config) string { return "held on close" }))
+	closing, release := make(chan struct{}), make(chan struct{})
+	var signal sync.Once
+	cfg := f.srv.RestConfig(f.alice)
+	cfg.Dial = func(ctx context.Context, network, address string) (net.Conn, error) {
+		c, err := (&net.Dialer{}).DialContext(ctx, network, address)
+		if err != nil {
+			return nil, err
+		}
+		return &heldOnClose{Conn: c, closing: func() { signal.Do(func() { close(closing) }) }, release: release}, nil
+	}
+	if err := p.Wrap(cfg); err != nil {
+		t.Fatal(err)
+	}
+	if err := listNodes(context.Background(), cfg); err != nil {
+		t.Fatal(err)
+	}
+
+	first := make(chan error, 1)
+	go func() { first <- p.Close() }()
+	<-closing // the first Close is closing the identity's connection
+	second := make(chan error, 1)
+	go func() { second <- p.Close() }()
+	select {
+	case err := <-second:
+		t.Errorf("a second Close returned (%v) while the first was still closing the pool's connections", err)
+		second <- err
+	case <-time.After(100 * time.Millisecond):
+	}
+	close(release)
+	for _, c := range []chan error{first, second} {
+		if err := <-c; err != nil {
+			t.Errorf("Close: %v", err)
+		}
+	}
+	if st := p.Stats(); st.OpenConns != 0 {
+		t.Errorf("the pool counts %d open connections once both Closes returned", st.OpenConns)
+	}
+	runtime.KeepAlive(cfg)
+}
+
+// heldOnClose is a connection whose Close waits until release is closed.
+type heldOnClose struct {
+	net.Conn
+	closing func()
+	release chan struct{}
+}
+
+func (c *heldOnClose) Close() error {
+	c.closing()
+	<-c.release
+	return c.Conn.Close()
 }
