@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"net"
 	"net/http"
 	"net/url"
 	"path/filepath"
@@ -28,10 +29,13 @@ import (
 // (a subtest each), for about five seconds. Run it under -race. In each
 // round every client completes requests before Close starts, and every Wrap
 // and request ends one of two ways: it succeeds, or, once Close has started,
-// it fails with ErrClosed. Once Close has returned, Wrap and the requests of
-// clients that only the pool can carry fail with ErrClosed. Every request
-// carries the certificate its config holds. Goroutines (goleak in TestMain)
-// and file descriptors come back to where they were.
+// it fails with ErrClosed. (A request of a certificate-files config that
+// client-go's own transport carries may also be cut by that transport's own
+// rotation, as it would be without the pool; see filesRequest.) Once Close
+// has returned, Wrap and the requests of clients that only the pool can
+// carry fail with ErrClosed. Every request carries the certificate its
+// config holds. Goroutines (goleak in TestMain) and file descriptors come
+// back to where they were.
 func TestConcurrency(t *testing.T) {
 	total := 5 * time.Second
 	if testing.Short() {
@@ -157,7 +161,7 @@ const (
 
 // raceTally counts how a round's calls ended.
 type raceTally struct {
-	wraps, requests, beforeClose, closedErrs, afterClosedErrs, rotations, gcs, passThrough int64
+	wraps, requests, beforeClose, closedErrs, afterClosedErrs, clientGoCuts, rotations, gcs, passThrough int64
 }
 
 func (s *raceTally) add(o raceTally) {
@@ -166,6 +170,7 @@ func (s *raceTally) add(o raceTally) {
 	s.beforeClose += o.beforeClose
 	s.closedErrs += o.closedErrs
 	s.afterClosedErrs += o.afterClosedErrs
+	s.clientGoCuts += o.clientGoCuts
 	s.rotations += o.rotations
 	s.gcs += o.gcs
 	s.passThrough += o.passThrough
@@ -173,8 +178,8 @@ func (s *raceTally) add(o raceTally) {
 
 func (s *raceTally) String() string {
 	return fmt.Sprintf("%d Wraps and %d requests succeeded (%d requests before Close started), %d failed with ErrClosed once Close started "+
-		"(%d of them sent after it returned), %d rotations written, %d GCs, %d pass-throughs",
-		s.wraps, s.requests, s.beforeClose, s.closedErrs, s.afterClosedErrs, s.rotations, s.gcs, s.passThrough)
+		"(%d of them sent after it returned), %d cut by client-go's own transport as it rotated, %d rotations written, %d GCs, %d pass-throughs",
+		s.wraps, s.requests, s.beforeClose, s.closedErrs, s.afterClosedErrs, s.clientGoCuts, s.rotations, s.gcs, s.passThrough)
 }
 
 // raceRound is one pool's life in TestConcurrency.
@@ -250,10 +255,11 @@ func (r *raceRound) spawnFresh(loop string) {
 	r.progress[loop] = 0
 	r.mu.Unlock()
 	r.spawn(func(rnd *rand.Rand) {
-		cfg := r.h.newConfig(raceKinds[rnd.IntN(len(raceKinds))])
+		kind := raceKinds[rnd.IntN(len(raceKinds))]
+		cfg := r.h.newConfig(kind)
 		start := r.begin()
 		err := r.p.Wrap(cfg)
-		r.end(start, "Wrap", loop, false, true, err)
+		r.end(start, "Wrap", loop, wrapCall, err)
 		if err != nil {
 			return
 		}
@@ -263,7 +269,11 @@ func (r *raceRound) spawnFresh(loop string) {
 			return
 		}
 		start = r.begin()
-		r.end(start, "request on a fresh config", loop, true, false, r.list(cs))
+		call := anyRequest
+		if kind == "files" {
+			call = filesRequest
+		}
+		r.end(start, "request on a fresh config", loop, call, r.list(cs))
 	})
 }
 
@@ -279,7 +289,10 @@ func (r *raceRound) spawnLongLived(t *testing.T, kind string) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	onlyPool := kind != "files" // a files client may be handed back to client-go's transport
+	call := poolRequest
+	if kind == "files" {
+		call = filesRequest // a files client may be handed back to client-go's transport
+	}
 	for i := range 2 {
 		loop := fmt.Sprintf("long-lived %s client, loop %d", kind, i)
 		r.mu.Lock()
@@ -287,7 +300,7 @@ func (r *raceRound) spawnLongLived(t *testing.T, kind string) {
 		r.mu.Unlock()
 		r.spawn(func(*rand.Rand) {
 			start := r.begin()
-			r.end(start, "request on a long-lived "+kind+" client", loop, true, onlyPool, r.list(cs))
+			r.end(start, "request on a long-lived "+kind+" client", loop, call, r.list(cs))
 		})
 	}
 }
@@ -327,12 +340,27 @@ func (r *raceRound) begin() int32 {
 	return r.phase.Load()
 }
 
-// end judges a Wrap or request of loop that started in phase start and
-// returned err. It may succeed, unless it started after Close returned and
-// only the pool can carry it (a Wrap, a request through a client only the
-// pool carries); it may fail only with ErrClosed, and only once Close has
-// started.
-func (r *raceRound) end(start int32, what, loop string, request, onlyPool bool, err error) {
+// What a call of a round is, for end to judge how it may end.
+type raceCall int
+
+const (
+	wrapCall    raceCall = iota // a Pool.Wrap
+	poolRequest                 // a request through a client only the pool carries
+	anyRequest                  // a request client-go's own transport may carry (its config passed through)
+	// filesRequest is an anyRequest of a config with certificate files.
+	// client-go's own transport for such a config closes all its
+	// connections, requests in flight on them included, when a handshake
+	// finds the certificate file changed (its dynamicClientCert), as it
+	// does without the pool.
+	filesRequest
+)
+
+// end judges a call of loop that started in phase start and returned err.
+// It may succeed, unless it started after Close returned and only the pool
+// can carry it (a Wrap, a poolRequest); it may fail with ErrClosed once
+// Close has started, and a filesRequest also as client-go's own transport
+// fails it when it rotates.
+func (r *raceRound) end(start int32, what, loop string, call raceCall, err error) {
 	now := r.phase.Load()
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -341,9 +369,9 @@ func (r *raceRound) end(start int32, what, loop string, request, onlyPool bool, 
 		r.afterClose[loop]++
 	}
 	switch {
-	case err == nil && start == closed && onlyPool:
+	case err == nil && start == closed && (call == wrapCall || call == poolRequest):
 		r.unexpected[what+": succeeded, sent after Close returned"]++
-	case err == nil && !request:
+	case err == nil && call == wrapCall:
 		r.tally.wraps++
 	case err == nil:
 		r.tally.requests++
@@ -356,6 +384,8 @@ func (r *raceRound) end(start int32, what, loop string, request, onlyPool bool, 
 		if start == closed {
 			r.tally.afterClosedErrs++
 		}
+	case call == filesRequest && errors.Is(err, net.ErrClosed):
+		r.tally.clientGoCuts++
 	default:
 		r.unexpected[fmt.Sprintf("%s (%s): %v", what, [...]string{"before Close", "while Close ran", "after Close"}[now], reason(err))]++
 	}
@@ -439,7 +469,7 @@ func (r *raceRound) check(t *testing.T) {
 	if r.started != r.ended {
 		t.Errorf("%d Wraps and requests started, %d returned", r.started, r.ended)
 	}
-	if got := r.tally.wraps + r.tally.requests + r.tally.closedErrs + sumCounts(r.unexpected); got != r.ended {
+	if got := r.tally.wraps + r.tally.requests + r.tally.closedErrs + r.tally.clientGoCuts + sumCounts(r.unexpected); got != r.ended {
 		t.Errorf("%d Wraps and requests returned, %d accounted for", r.ended, got)
 	}
 	for msg, n := range r.unexpected {
