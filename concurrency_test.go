@@ -351,9 +351,17 @@ const (
 	// client-go's own transport for such a config closes all its
 	// connections, requests in flight on them included, when a handshake
 	// finds the certificate file changed (its dynamicClientCert), as it
-	// does without the pool.
+	// does without the pool: see cutByClientGoRotation.
 	filesRequest
 )
+
+// cutByClientGoRotation reports whether err is how a request fails when
+// client-go's certificate rotation closes its connection: the request
+// writing on it sees the closed connection, and HTTP/2 then closes the
+// client connection with the others' streams on it.
+func cutByClientGoRotation(err error) bool {
+	return errors.Is(err, net.ErrClosed) || strings.Contains(err.Error(), "http2: client connection force closed via ClientConn.Close")
+}
 
 // end judges a call of loop that started in phase start and returned err.
 // It may succeed, unless it started after Close returned and only the pool
@@ -384,7 +392,7 @@ func (r *raceRound) end(start int32, what, loop string, call raceCall, err error
 		if start == closed {
 			r.tally.afterClosedErrs++
 		}
-	case call == filesRequest && errors.Is(err, net.ErrClosed):
+	case call == filesRequest && cutByClientGoRotation(err):
 		r.tally.clientGoCuts++
 	default:
 		r.unexpected[fmt.Sprintf("%s (%s): %v", what, [...]string{"before Close", "while Close ran", "after Close"}[now], reason(err))]++
