@@ -317,8 +317,11 @@ func TestBlackHole(t *testing.T) {
 // control), and never more connections open than the workers' requests can
 // hold: one per request in flight on a connection that got GOAWAY (it
 // finishes its streams), one per request waiting for a dial. With
-// WithMaxConnsPerHost(1) every connection beyond the first replaces one that
-// got GOAWAY, and one connection takes requests at a time.
+// WithMaxConnsPerHost(1) no request is lost or left waiting while the one
+// connection it allows is replaced, and no more are open than that bound.
+// (How many connections the server accepts is no measure of the cap here:
+// Go's HTTP/2 client dials for each request waiting as a GOAWAY arrives and
+// closes all but one unused, with or without it; gate_test.go holds the cap.)
 func TestGoaway(t *testing.T) {
 	const workers, requests = 20, 30
 	load := func(t *testing.T, wrap func(*rest.Config) error) (*testserver.Server, testserver.Stats) {
@@ -360,12 +363,6 @@ func TestGoaway(t *testing.T) {
 			}
 		}},
 		{"WithMaxConnsPerHost(1)", []Option{WithMaxConnsPerHost(1)}, func(t *testing.T, st testserver.Stats) {
-			// One connection per GOAWAY, plus the first; a worker whose
-			// request met a connection the server was closing dials once
-			// more, so the bound allows one more per worker.
-			if st.Accepted > st.Goaways+workers {
-				t.Errorf("the server accepted %d connections and sent %d GOAWAYs: more than one connection per GOAWAY and one per worker", st.Accepted, st.Goaways)
-			}
 			if st.PeakOpen > workers+1 {
 				t.Errorf("%d connections open at once, want at most %d (one per worker plus one)", st.PeakOpen, workers+1)
 			}
