@@ -885,9 +885,7 @@ func TestAdversaryCopyFilesRotateOriginalBad(t *testing.T) {
 	f := newFixture(t, testserver.Options{})
 	r := newCopyRig(t, testserver.Options{CA: f.ca})
 	p := newPool(t, WithPollInterval(0))
-	d := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
-	other := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
-	pair := wrapPair(t, p, func() *rest.Config { return d.config(r.srv.URL()) })
+	d, other, pair := filesPairWithTwin(t, f, r, p)
 	cp := pair.copies(func(c *rest.Config) { c.CertFile, c.KeyFile = other.cert, other.key })
 	before := r.hold(t, cp, nil)
 	// A copy reading the original's own files, which client-go builds a
@@ -1080,9 +1078,7 @@ func TestAdversaryCopyOtherCAFile(t *testing.T) {
 	f := newFixture(t, testserver.Options{})
 	r := newCopyRig(t, testserver.Options{CA: f.ca})
 	p := newPool(t, WithPollInterval(0))
-	d := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
-	other := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
-	pair := wrapPair(t, p, func() *rest.Config { return d.config(r.srv.URL()) })
+	_, other, pair := filesPairWithTwin(t, f, r, p)
 	aliceSeen := observation{CN: "alice", Proto: h2, Gzip: true, Via: "direct"}
 	r.check(t, pair, &aliceSeen)
 	if n := p.Stats().PassThrough; n != 0 {

@@ -210,10 +210,11 @@ func proxyTo(p *connectProxy) func(*http.Request) (*url.URL, error) {
 	return func(*http.Request) (*url.URL, error) { return u, nil }
 }
 
-// pairedPool wraps originals in a pool and keeps unwrapped twins for the
-// controls.
+// copyPair is a config wrapped in a pool and an unwrapped twin of it, the
+// control.
 type copyPair struct{ wrapped, control *rest.Config }
 
+// wrapPair builds two originals and wraps the first in p.
 func wrapPair(t testing.TB, p *Pool, newOriginal func() *rest.Config) copyPair {
 	t.Helper()
 	pair := copyPair{newOriginal(), newOriginal()}
@@ -221,6 +222,18 @@ func wrapPair(t testing.TB, p *Pool, newOriginal func() *rest.Config) copyPair {
 		t.Fatal(err)
 	}
 	return pair
+}
+
+// filesPairWithTwin returns a copy pair of configs reading alice's
+// certificate files from d (the first wrapped in p), and twin, a second
+// directory holding the same files: a copy naming twin's files reads, at
+// first, the same bytes.
+func filesPairWithTwin(t *testing.T, f *fixture, r *copyRig, p *Pool) (d, twin *certDir, pair copyPair) {
+	t.Helper()
+	d = newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
+	twin = newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
+	pair = wrapPair(t, p, func() *rest.Config { return d.config(r.srv.URL()) })
+	return d, twin, pair
 }
 
 // copies applies mutate to a copy of each side.
@@ -376,9 +389,7 @@ func copyCrossingsRotatedCert(t *testing.T, f *fixture, r *copyRig) {
 // bytes" case.
 func copyCrossingsSameBytes(t *testing.T, f *fixture, r *copyRig) {
 	p := newPool(t, WithPollInterval(0))
-	d := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
-	same := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
-	pair := wrapPair(t, p, func() *rest.Config { return d.config(r.srv.URL()) })
+	d, same, pair := filesPairWithTwin(t, f, r, p)
 	cp := pair.copies(func(c *rest.Config) { c.CertFile, c.KeyFile, c.CAFile = same.cert, same.key, same.ca })
 	aliceSeen := observation{CN: "alice", Proto: h2, Gzip: true, Via: "direct"}
 	before := r.hold(t, cp, &aliceSeen)
