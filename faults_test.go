@@ -121,7 +121,11 @@ func startRestartLoad(hc *http.Client, target string, phase *atomic.Int32) (stop
 				req, _ := http.NewRequestWithContext(ctx, http.MethodGet, target, nil)
 				resp, err := hc.Do(req)
 				if err == nil {
-					_, err = io.Copy(io.Discard, resp.Body)
+					// net/http's body errors name no request: the loop names
+					// it, as client-go does when it reads a body.
+					if _, err = io.Copy(io.Discard, resp.Body); err != nil {
+						err = fmt.Errorf("reading the body of GET %s: %w", target, err)
+					}
 					resp.Body.Close()
 					if err == nil && resp.StatusCode != http.StatusOK {
 						err = fmt.Errorf("status %s", resp.Status)
@@ -155,7 +159,9 @@ func checkRestartResults(t *testing.T, results []restartResult, addr string) {
 	var failed [3][3]int // by start phase, end phase
 	reasons := map[string]int{}
 	quoted := regexp.QuoteMeta(addr)
-	clear := regexp.MustCompile(`^Get "https://` + quoted + `/api/v1/nodes": .+`)
+	// An error from Do (a url.Error), or one reading a response whose
+	// headers arrived before the server died.
+	clear := regexp.MustCompile(`^(Get "https://` + quoted + `/api/v1/nodes"|reading the body of GET https://` + quoted + `/api/v1/nodes): .+`)
 	for _, r := range results {
 		if r.err == nil {
 			ok[r.startPhase]++
