@@ -36,11 +36,6 @@ type entry struct {
 	idleTimer *time.Timer    // releases the entry after the idle grace; guarded by pool.mu
 	watch     *identityWatch // set before the entry is in the pool, then fixed; nil unless id.watchesFiles()
 
-	// checkMu serializes the looks at client-go transports that ask
-	// client-go's certificate-file refresher (see clientTransport.check); it
-	// guards no field.
-	checkMu sync.Mutex
-
 	// hosts is what the identity learnt about the hosts it talks to (the
 	// protocol each speaks), kept across rotations: every generation of the
 	// entry shares it (gate.go).
@@ -49,20 +44,15 @@ type entry struct {
 	stats      identityCounters              // the identity's share of the pool's counters
 	lastReload atomic.Pointer[reloadFailure] // the last reload rejected; nil: none
 
-	// mu guards draining, agreed and agreedNext. rotate swaps current and
-	// close sets closed while holding it, so a generation is never taken
-	// into use after the entry closed.
+	// mu guards draining. rotate swaps current and close sets closed while
+	// holding it, so a generation is never taken into use after the entry
+	// closed.
 	mu       sync.Mutex
 	draining map[*generation]*time.Timer
-	// client-go transports found to agree with a generation. client-go hands
-	// the same transport again for every config its cache can key, and
-	// asking a transport for its client certificate is not free. A finding
-	// holds for its generation only: a rotation changes what the pool
-	// presents, never what client-go's transport presents. Weak, so the pool
-	// keeps no transport alive.
-	agreed     [8]agreement
-	agreedNext int
 }
+
+// sinceTime is when the current generation took effect.
+func (e *entry) sinceTime() time.Time { return time.Unix(0, e.since.Load()) }
 
 // acquire returns a lease on id's entry, building the entry on first use.
 // Concurrent first uses of one identity share one build.

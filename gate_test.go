@@ -730,7 +730,7 @@ func TestRetiredGenerationRetried(t *testing.T) {
 	// The request is checked again before it is resent: past client-go's
 	// one-second cache of the files, client-go's transport for the config
 	// presents dave too, so the request may go with the new material.
-	time.Sleep(certFileSettle + 300*time.Millisecond)
+	time.Sleep(certSettle + 300*time.Millisecond)
 	close(h.release)
 	err := <-result
 	t.Logf("a request whose dial outlived the rotation: %v; server saw %v", err, rec.cns())

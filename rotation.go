@@ -751,8 +751,6 @@ func (e *entry) rotate(g *generation, drain time.Duration) bool {
 	}
 	e.since.Store(time.Now().UnixNano()) // before g is visible: see settled
 	old := e.current.Swap(g)
-	// Findings about client-go transports were made against old.
-	e.agreed = [len(e.agreed)]agreement{}
 	if e.draining == nil {
 		e.draining = map[*generation]*time.Timer{}
 	}
@@ -765,15 +763,4 @@ func (e *entry) rotate(g *generation, drain time.Duration) bool {
 	e.mu.Unlock()
 	old.retire()
 	return true
-}
-
-// certFileSettle is how long after a rotation client-go's transports may still
-// present the certificate they read from the files before it: client-go caches
-// what it reads for a second.
-const certFileSettle = 1200 * time.Millisecond
-
-// settled reports whether g took effect long enough ago that client-go's
-// transports for the same certificate files present what g presents.
-func (e *entry) settled(g *generation) bool {
-	return e.current.Load() != g || time.Since(time.Unix(0, e.since.Load())) >= certFileSettle
 }

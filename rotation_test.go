@@ -786,7 +786,7 @@ func TestRotationClientCatchesUp(t *testing.T) {
 	d.write(t, f.bob, f.ca.CertPEM())
 	waitFor(t, "the pool takes the new files into use", func() bool { return p.Stats().Rotations == 1 })
 	list() // client-go's transport still presents alice: it carries this one
-	time.Sleep(certFileSettle + 300*time.Millisecond)
+	time.Sleep(certSettle + 300*time.Millisecond)
 	settled := time.Now()
 	for range 3 {
 		list()
@@ -795,4 +795,46 @@ func TestRotationClientCatchesUp(t *testing.T) {
 	if seen["bob"] != 3 || len(seen) != 1 {
 		t.Errorf("once client-go's certificate cache expired the server saw requests from %v, want 3 from bob", seen)
 	}
+}
+
+// TestRotationFilesProxyBadKey: a wrapped config with certificate files and a
+// Proxy function (client-go builds each client a transport of its own) lives
+// through a key that stops matching its certificate and then a rotation: its
+// requests keep working with the last good pair, and after the rotation an
+// existing client presents the new certificate. hack/patched-client-go.sh
+// runs it against a client-go whose unexported structs carry extra fields.
+func TestRotationFilesProxyBadKey(t *testing.T) {
+	rec := &cnRecorder{}
+	f := newFixture(t, testserver.Options{OnRequest: rec.record})
+	p := newPool(t, WithPollInterval(0))
+	d := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
+	cfg := d.config(f.srv.URL())
+	cfg.Proxy = nilProxy
+	if err := p.Wrap(cfg); err != nil {
+		t.Fatal(err)
+	}
+	cs := mustClientset(t, cfg)
+	ctx := context.Background()
+	list := func(c kubernetes.Interface) {
+		t.Helper()
+		if _, err := c.CoreV1().Nodes().List(ctx, metav1.ListOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	list(cs)
+	writeAtomic(t, d.key, f.bob.KeyPEM)
+	waitFor(t, "the pool rejects the mismatched key", func() bool { return p.Stats().RotationErrors > 0 })
+	list(cs)
+	list(mustClientset(t, cfg))
+	if seen := rec.cns(); seen["alice"] != 3 || len(seen) != 1 {
+		t.Errorf("with a mismatched key on disk the server saw %v, want 3 requests from alice", seen)
+	}
+	d.write(t, f.bob, f.ca.CertPEM())
+	waitFor(t, "the pool takes the new pair into use", func() bool { return p.Stats().Rotations == 1 })
+	written := time.Now()
+	waitFor(t, "an existing client presents the new certificate", func() bool {
+		list(cs)
+		_, ok := rec.firstSince("bob", written)
+		return ok
+	})
 }

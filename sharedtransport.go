@@ -16,6 +16,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"maps"
 	"net"
 	"net/http"
 	"net/url"
@@ -118,7 +119,7 @@ func (p *Pool) Wrap(cfg *rest.Config) error {
 		p.stats.passThrough.Add(1)
 		return nil
 	}
-	h, err := newHook(p, id, cfg)
+	h, err := p.newHook(id, cfg)
 	if err != nil {
 		return err
 	}
@@ -284,7 +285,7 @@ func (c *clientConfig) Namespace() (string, bool, error) { return c.inner.Namesp
 func (c *clientConfig) ConfigAccess() clientcmd.ConfigAccess { return c.inner.ConfigAccess() }
 
 // identityKey is what two configs must agree on to share a transport. It is
-// a comparable struct, as client-go's tlsCacheKey is, so a field added to the
+// a comparable struct, as client-go's own cache key is, so a field added to the
 // identity is added here once and compared everywhere. Key material enters
 // it as digests; its String redacts everything.
 type identityKey struct {
@@ -297,9 +298,8 @@ type identityKey struct {
 	caFile, certFile, keyFile string
 	caData, certData, keyData digest
 
-	getCert    *transport.GetCertHolder // an exec plugin's certificate
-	dialHolder *transport.DialHolder    // an exec plugin's dialer
-	dialName   string                   // a custom Dial, named by WithDialIdentity
+	getCert  *transport.GetCertHolder // an exec plugin's certificate (and dialer: one per authenticator)
+	dialName string                   // a custom Dial, named by WithDialIdentity
 
 	// proxy is "" when the transport uses the environment's proxy, as
 	// client-go does for configs without Proxy; otherwise the URL the
@@ -372,11 +372,6 @@ type identity struct {
 	// it, gets it the same way.
 	connectHeader      http.Header
 	headerFromWrappers bool
-
-	// clientGoKey, for certificate-file identities client-go can cache (no
-	// Proxy, no Dial), is the TLS part of the config as client-go keys its
-	// transport cache: the paths as the config names them.
-	clientGoKey *transport.TLSConfig
 
 	// proxy is nil when the transport uses the environment, as client-go
 	// does for configs without Proxy. Otherwise it returns the URL (or nil,
@@ -454,12 +449,6 @@ func (p *Pool) identityOf(cfg *rest.Config, tc *transport.Config) (id *identity,
 		return nil, false, nil // pass through: a Proxy function that fails
 	}
 	id.key = id.keyFor(dialName, proxy)
-	if dialName == "" {
-		id.key.dialHolder = tc.DialHolder // exec plugin: one per authenticator, cached by client-go
-	}
-	if id.certFile != "" && cfg.Proxy == nil && tc.DialHolder == nil {
-		id.clientGoKey = clientGoKey(tc)
-	}
 	return id, true, nil
 }
 
@@ -503,20 +492,6 @@ func (id *identity) keyFor(dialName, proxy string) identityKey {
 	}
 }
 
-// clientGoKey returns the TLS part of tc as client-go keys its transport
-// cache: see identity.clientGoKey.
-func clientGoKey(tc *transport.Config) *transport.TLSConfig {
-	return &transport.TLSConfig{
-		Insecure:   tc.TLS.Insecure,
-		ServerName: tc.TLS.ServerName,
-		NextProtos: tc.TLS.NextProtos,
-		CAFile:     tc.TLS.CAFile,
-		CAData:     tc.TLS.CAData,
-		CertFile:   tc.TLS.CertFile,
-		KeyFile:    tc.TLS.KeyFile,
-	}
-}
-
 // setMaterial records where id's CA and client certificate come from. Like
 // client-go, files are reloaded only when named without inline data (and, for
 // the client certificate, when both halves are files); a mix is read once.
@@ -549,21 +524,24 @@ func (id *identity) setMaterial(tc *transport.Config) error {
 // name that keys a custom Dial. share is false for a custom Dial without a
 // name: dialers cannot be compared.
 func (p *Pool) setDialer(id *identity, cfg *rest.Config, tc *transport.Config) (name string, share bool) {
-	switch {
-	case cfg.Dial != nil:
+	own := cfg.Dial
+	if d := wrappedDialer(cfg); d != nil {
+		own = d.dial // the pool's dialer of a wrapped config: what it dials with
+	}
+	if own != nil {
 		if p.opts.dialIdentity != nil {
 			name = p.opts.dialIdentity(cfg)
 		}
 		if name == "" {
 			return "", false
 		}
+	}
+	if tc.DialHolder != nil {
 		// tc's dialer, not cfg.Dial: for an exec plugin config client-go
-		// wraps cfg.Dial in the tracker its authenticator closes when the
+		// wraps it in the tracker its authenticator closes when the
 		// plugin's certificate changes, and the pool's connections must
-		// close with it. Otherwise the two are the same function.
+		// close with it. Otherwise it is cfg.Dial.
 		id.dial = tc.DialHolder.Dial
-	case tc.DialHolder != nil:
-		id.dial = tc.DialHolder.Dial // the exec plugin's tracking dialer
 	}
 	return name, true
 }
@@ -690,4 +668,22 @@ func urlString(u *url.URL) string {
 		return "direct"
 	}
 	return u.String()
+}
+
+// canonicalHeader encodes h so that equal headers give equal bytes.
+func canonicalHeader(h http.Header) []byte {
+	if len(h) == 0 {
+		return nil
+	}
+	var b []byte
+	for _, k := range slices.Sorted(maps.Keys(h)) {
+		b = binary.AppendUvarint(b, uint64(len(k)))
+		b = append(b, k...)
+		b = binary.AppendUvarint(b, uint64(len(h[k])))
+		for _, v := range h[k] {
+			b = binary.AppendUvarint(b, uint64(len(v)))
+			b = append(b, v...)
+		}
+	}
+	return b
 }

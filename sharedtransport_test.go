@@ -394,7 +394,7 @@ func TestHookComposition(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if httpTransport(wrapped) != nil || upgrader == nil {
+		if unwrapTransport(wrapped) != nil || upgrader == nil {
 			t.Errorf("the SPDY round tripper was replaced: %T", wrapped)
 		}
 	})

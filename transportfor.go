@@ -188,12 +188,8 @@ func clientGoTransportFor(tc *transport.Config, id *identity) (http.RoundTripper
 	c := *tc
 	c.UserAgent, c.Username, c.Password, c.BearerToken, c.BearerTokenFile = "", "", "", "", ""
 	c.Impersonate = transport.ImpersonationConfig{}
-	var base http.RoundTripper
-	c.WrapTransport = func(rt http.RoundTripper) http.RoundTripper {
-		base = rt
-		return rt
-	}
-	if _, err := transport.New(&c); err != nil {
+	base, err := clientGoBase(&c)
+	if err != nil {
 		return nil, fmt.Errorf("sharedtransport: client-go's transport for requests to other hosts than the config's: %w", err)
 	}
 	return id.withWrapperHeader(base), nil

@@ -1,8 +1,8 @@
-// The hook Wrap installs in a config's WrapTransport, and the copy-safety
-// rule it applies to every client built from the config or a copy of it: a
-// client rides the shared transport only when client-go's transport for it is
-// shown to authenticate, trust, dial, route, negotiate and compress as the
-// shared one does.
+// The hook Wrap installs in a config's WrapTransport, and the rule it applies
+// to every client built from the config or a copy of it: a client rides the
+// shared transport only when public behaviour shows that client-go's
+// transport for it authenticates, trusts, dials, routes, negotiates and
+// compresses as the shared one does.
 
 package sharedtransport
 
@@ -11,10 +11,8 @@ import (
 	"context"
 	"crypto/tls"
 	"crypto/x509"
-	"encoding/binary"
 	"errors"
 	"fmt"
-	"maps"
 	"net"
 	"net/http"
 	"net/url"
@@ -23,7 +21,6 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
-	"unsafe"
 	"weak"
 
 	utilnet "k8s.io/apimachinery/pkg/util/net"
@@ -31,45 +28,61 @@ import (
 	"k8s.io/client-go/transport"
 )
 
+// certRecheck is how long a client's certificate, once found to be the
+// identity's, is taken to stay so: client-go re-reads certificate files as
+// often.
+const certRecheck = 5 * time.Minute
+
+// certSettle is how long after a rotation client-go's transports may still
+// hand out the certificate they read before it (client-go caches what it
+// reads from files for a second): a mismatch found that early is looked at
+// again.
+const certSettle = 1200 * time.Millisecond
+
 // hook is what Wrap installs as the innermost rest.Config.WrapTransport.
 // client-go calls it with the transport it built for a client of the wrapped
-// config, or of a copy of it (rest.CopyConfig copies WrapTransport), or of the
-// config changed in place. The hook never sees the config, only client-go's
-// transport, so the rule is: hand a client the shared transport only when
-// client-go's transport for that client is shown to authenticate, trust, dial,
-// route, negotiate and compress exactly as the shared one does; anything not
-// shown keeps client-go's transport (correct, only not shared).
+// config, of a copy of it (rest.CopyConfig copies WrapTransport), or of the
+// config changed in place. It sees only that transport, never the config, and
+// decides in one of two ways:
 //
-// The hook refers to its lease weakly. client-go keeps the WrapTransport of the
-// first config of every TLS cache key for as long as it keeps the transport it
-// cached for that key (the GetClientCertificate closure of the cached
-// transport's tls.Config captures the whole transport.Config), and client-go
-// before v0.36 never prunes that cache: a hook holding its lease strongly would
-// keep every identity with a client certificate alive for good. Instead the
-// wrapped config holds the lease (Wrap attaches it), clients hold it through
-// the round tripper the hook returns, and a hook whose lease was collected
-// takes a new one.
+//   - For a config client-go caches (no Proxy, no Dial), client-go's own cache
+//     key decides: a client whose transport is the one client-go's cache
+//     holds for the wrapped config agrees with it on every field of the key.
+//   - For a config client-go does not cache, Wrap installs a dialer of the
+//     pool's (poolDialer): a transport that dials through it is a client of
+//     the wrapped config or of a copy that kept its dialer. Its TLS settings
+//     are compared field by field, its proxy is asked per request, and its
+//     certificate is asked for at the client's first request.
+//
+// The hook refers to its lease weakly: client-go before v0.36 keeps the
+// WrapTransport of the first config of each cache key for good (the cached
+// transport's certificate callback captures it), so a hook holding its lease
+// would keep the identity alive for good. The wrapped config holds the lease
+// (Wrap attaches it), clients hold it through their round tripper, and a hook
+// whose lease was collected takes a new one.
 type hook struct {
 	pool *Pool
 	id   *identity
-	// dial is the dialer of the wrapped config as client-go would use it: a
-	// client-go transport that dials with anything else is not this
-	// config's.
-	dial dialFingerprint
+	// base is the wrapped config as Wrap found it, for asking client-go's
+	// cache which transport it holds for the config's key; nil when the
+	// config carries dialer instead.
+	base   *rest.Config
+	dialer *poolDialer
 	// onlyHost, set when the wrapped config has a Proxy function, is the
-	// host that function was asked about: requests to any other host keep
-	// client-go's transport, which asks the client's own Proxy.
+	// host that function was asked about: requests to other hosts keep
+	// client-go's transport, which asks the client's own function.
 	onlyHost string
 
-	mu    sync.Mutex // guards lease
-	lease weak.Pointer[lease]
+	mu        sync.Mutex // guards lease, cached and cachedFor
+	lease     weak.Pointer[lease]
+	cached    http.RoundTripper // client-go's cached transport for base
+	cachedFor *generation       // the generation current when cached was asked for
 }
 
-func newHook(p *Pool, id *identity, cfg *rest.Config) (*hook, error) {
-	h := &hook{pool: p, id: id, dial: defaultDial}
-	if cfg.Dial != nil {
-		h.dial = fingerprintDial(cfg.Dial)
-	}
+// newHook prepares the hook for cfg, whose identity is id. For a config
+// client-go does not cache it installs the pool's dialer in cfg.
+func (p *Pool) newHook(id *identity, cfg *rest.Config) (*hook, error) {
+	h := &hook{pool: p, id: id}
 	if cfg.Proxy != nil {
 		probe, err := probeRequest(cfg)
 		if err != nil {
@@ -77,19 +90,53 @@ func newHook(p *Pool, id *identity, cfg *rest.Config) (*hook, error) {
 		}
 		h.onlyHost = probe.URL.Host
 	}
+	if cfg.Proxy == nil && cfg.Dial == nil {
+		h.base = rest.CopyConfig(cfg)
+		rt, err := clientGoCached(h.base)
+		if err != nil {
+			return nil, fmt.Errorf("sharedtransport: %w", err)
+		}
+		h.cached = rt
+		return h, nil
+	}
+	h.dialer = &poolDialer{dial: cfg.Dial}
+	if d := wrappedDialer(cfg); d != nil {
+		h.dialer.dial = d.dial // wrapped before: never a dialer of a dialer
+	}
+	cfg.Dial = h.dialer.DialContext
 	return h, nil
+}
+
+// clientGoCached returns the transport client-go's cache holds for cfg: the
+// one client-go hands WrapTransport for every config of cfg's cache key.
+func clientGoCached(cfg *rest.Config) (http.RoundTripper, error) {
+	tc, err := cfg.TransportConfig()
+	if err != nil {
+		return nil, err
+	}
+	return clientGoBase(tc)
+}
+
+// clientGoBase returns the transport client-go builds (or takes from its
+// cache) for tc, as it hands it to WrapTransport, without the per-request
+// layers above it.
+func clientGoBase(tc *transport.Config) (http.RoundTripper, error) {
+	var base http.RoundTripper
+	c := *tc
+	c.WrapTransport = func(rt http.RoundTripper) http.RoundTripper {
+		base = rt
+		return rt
+	}
+	if _, err := transport.New(&c); err != nil {
+		return nil, err
+	}
+	return base, nil
 }
 
 func (h *hook) wrap(rt http.RoundTripper) http.RoundTripper {
 	switch rt.(type) {
-	case *clientTransport, closedRoundTripper:
-		// A hook installed later (the config was wrapped again) already
-		// decided for this client.
-		return rt
-	case *configTransport:
-		// TransportFor of a wrapped config: the pool's round tripper, for
-		// the identity computed from the config itself.
-		return rt
+	case *clientTransport, *configTransport, closedRoundTripper:
+		return rt // a hook installed later, or TransportFor, already decided
 	}
 	if isProbe(rt) {
 		return rt // Wrap of this config again, finding out what its wrappers do
@@ -99,45 +146,50 @@ func (h *hook) wrap(rt http.RoundTripper) http.RoundTripper {
 	case errors.Is(err, ErrClosed):
 		return closedRoundTripper{}
 	case err != nil:
-		// The identity's files went bad since Wrap: client-go's own
-		// transport still works.
 		h.pool.opts.logger.Error(err, "Config left to client-go's own transport")
 		h.pool.stats.passThrough.Add(1)
 		return rt
 	}
 	if l.e.closed.Load() {
-		return closedRoundTripper{} // fails every request with ErrClosed, rather than silently leaving the pool
+		return closedRoundTripper{}
 	}
-	got := clientGoTransport(rt)
-	if got == nil {
+	got := unwrapTransport(rt)
+	if got == nil || !h.agrees(rt, got, l.e.current.Load()) {
 		h.pool.stats.passThrough.Add(1)
-		return rt // SPDY, websocket, a caller's own transport: never replaced
+		return rt // SPDY, websocket, a caller's own transport, another identity
 	}
-	g := l.e.current.Load()
-	if !sameShape(rt, got, g, h.id, h.dial) {
-		h.pool.stats.passThrough.Add(1)
-		return rt
-	}
-	c := &clientTransport{
+	return &clientTransport{
 		lease:     l,
 		clientGo:  h.id.withWrapperHeader(rt),
 		got:       got,
-		dial:      h.dial,
 		onlyHost:  h.onlyHost,
-		envRoutes: h.id.proxy == nil && routesByEnvironment(got.Proxy),
-		built:     time.Now(),
+		checkCert: h.base == nil,
 	}
-	if !l.e.filesBad.Load() && !l.e.agrees(got, g, h.dial) && isClientGoTransportFor(got, h.id) {
-		// client-go's own transport for the identity's files, proven now by
-		// asking client-go's cache (which reads the files while they are
-		// good), so no later request needs to ask.
-		l.e.rememberAgreement(got, g, h.dial)
+}
+
+// agrees reports whether rt, client-go's transport for a client, connects as
+// the identity's generation g does, but for the client certificate of a
+// config client-go does not cache (asked at the client's first request).
+func (h *hook) agrees(rt http.RoundTripper, got *http.Transport, g *generation) bool {
+	if h.base == nil {
+		return dialerOf(got.DialContext) == h.dialer && sameConnection(got, g, h.id)
 	}
-	// The first request checks the certificate, not the client's
-	// construction: client-go starts a refresher for certificate files with
-	// every transport it builds, which asks for the certificate at once and,
-	// being unlocked where it returns it, must not be asked concurrently.
-	return c
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if rt == h.cached {
+		return true
+	}
+	if h.cachedFor == g {
+		return false
+	}
+	// A rotation may have changed the key client-go computes from the files
+	// (client-go before v0.36 keys its cache by the CA's bytes): ask again
+	// once per generation.
+	h.cachedFor = g
+	if now, err := clientGoCached(h.base); err == nil {
+		h.cached = now
+	}
+	return rt == h.cached
 }
 
 // withWrapperHeader returns what the config's CONNECT-header wrapper would
@@ -169,284 +221,238 @@ func (h *hook) current() (*lease, error) {
 	return l, nil
 }
 
+// unwrapTransport returns the *http.Transport under rt's wrappers, or nil.
+func unwrapTransport(rt http.RoundTripper) *http.Transport {
+	for range 8 {
+		switch t := rt.(type) {
+		case *http.Transport:
+			return t
+		case utilnet.RoundTripperWrapper:
+			rt = t.WrappedRoundTripper()
+		default:
+			return nil
+		}
+	}
+	return nil
+}
+
 type closedRoundTripper struct{}
 
 func (closedRoundTripper) RoundTrip(*http.Request) (*http.Response, error) {
 	return nil, fmt.Errorf("%w: build the client from a config wrapped by an open pool", ErrClosed)
 }
 
+// poolDialer is the dialer Wrap installs in a config client-go does not
+// cache. It dials as the config's own Dial would, or as client-go's default
+// dialer, so every other user of the config (SPDY executors, copies,
+// rest.AnonymousClientConfig) behaves as before; only the pool can ask it
+// who it is (dialerOf).
+type poolDialer struct {
+	dial func(ctx context.Context, network, address string) (net.Conn, error) // nil: client-go's default
+}
+
+var clientGoDialer = &net.Dialer{Timeout: dialTimeout, KeepAlive: tcpKeepAlive}
+
+// dialerQuestion is what dialerOf puts in the context of the dial it asks
+// for; a poolDialer answers by writing itself into it.
+type dialerQuestion struct{ answer *poolDialer }
+
+type dialerQuestionKey struct{}
+
+var errDialerQuestion = errors.New("sharedtransport: a question to the pool's dialer, not a dial")
+
+func (d *poolDialer) DialContext(ctx context.Context, network, address string) (net.Conn, error) {
+	if q, ok := ctx.Value(dialerQuestionKey{}).(*dialerQuestion); ok {
+		q.answer = d
+		return nil, errDialerQuestion
+	}
+	if d.dial != nil {
+		return d.dial(ctx, network, address)
+	}
+	return clientGoDialer.DialContext(ctx, network, address)
+}
+
+// dialerOf returns the pool's dialer that dial is, or dials through, or nil.
+// It asks with a context that is already cancelled and a network that does
+// not exist, so a dialer of anyone else's returns an error without dialing.
+func dialerOf(dial func(ctx context.Context, network, address string) (net.Conn, error)) *poolDialer {
+	if dial == nil {
+		return nil
+	}
+	q := &dialerQuestion{}
+	ctx, cancel := context.WithCancel(context.WithValue(context.Background(), dialerQuestionKey{}, q))
+	cancel()
+	if conn, err := dial(ctx, "sharedtransport-question", "question.invalid:0"); err == nil {
+		conn.Close()
+	}
+	return q.answer
+}
+
+// wrappedDialer returns the pool's dialer in cfg, a config wrapped before, or
+// nil. Only a config with a WrapTransport can carry one: the Dial of any
+// other config is never asked.
+func wrappedDialer(cfg *rest.Config) *poolDialer {
+	if cfg.WrapTransport == nil {
+		return nil
+	}
+	return dialerOf(cfg.Dial)
+}
+
+// sameConnection reports whether got, client-go's transport for a client
+// that dials through the pool's dialer, sets up connections as g does: the
+// same TLS settings, compression and no CONNECT header or dialer of its own.
+func sameConnection(got *http.Transport, g *generation, id *identity) bool {
+	if got.Dial != nil || got.DialTLS != nil || got.DialTLSContext != nil || got.ProxyConnectHeader != nil ||
+		got.GetProxyConnectHeader != nil || got.OnProxyConnectResponse != nil || got.DisableCompression != id.disableCompression {
+		return false
+	}
+	have, want := got.TLSClientConfig, g.transport.TLSClientConfig
+	if have == nil || want == nil {
+		return have == nil && want == nil
+	}
+	return onlyClientGoFields(have) && have.ServerName == want.ServerName &&
+		have.InsecureSkipVerify == want.InsecureSkipVerify && have.MinVersion == want.MinVersion &&
+		have.MaxVersion == want.MaxVersion && slices.Equal(settledALPN(got), id.alpn) &&
+		samePool(have.RootCAs, g.roots) && (have.GetClientCertificate != nil) == id.presentsCert()
+}
+
+// presentsCert reports whether the identity's connections present a client
+// certificate (or ask an exec plugin for one).
+func (id *identity) presentsCert() bool {
+	return id.getCert != nil || id.certFile != "" || len(id.certData) > 0 && len(id.keyData) > 0
+}
+
+// clientGoTLSFields are the fields of the TLS configurations client-go
+// builds; a configuration that sets any other exported field was changed by
+// someone else and is not shown alike.
+var clientGoTLSFields = []string{"RootCAs", "ServerName", "InsecureSkipVerify", "MinVersion", "MaxVersion",
+	"NextProtos", "GetClientCertificate"}
+
+var otherTLSFields = sync.OnceValue(func() []int {
+	var out []int
+	t := reflect.TypeFor[tls.Config]()
+	for i := range t.NumField() {
+		if f := t.Field(i); f.IsExported() && !slices.Contains(clientGoTLSFields, f.Name) {
+			out = append(out, i)
+		}
+	}
+	return out
+})
+
+// onlyClientGoFields reports whether c sets no exported field client-go
+// leaves unset.
+func onlyClientGoFields(c *tls.Config) bool {
+	v := reflect.ValueOf(c).Elem()
+	for _, i := range otherTLSFields() {
+		if !v.Field(i).IsZero() {
+			return false
+		}
+	}
+	return true
+}
+
 // clientTransport is what one client gets from the hook: the shared transport
-// while client-go's transport for that client agrees with it, client-go's
-// transport otherwise. Agreement is checked once per generation: a rotation
-// changes what the pool presents and never what client-go's transport
-// presents, so a client whose credentials matched the old material (a copy
-// holding the same bytes inline, in other files) is checked again.
+// while client-go's transport for the client agrees with it, client-go's
+// transport otherwise.
 type clientTransport struct {
 	lease    *lease
 	clientGo http.RoundTripper // what client-go built for this client
 	got      *http.Transport   // clientGo unwrapped
-	dial     dialFingerprint
 	onlyHost string
+	// checkCert: the client's certificate is asked for at its first request
+	// on each generation and at least every certRecheck (a config client-go
+	// does not cache); its proxy is asked per request.
+	checkCert bool
 
-	// envRoutes: both client-go's transport and the identity's route by the
-	// environment (client-go's own proxy function for configs without
-	// Proxy), so requests need not ask both where they go.
-	envRoutes bool
-
-	state      atomic.Pointer[verdict]
+	checkMu    sync.Mutex // one check at a time for this client; guards no field
+	verdict    atomic.Pointer[certVerdict]
 	passedOnce atomic.Bool // counted in Stats.PassThrough
-	built      time.Time   // when the hook saw client-go's transport
+
+	viewOnce sync.Once
+	view     atomic.Pointer[transportView] // what WrappedRoundTripper handed out; nil until asked
 }
 
-// refresherSettle is how long after client-go built a transport for
-// certificate files the pool waits before asking it for its certificate:
-// client-go's refresher asks at once when the transport is built and returns
-// what it read outside its lock, so the two must not meet.
-const refresherSettle = 50 * time.Millisecond
-
-// verdict is a clientTransport's finding about one generation.
-type verdict struct {
-	g      *generation
-	shared bool
-	// provisional marks a disagreement found while client-go may still hand
-	// out the certificate it read before the files changed (it caches what
-	// it reads from certificate files for a second). Such a finding is made
-	// again once that window has passed.
-	provisional bool
-	// expires, when set, ends a finding made by comparing the certificate
-	// client-go's transport reads from files the pool does not watch: those
-	// files may change without the pool's own material changing.
+// certVerdict is a finding about a client's certificate for one generation.
+type certVerdict struct {
+	g       *generation
+	same    bool
 	expires time.Time
 }
 
 func (c *clientTransport) RoundTrip(req *http.Request) (*http.Response, error) {
+	if v := c.view.Load(); v != nil && !v.intact() {
+		c.passThrough()
+		return v.t.RoundTrip(req) // changed by a wrapper above: what client-go's transport would have become
+	}
 	if c.onlyHost != "" && req.URL.Host != c.onlyHost {
 		return c.clientGo.RoundTrip(req)
 	}
-	return c.lease.roundTrip(req, c, c.clientGo) // ErrClosed once the pool closed, as for every client
+	return c.lease.roundTrip(req, c, c.clientGo)
 }
 
-// pick returns the generation req may go over, or nil when client-go's
-// transport must carry it. It is asked again before a resend: a request held
-// until a rotation closed its generation is checked against the new one.
+// pick returns the generation req goes over, or nil when client-go's
+// transport carries it.
 func (c *clientTransport) pick(req *http.Request) *generation {
-	v := c.verdict()
-	if !v.shared || !c.envRoutes && !sameProxy(c.got.Proxy, v.g.transport.Proxy, req) {
+	g := c.lease.e.current.Load()
+	if c.checkCert && (!c.sameCert(g) || !sameProxy(c.got.Proxy, g.transport.Proxy, req)) {
+		c.passThrough()
 		return nil
 	}
-	return v.g
+	return g
 }
 
-// verdict returns the finding for the current generation, checking once when
-// the generation changed.
-func (c *clientTransport) verdict() *verdict {
-	e := c.lease.e
-	g := e.current.Load()
-	v := c.state.Load()
-	// While the identity's files fail to load, a finding about a client
-	// whose transport reads those very files stands: asking it would read
-	// them (see check), and the pool presents their last good material. A
-	// transport reading other files is asked as usual.
-	if v != nil && v.g == g && (!v.provisional || !e.settled(g)) &&
-		(v.expires.IsZero() || time.Now().Before(v.expires) || e.filesBad.Load() && readsFilesOf(c.got, e.id)) {
-		return v
+// passThrough counts the client in Stats.PassThrough, once.
+func (c *clientTransport) passThrough() {
+	if c.passedOnce.CompareAndSwap(false, true) {
+		c.lease.e.pool.stats.passThrough.Add(1)
 	}
-	settled := e.settled(g)
-	shared, byContent := c.check(g)
-	v = &verdict{g: g, shared: shared}
-	if shared && byContent {
-		v.expires = time.Now().Add(certFileSettle)
-	}
-	v.provisional = !v.shared && !settled && e.id.certFile != ""
-	c.state.Store(v)
-	if !v.shared && !v.provisional && c.passedOnce.CompareAndSwap(false, true) {
-		e.pool.stats.passThrough.Add(1)
-	}
-	return v
 }
 
-// check reports whether client-go's transport for this client authenticates,
-// trusts, dials, negotiates and compresses exactly as g does.
-// byContent reports a match made by comparing the certificate of a
-// client-go transport that reads it from files, which holds only as long as
-// those files do not change.
-func (c *clientTransport) check(g *generation) (shared, byContent bool) {
-	e := c.lease.e
-	if e.agrees(c.got, g, c.dial) {
-		// The finding holds for client-go's transport as it was: a
-		// wrapper above the hook that unwraps the pool's round tripper
-		// may have changed it in place since (see WrappedRoundTripper).
-		return sameShape(c.clientGo, c.got, g, e.id, c.dial), false
+// sameCert reports whether the client presents the certificate g presents,
+// asking client-go's transport for it once per generation and certRecheck.
+func (c *clientTransport) sameCert(g *generation) bool {
+	if v := c.verdict.Load(); v != nil && v.g == g && time.Now().Before(v.expires) {
+		return v.same
 	}
-	fromFiles := readsCertFiles(c.got.TLSClientConfig)
-	if (fromFiles || e.id.watchesFiles()) && e.filesBad.Load() {
-		// Asking client-go would read files the pool just failed to read
-		// (a named pipe, a device, a hung mount), with no bound.
-		return false, false
+	c.checkMu.Lock()
+	defer c.checkMu.Unlock()
+	if v := c.verdict.Load(); v != nil && v.g == g && time.Now().Before(v.expires) {
+		return v.same
 	}
-	if fromFiles {
-		time.Sleep(time.Until(c.built.Add(refresherSettle)))
-		// One look at a time per identity: client-go's certificate-file
-		// refresher returns its certificate outside its lock, so concurrent
-		// askers race inside client-go.
-		e.checkMu.Lock()
-		defer e.checkMu.Unlock()
+	now := time.Now()
+	v := &certVerdict{g: g, same: c.certMatches(g), expires: now.Add(certRecheck)}
+	if since := c.lease.e.sinceTime(); !v.same && now.Before(since.Add(certSettle)) {
+		v.expires = since.Add(certSettle)
 	}
-	shared, proven := sameTransport(c.clientGo, c.got, g, e.id, c.dial)
-	if !shared {
-		return false, false
-	}
-	if fromFiles && !proven {
-		return true, true
-	}
-	e.rememberAgreement(c.got, g, c.dial)
-	return true, false
+	c.verdict.Store(v)
+	return v.same
 }
 
-// agreement is a finding that client-go's transport t, for a client that
-// dials with dial, agrees with generation g; entry.agreed keeps the latest.
-type agreement struct {
-	t    weak.Pointer[http.Transport]
-	g    *generation
-	dial dialFingerprint
-}
-
-// agrees reports whether t was already found to agree with g for a client
-// that dials with dial.
-func (e *entry) agrees(t *http.Transport, g *generation, dial dialFingerprint) bool {
-	w := weak.Make(t)
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	return slices.Contains(e.agreed[:], agreement{w, g, dial})
-}
-
-func (e *entry) rememberAgreement(t *http.Transport, g *generation, dial dialFingerprint) {
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	e.agreed[e.agreedNext] = agreement{weak.Make(t), g, dial}
-	e.agreedNext = (e.agreedNext + 1) % len(e.agreed)
-}
-
-// sameTransport compares, field by field, what client-go's transport got does
-// with what the generation g does. Material the pool used before g never makes
-// a match: a client holding it is not this identity's any more.
-// proven reports that got is shown to be the identity's by what it is
-// (client-go's cached transport for the identity's files, the exec plugin's
-// own authenticator), not by what it presents now.
-func sameTransport(rt http.RoundTripper, got *http.Transport, g *generation, id *identity, dial dialFingerprint) (same, proven bool) {
-	if !sameShape(rt, got, g, id, dial) {
-		return false, false
+// certMatches asks the client's TLS configuration for its certificate and
+// compares it with what g presents.
+func (c *clientTransport) certMatches(g *generation) bool {
+	tc := c.got.TLSClientConfig
+	if tc == nil || tc.GetClientCertificate == nil {
+		return !c.lease.e.id.presentsCert()
 	}
-	gotTLS := got.TLSClientConfig
-	if gotTLS == nil {
-		return true, true // and so is g's: sameShape compared
-	}
-	if id.getCert != nil {
-		// sameShape found client-go's transport dialing through the exec
-		// authenticator's own dialer and asking its own certificate
-		// holder: the same authenticator, so the same certificate, now and
-		// after the plugin hands out another.
-		return true, true
-	}
-	if isClientGoTransportFor(got, id) {
-		// client-go's own transport for the identity's certificate files:
-		// it presents what those files hold, as the pool does, even while
-		// its cache of them is a second behind the pool's.
-		return true, true
-	}
-	// Roots before the certificate: asking client-go for it is not free.
-	gotLeaf, err := clientLeaf(gotTLS)
-	if err != nil {
-		return false, false
-	}
-	return bytes.Equal(gotLeaf, g.leaf) && (gotLeaf == nil) == (g.leaf == nil), false
-}
-
-// generationALPN is what a client-go transport built when g was must offer:
-// g's own list when g speaks HTTP/2 (configured, DISABLE_HTTP2 included, when
-// g was built); the list as the config gives it when HTTP/2 was off then; and,
-// when g speaks HTTP/1.1 by the pool's choice (keep-alive off), the list
-// client-go offers for the identity.
-func generationALPN(g *generation, id *identity) []string {
-	switch {
-	case g.http2:
-		return g.transport.TLSClientConfig.NextProtos
-	case !g.owner.pool.opts.keepAlive:
-		return id.alpn
-	}
-	return id.nextProtos
-}
-
-// sameShape is sameTransport but for the client certificate: everything that
-// can be compared without asking client-go's transport for it.
-func sameShape(rt http.RoundTripper, got *http.Transport, g *generation, id *identity, dial dialFingerprint) bool {
-	// client-go never touches the CONNECT request; the generation's
-	// ProxyConnectHeader is the identity's own.
-	if got.ProxyConnectHeader != nil {
+	have, err := leafOf(tc.GetClientCertificate(&tls.CertificateRequestInfo{}))
+	if err != nil || have == nil {
 		return false
 	}
-	// Every other field (shapeFields: compression, the other dialers,
-	// timeouts, limits) is what client-go's transports and g's set alike. A
-	// transport of the config's own (cfg.Transport) that sets more keeps it.
-	if !sameFields(got, g.transport, shapeFields()) {
-		return false
-	}
-	if fp := fingerprintDial(got.DialContext); !fp.known() || fp != dial {
-		return false
-	}
-	// client-go's certificate-file transports dial through a tracked dialer
-	// too, one of their own: only a tracked dialer without them is an exec
-	// authenticator's.
-	t := execTracker(got.DialContext)
-	if id.getCert != nil || t != nil && !readsCertFiles(got.TLSClientConfig) {
-		// An exec identity's client-go transports dial through a dialer
-		// tracked by the authenticator's connection tracker, one per
-		// authenticator: anything else (a copy with a token, its own
-		// plugin, inline material) holds other credentials, or the same
-		// ones only for now. The same holds the other way: a transport of
-		// an exec plugin never matches an identity without that plugin,
-		// whatever it presents now, since the plugin may hand out another
-		// certificate at any request and a finding holds for a generation.
-		if t == nil || t != execTracker(id.dial) {
+	want := g.leaf
+	if holder := c.lease.e.id.getCert; holder != nil {
+		if want, err = leafOf(holder.GetCert()); err != nil {
 			return false
 		}
 	}
-	gotTLS, wantTLS := got.TLSClientConfig, g.transport.TLSClientConfig
-	if gotTLS == nil || wantTLS == nil {
-		return gotTLS == wantTLS
-	}
-	// client-go's TLS configs set these fields only: no fixed
-	// certificates, no verification callbacks, no key log.
-	if !onlyFieldsSet(gotTLS) {
-		return false
-	}
-	if !clientGoCertificate(gotTLS, id) {
-		// A certificate function of anyone else's (a wrapper inside the
-		// hook set it, or a holder of its own handed to client-go) may
-		// present another certificate at any handshake; what it presents
-		// when asked proves nothing for later.
-		return false
-	}
-	if gotTLS.ServerName != wantTLS.ServerName || gotTLS.InsecureSkipVerify != wantTLS.InsecureSkipVerify ||
-		gotTLS.MinVersion != wantTLS.MinVersion || gotTLS.MaxVersion != wantTLS.MaxVersion ||
-		!slices.Equal(settledALPN(got), generationALPN(g, id)) || !sameHTTP2(got, g.transport) || !clientGoUpgrades(got) {
-		return false
-	}
-	if file, holder := caFileHolder(rt); holder {
-		// Roots client-go re-reads from a file trust alike for good only
-		// when the file is the identity's, which the pool reloads sooner;
-		// another file with the same roots today may hold others tomorrow.
-		return file != "" && file == id.caFile
-	}
-	return samePool(gotTLS.RootCAs, g.roots)
+	return bytes.Equal(have, want)
 }
 
-// sameHTTP2 reports whether got speaks HTTP/2 as want does, when want offers
-// h2: a protocol list named in the config keeps h2 where DISABLE_HTTP2 left
-// HTTP/2 off, so two transports built on either side of a change of the
-// variable offer the same list and only one of them speaks what it offers.
-func sameHTTP2(got, want *http.Transport) bool {
-	return !slices.Contains(want.TLSClientConfig.NextProtos, "h2") || speaksHTTP2(got) == speaksHTTP2(want)
+func leafOf(cert *tls.Certificate, err error) ([]byte, error) {
+	if err != nil || cert == nil || len(cert.Certificate) == 0 {
+		return nil, err
+	}
+	return cert.Certificate[0], nil
 }
 
 // CloseIdleConnections closes idle connections of both transports the client
@@ -456,29 +462,18 @@ func (c *clientTransport) CloseIdleConnections() {
 	utilnet.CloseIdleConnectionsFor(c.lease)
 }
 
-// WrappedRoundTripper is client-go's transport for the client, which the
-// shared one was shown to agree with: client-go helpers reading it
-// (utilnet.TLSClientConfig, utilnet.DialerFor) see what the client's requests
-// get. A wrapper above the hook that unwraps to the *http.Transport and
-// clones it to change it (another proxy, dialer or TLS setting) clones what
-// it would clone without the pool; the shared transport's own dialer serves
-// the pool's connections only, and a clone of it could not dial. One that
-// changes it in place is seen by the client's first check (see check).
-func (c *clientTransport) WrappedRoundTripper() http.RoundTripper { return c.clientGo }
+// WrappedRoundTripper is a view of client-go's transport for the client
+// (see transportView): client-go helpers reading it (utilnet.TLSClientConfig,
+// utilnet.DialerFor) see what the client's requests get, a wrapper above the
+// hook that clones it to change it clones what it would clone without the
+// pool, and one that changes it in place sends the client's requests through
+// what it made.
+func (c *clientTransport) WrappedRoundTripper() http.RoundTripper {
+	c.viewOnce.Do(func() { c.view.Store(newTransportView(c.got)) })
+	return c.view.Load().t
+}
 
 var _ utilnet.RoundTripperWrapper = &clientTransport{}
-
-// clientLeaf returns the DER of the client certificate c presents, or nil.
-func clientLeaf(c *tls.Config) ([]byte, error) {
-	if c.GetClientCertificate == nil {
-		return nil, nil
-	}
-	cert, err := c.GetClientCertificate(&tls.CertificateRequestInfo{})
-	if err != nil || cert == nil || len(cert.Certificate) == 0 {
-		return nil, err
-	}
-	return cert.Certificate[0], nil
-}
 
 func samePool(a, b *x509.CertPool) bool {
 	if a == nil || b == nil {
@@ -487,6 +482,7 @@ func samePool(a, b *x509.CertPool) bool {
 	return a.Equal(b)
 }
 
+// sameProxy reports whether two proxy functions send req the same way.
 func sameProxy(got, want func(*http.Request) (*url.URL, error), req *http.Request) bool {
 	if got == nil || want == nil {
 		return (got == nil) == (want == nil)
@@ -497,200 +493,8 @@ func sameProxy(got, want func(*http.Request) (*url.URL, error), req *http.Reques
 }
 
 func sameURL(a, b *url.URL) bool {
-	if a == nil || b == nil || a == b {
+	if a == nil || b == nil {
 		return a == b
 	}
-	return a.Scheme == b.Scheme && a.Host == b.Host && a.Opaque == b.Opaque && a.Path == b.Path &&
-		a.RawQuery == b.RawQuery && (a.User == b.User || a.User != nil && b.User != nil && a.User.String() == b.User.String())
-}
-
-// connectHeaderFor returns the headers cfg's CONNECT requests carry: those a
-// wrapper already in cfg.WrapTransport sets on the transport below it, or else
-// those WithProxyConnectHeader gives. Such a wrapper (Karmada's
-// Spec.ProxyHeader clones the *http.Transport it is handed and sets
-// ProxyConnectHeader on the clone) sits above the hook and is handed the
-// pool's round tripper, so it would do nothing: the pool finds out what it
-// does by running cfg.WrapTransport once, at Wrap, over a probe transport.
-// share is false when the wrappers replace the transport in any other way:
-// the pool cannot give that to shared connections, and dropping it silently
-// would change what the config does.
-func (p *Pool) connectHeaderFor(cfg *rest.Config) (h http.Header, fromWrappers, share bool) {
-	if cfg.WrapTransport != nil {
-		h, replaced, ok := probeWrappers(cfg.WrapTransport)
-		if !ok {
-			p.opts.logger.V(2).Info("Config passes through: a wrapper in its WrapTransport replaces the transport below it with more than CONNECT headers", "host", redactHost(cfg.Host))
-			return nil, false, false
-		}
-		if replaced {
-			return h, true, true
-		}
-	}
-	if p.opts.connectHeader != nil {
-		h = p.opts.connectHeader(cfg).Clone()
-	}
-	return h, false, true
-}
-
-// probeWrappers runs wrap over a probe transport. replaced reports that wrap
-// handed back another *http.Transport, or changed the probe in place; ok
-// that the result differs from the probe in its CONNECT headers at most (a
-// static header: GetProxyConnectHeader is not recognised).
-func probeWrappers(wrap transport.WrapperFunc) (h http.Header, replaced, ok bool) {
-	// The probe has a TLS configuration, as client-go's transports do, for
-	// wrappers that change theirs.
-	probe := &http.Transport{Proxy: probeProxy, DialContext: probeDial, TLSClientConfig: &tls.Config{}}
-	pristine := probe.Clone()
-	out, ran := runWrappers(wrap, probe)
-	if !ran {
-		return nil, true, false
-	}
-	t := httpTransport(out)
-	if t == nil || t == probe {
-		// A wrapper may also change the transport it is handed in place:
-		// the pool's round tripper would hide that change from it too.
-		if !sameButConnectHeader(probe, pristine) || probe.GetProxyConnectHeader != nil {
-			return nil, true, false
-		}
-		if probe.ProxyConnectHeader != nil {
-			return probe.ProxyConnectHeader.Clone(), true, true
-		}
-		return nil, false, true
-	}
-	if t.GetProxyConnectHeader != nil || !sameButConnectHeader(t, probe) {
-		return nil, true, false
-	}
-	return t.ProxyConnectHeader.Clone(), true, true
-}
-
-// runWrappers returns what wrap makes of probe; ran is false when it panics.
-// A wrapper written for client-go's transports may not expect a probe, and
-// what it does to theirs is then unknown.
-func runWrappers(wrap transport.WrapperFunc, probe *http.Transport) (out http.RoundTripper, ran bool) {
-	defer func() {
-		if recover() != nil {
-			out, ran = nil, false
-		}
-	}()
-	return wrap(probe), true
-}
-
-func isProbe(rt http.RoundTripper) bool {
-	t, ok := rt.(*http.Transport)
-	return ok && t.Proxy != nil && reflect.ValueOf(t.Proxy).Pointer() == reflect.ValueOf(probeProxy).Pointer()
-}
-
-func probeProxy(*http.Request) (*url.URL, error) {
-	return nil, errors.New("sharedtransport: probe transport")
-}
-
-func probeDial(context.Context, string, string) (net.Conn, error) {
-	return nil, errors.New("sharedtransport: probe transport")
-}
-
-// sameButConnectHeader compares every exported field of two transports but
-// ProxyConnectHeader and GetProxyConnectHeader; their TLS configurations
-// (a clone's is a copy) must set nothing, as the probe's.
-func sameButConnectHeader(a, b *http.Transport) bool {
-	return sameFields(a, b, probeFields()) && tlsUnset(a.TLSClientConfig) && tlsUnset(b.TLSClientConfig)
-}
-
-// tlsUnset reports whether c is a TLS configuration that sets no exported
-// field.
-func tlsUnset(c *tls.Config) bool {
-	if c == nil {
-		return false
-	}
-	v := reflect.ValueOf(c).Elem()
-	for _, i := range tlsFields() {
-		if !v.Field(i).IsZero() {
-			return false
-		}
-	}
-	return true
-}
-
-// onlyFieldsSet reports whether c sets no exported field but those client-go
-// sets on the TLS configs it builds.
-func onlyFieldsSet(c *tls.Config) bool {
-	v := reflect.ValueOf(c).Elem()
-	for _, i := range clientGoTLSUnset() {
-		if !v.Field(i).IsZero() {
-			return false
-		}
-	}
-	return true
-}
-
-// The fields compared, as indices computed once: reflect's StructField
-// allocates, and the hook compares for every client it sees.
-var (
-	// shapeFields: every field of a transport but the proxy (asked per
-	// request), the dialer and TLS (compared on their own), keep-alive (the
-	// pool's option), the CONNECT header (the identity's own) and the
-	// protocol fields net/http writes at a transport's first use.
-	shapeFields = sync.OnceValue(func() []int {
-		return exportedFieldsBut(reflect.TypeFor[http.Transport](), "Proxy", "DialContext", "TLSClientConfig",
-			"DisableKeepAlives", "ProxyConnectHeader", "TLSNextProto", "Protocols", "HTTP2")
-	})
-	probeFields = sync.OnceValue(func() []int {
-		return exportedFieldsBut(reflect.TypeFor[http.Transport](), "ProxyConnectHeader", "GetProxyConnectHeader", "TLSClientConfig")
-	})
-	tlsFields        = sync.OnceValue(func() []int { return exportedFieldsBut(reflect.TypeFor[tls.Config]()) })
-	clientGoTLSUnset = sync.OnceValue(func() []int {
-		return exportedFieldsBut(reflect.TypeFor[tls.Config](), "RootCAs", "ServerName", "InsecureSkipVerify",
-			"MinVersion", "MaxVersion", "NextProtos", "GetClientCertificate")
-	})
-)
-
-func exportedFieldsBut(t reflect.Type, skip ...string) []int {
-	var fields []int
-	for i := range t.NumField() {
-		if f := t.Field(i); f.IsExported() && !slices.Contains(skip, f.Name) {
-			fields = append(fields, i)
-		}
-	}
-	return fields
-}
-
-// sameFields compares the given fields of two transports. Functions, maps
-// and pointers are the same when they are the same value (one func value,
-// one map, one pointee); everything else by value.
-func sameFields(a, b *http.Transport, fields []int) bool {
-	va, vb := reflect.ValueOf(a).Elem(), reflect.ValueOf(b).Elem()
-	for _, i := range fields {
-		fa, fb := va.Field(i), vb.Field(i)
-		switch fa.Kind() {
-		case reflect.Func:
-			if *(*unsafe.Pointer)(unsafe.Pointer(fa.UnsafeAddr())) != *(*unsafe.Pointer)(unsafe.Pointer(fb.UnsafeAddr())) {
-				return false
-			}
-		case reflect.Map, reflect.Pointer, reflect.Slice, reflect.Chan:
-			if fa.Pointer() != fb.Pointer() || fa.Kind() == reflect.Slice && fa.Len() != fb.Len() {
-				return false
-			}
-		default:
-			if !fa.Equal(fb) {
-				return false
-			}
-		}
-	}
-	return true
-}
-
-// canonicalHeader encodes h so that equal headers give equal bytes.
-func canonicalHeader(h http.Header) []byte {
-	if len(h) == 0 {
-		return nil
-	}
-	var b []byte
-	for _, k := range slices.Sorted(maps.Keys(h)) {
-		b = binary.AppendUvarint(b, uint64(len(k)))
-		b = append(b, k...)
-		b = binary.AppendUvarint(b, uint64(len(h[k])))
-		for _, v := range h[k] {
-			b = binary.AppendUvarint(b, uint64(len(v)))
-			b = append(b, v...)
-		}
-	}
-	return b
+	return a.String() == b.String()
 }

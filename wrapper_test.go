@@ -646,7 +646,7 @@ func (m *copyMaterial) checkCopy(t *testing.T, s copySpec) {
 	rotations := p.Stats().Rotations
 	d.write(t, m.f.bob, m.f.ca.CertPEM())
 	waitFor(t, "rotation", func() bool { return p.Stats().Rotations > rotations })
-	time.Sleep(certFileSettle) // past client-go's own certificate cache, so the controls are settled too
+	time.Sleep(certSettle) // past client-go's own certificate cache, so the controls are settled too
 	if got, control := early[0].observe(), early[1].observe(); got != control {
 		t.Errorf("%s, client built before the rotation: through the pool %+v, through client-go alone %+v", what, got, control)
 	}
