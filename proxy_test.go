@@ -602,13 +602,14 @@ func TestProxyManyIdentities(t *testing.T) {
 		"%d goroutine and %d bytes of stack; all released once unreferenced",
 		identities, st.Accepted, perID(live.heap, before.heap), perID(wrapped.heap, before.heap),
 		perID(live.heap, wrapped.heap), (live.goroutines-wrapped.goroutines)/identities, perID(live.stack, wrapped.stack))
-	// The README's figures (about 52 KB per identity, 11 KB of it the
-	// pool's transport), with room for the collector's timing.
+	// Wrap of a config client-go caches also asks client-go's cache for its
+	// transport (which any client of the config builds anyway): about 8 KB
+	// of the figure. Room is left for the collector's timing.
 	if got := perID(live.heap, before.heap); got > 64<<10 {
 		t.Errorf("heap grew %d bytes per identity, want at most 64 KiB", got)
 	}
-	if got := perID(wrapped.heap, before.heap); got > 16<<10 {
-		t.Errorf("Wrap took %d bytes of heap per identity, want at most 16 KiB", got)
+	if got := perID(wrapped.heap, before.heap); got > 24<<10 {
+		t.Errorf("Wrap took %d bytes of heap per identity, want at most 24 KiB", got)
 	}
 }
 

@@ -46,6 +46,12 @@ var ErrClosed = errors.New("sharedtransport: pool is closed")
 // A Pool shares one HTTP transport, and so one connection pool, among all the
 // [rest.Config]s it wrapped that have the same TLS identity. The zero value is
 // not usable; create pools with [New]. A Pool is safe for concurrent use.
+//
+// Locks are taken in this order, never the other way: a hook's mu (wrapper.go),
+// then the pool's mu, then an entry's mu (entry.go), then the watcher's and
+// the file reader's (rotation.go, material.go), then a generation's and a
+// host's (the connection layer). A client's checkMu is held alone, across
+// its own certificate callback only.
 type Pool struct {
 	opts   options
 	group  singleflight.Group // one build per identity under concurrent first use
@@ -119,11 +125,11 @@ func (p *Pool) Wrap(cfg *rest.Config) error {
 		p.stats.passThrough.Add(1)
 		return nil
 	}
-	h, err := p.newHook(id, cfg)
+	l, err := p.acquire(id) // reads and checks the material first: its errors name the file
 	if err != nil {
 		return err
 	}
-	l, err := p.acquire(id)
+	h, err := p.newHook(id, cfg)
 	if err != nil {
 		return err
 	}

@@ -14,6 +14,7 @@ import (
 	"net"
 	"net/http"
 	"net/url"
+	"os"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -1000,4 +1001,66 @@ func TestWrapperChangingTransportInPlace(t *testing.T) {
 			t.Errorf("pool %+v, %d tunnels refused: want the header recognised and shared", st, proxy.Stats().Rejected)
 		}
 	})
+}
+
+// TestPassThroughCosts: copies of a wrapped config that client-go caches
+// under another key than the config's (other files with the same bytes, the
+// files' bytes inline, a Proxy added) keep client-go's transport, and cost
+// what client-go alone costs them: the server accepts as many connections
+// for their clients as for the same clients built without the pool.
+func TestPassThroughCosts(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	ctx := context.Background()
+	const clients = 4
+	cases := map[string]func(d, twin *certDir, c *rest.Config){
+		"other files, same bytes": func(_, twin *certDir, c *rest.Config) { c.CertFile, c.KeyFile, c.CAFile = twin.cert, twin.key, twin.ca },
+		"the files' bytes inline": func(d, _ *certDir, c *rest.Config) {
+			c.CertFile, c.KeyFile, c.CertData, c.KeyData = "", "", readFileT(t, d.cert), readFileT(t, d.key)
+		},
+		"a Proxy added": func(_, _ *certDir, c *rest.Config) { c.Proxy = nilProxy },
+	}
+	for name, change := range cases {
+		t.Run(name, func(t *testing.T) {
+			accepted := func(p *Pool, kp *testserver.KeyPair) uint64 {
+				d := newCertDir(t, renameOver, kp, f.ca.CertPEM())
+				twin := newCertDir(t, renameOver, kp, f.ca.CertPEM())
+				cfg := d.config(f.srv.URL())
+				if p != nil {
+					if err := p.Wrap(cfg); err != nil {
+						t.Fatal(err)
+					}
+					if err := listNodes(ctx, cfg); err != nil { // the pool's own connection
+						t.Fatal(err)
+					}
+				}
+				before := f.srv.Stats().Accepted
+				for range clients {
+					cp := rest.CopyConfig(cfg)
+					change(d, twin, cp)
+					if err := listNodes(ctx, cp); err != nil {
+						t.Fatal(err)
+					}
+				}
+				return f.srv.Stats().Accepted - before
+			}
+			pool := newPool(t)
+			got, want := accepted(pool, f.alice), accepted(nil, f.bob)
+			t.Logf("%d clients of the copy: %d connections through the pool, %d through client-go alone", clients, got, want)
+			if got != want {
+				t.Errorf("%d clients of the copy opened %d connections through the pool, %d through client-go alone", clients, got, want)
+			}
+			if n := pool.Stats().PassThrough; n != clients {
+				t.Errorf("Stats.PassThrough = %d, want %d", n, clients)
+			}
+		})
+	}
+}
+
+func readFileT(t testing.TB, path string) []byte {
+	t.Helper()
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b
 }
