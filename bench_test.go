@@ -144,6 +144,8 @@ func benchLease(b *testing.B, p *Pool, cfg *rest.Config) *lease {
 		switch t := rt.(type) {
 		case *lease:
 			return t
+		case *clientTransport:
+			return t.lease
 		case utilnet.RoundTripperWrapper:
 			rt = t.WrappedRoundTripper()
 		default:
