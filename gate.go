@@ -262,10 +262,9 @@ func (p *pending) dialed(c *countedConn, err error, real bool) {
 	case c == nil:
 		h.dialEndedLocked(p, err, real)
 	case h.key.scheme == "http":
-		c.gate = h
 		h.dialEndedLocked(p, nil, false)
 	default:
-		c.gate, c.dialFor = h, p
+		c.dialFor = p
 		p.connecting = append(p.connecting, c)
 	}
 }

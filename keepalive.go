@@ -334,12 +334,13 @@ func (g *generation) dialer(dial dialContextFunc) dialContextFunc {
 				return nil, err
 			}
 		}
-		gated := p != nil && g.http2
-		if gated {
+		var gate *hostGate
+		if p != nil && g.http2 {
+			gate = p.h
 			p.dialStarted()
 		}
-		c, err := g.dialCounted(ctx, room, dial, network, address)
-		if gated {
+		c, err := g.dialCounted(ctx, room, gate, dial, network, address)
+		if gate != nil {
 			p.dialed(c, err, ctx.Err() == nil)
 		}
 		if err != nil {
@@ -349,8 +350,9 @@ func (g *generation) dialer(dial dialContextFunc) dialContextFunc {
 	}
 }
 
-// dialCounted dials for g; room is the host whose cap admitted the dial.
-func (g *generation) dialCounted(ctx context.Context, room *hostInfo, dial dialContextFunc, network, address string) (*countedConn, error) {
+// dialCounted dials for g; room is the host whose cap admitted the dial,
+// gate the one that follows it.
+func (g *generation) dialCounted(ctx context.Context, room *hostInfo, gate *hostGate, dial dialContextFunc, network, address string) (*countedConn, error) {
 	conn, err := dial(ctx, network, address)
 	if err != nil {
 		room.admitted(nil)
@@ -360,7 +362,7 @@ func (g *generation) dialCounted(ctx context.Context, room *hostInfo, dial dialC
 	g.stats.openConns.Add(1)
 	g.owner.stats.dials.Add(1)
 	g.owner.stats.openConns.Add(1)
-	c := &countedConn{Conn: conn, g: g, room: room}
+	c := &countedConn{Conn: conn, g: g, room: room, gate: gate}
 	g.connsMu.Lock()
 	closed := g.closed
 	if !closed {
@@ -395,8 +397,8 @@ type countedConn struct {
 	closed atomic.Bool
 	h2     atomic.Bool // its handshake chose HTTP/2
 
-	// Guarded by gate.mu; gate is set once, before the dialer returns c.
-	gate    *hostGate
+	gate *hostGate // the gate that follows its dial; nil: none
+	// Guarded by gate.mu.
 	dialFor *pending // the request whose dial made c, until its handshake ends
 	counted bool     // counted in gate.h2conns
 }
