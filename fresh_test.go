@@ -175,7 +175,9 @@ func expiredCopy(t testing.TB, ca *testserver.CA) []byte {
 }
 
 // withoutNow drops the time a validity error says it is.
-func withoutNow(s string) string { return regexp.MustCompile(`it is \S+ here`).ReplaceAllString(s, "it is NOW here") }
+func withoutNow(s string) string {
+	return regexp.MustCompile(`it is \S+ here`).ReplaceAllString(s, "it is NOW here")
+}
 
 // TestNewConfigRidesRotationInProgress: a pair caught half written (the
 // certificate new, its key not yet) does not fail a config built now when
