@@ -26,8 +26,9 @@ func redactHost(host string) string {
 	}
 	u, err := url.Parse(host)
 	if err != nil || u.Scheme == "" || u.Host == "" {
-		// client-go's reading of a Host without a scheme.
-		if u, err = url.Parse("https://" + host); err != nil || u.Host == "" {
+		// client-go's reading of a Host without a scheme, which it refuses
+		// when a path follows.
+		if u, err = url.Parse("https://" + host); err != nil || u.Host == "" || u.Path != "" && u.Path != "/" {
 			return unparsableURL
 		}
 	}
