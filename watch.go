@@ -1,21 +1,18 @@
 // Watching an identity's files: the pool watches the directories of its
-// identities' files (fsnotify, with polling as a fallback) and turns their
-// events into debounced reloads, at most maxLoads at once. What a reload
-// does is in rotation.go; reading and validating material in material.go.
+// identities' files (fsnotify) and turns their events and polls into
+// debounced reloads, at most maxLoads at once. Where the files lie is in
+// watchpaths.go, polling what the kernel will not watch in watchpoll.go,
+// what a reload does in rotation.go, reading and validating material in
+// material.go.
 
 package sharedtransport
 
 import (
-	"errors"
 	"fmt"
-	"io/fs"
-	"os"
-	"path/filepath"
+	"maps"
 	"slices"
-	"strings"
 	"sync"
 	"sync/atomic"
-	"syscall"
 	"time"
 
 	"github.com/fsnotify/fsnotify"
@@ -30,78 +27,20 @@ const maxLoads = 4
 // file written to without pause is still read.
 const maxEventWait = 500 * time.Millisecond
 
-// readPaths returns the paths whose change changes what reading file gives:
-// every symbolic link met on the way to it (kubelet's "tls.crt" and "..data")
-// and the file it resolves to. Each lies in a directory free of links, the
-// name inotify reports its events by.
-func readPaths(file string) []string {
-	var paths []string
-	vol := filepath.VolumeName(file)
-	resolved := vol + string(filepath.Separator)
-	todo := splitPath(file[len(vol):])
-	for links := 0; len(todo) > 0; {
-		next := filepath.Join(resolved, todo[0])
-		todo = todo[1:]
-		fi, err := os.Lstat(next)
-		if err != nil || fi.Mode()&fs.ModeSymlink == 0 {
-			resolved = next // missing parts are taken as they are named
-			continue
-		}
-		paths = append(paths, next)
-		target, err := os.Readlink(next)
-		if links++; err != nil || links > 40 {
-			resolved = next
-			continue
-		}
-		if filepath.IsAbs(target) {
-			vol = filepath.VolumeName(target)
-			resolved = vol + string(filepath.Separator)
-			target = target[len(vol):]
-		}
-		todo = append(splitPath(target), todo...)
-	}
-	return append(paths, resolved)
-}
-
-func splitPath(p string) []string {
-	return strings.FieldsFunc(p, func(r rune) bool { return r == filepath.Separator || r == '/' })
-}
-
-// identityPaths returns the paths readPaths gives for each of id's files,
-// without repeats.
-func identityPaths(id *identity) []string {
-	var paths []string
-	for _, f := range []string{id.caFile, id.certFile, id.keyFile} {
-		if f == "" {
-			continue
-		}
-		for _, p := range readPaths(f) {
-			if !slices.Contains(paths, p) {
-				paths = append(paths, p)
-			}
-		}
-	}
-	return paths
-}
-
 // fileWatcher watches the directories of every file the pool's identities
 // read, with one fsnotify watcher and one goroutine per pool. Directories,
 // not files, are watched: kubelet updates secret volumes by swapping the
 // "..data" symlink, and editors and cert managers rename over files, and a
 // watch on the old file would see neither. Events for other files in those
 // directories are ignored.
-//
-// When the kernel refuses an inotify instance or a watch (its per-user
-// limits), the directories concerned are polled instead, every
-// options.fallbackPoll, and the watch is tried again at the same time.
 type fileWatcher struct {
 	pool      *Pool
-	notifyOff bool                // test seam: no file events at all, and no fallback
-	done      chan struct{}       // closed by close: the run goroutine and reloads stop
-	exited    chan struct{}       // closed when the run goroutine has exited
-	wake      chan struct{}       // look again: a directory may miss its watch, or file events became available
-	loaded    chan *identityWatch // a reload finished
-	loads     sync.WaitGroup      // reloads in flight
+	notifyOff bool           // test seam: no file events at all, and no fallback
+	done      chan struct{}  // closed by close: the run goroutine and reloads stop
+	exited    chan struct{}  // closed when the run goroutine has exited
+	wake      chan struct{}  // look again: a directory may miss its watch, or file events became available
+	slots     chan struct{}  // one per reload reading files; at most maxLoads
+	loads     sync.WaitGroup // reloads in flight or waiting for a slot
 
 	closeOnce sync.Once
 	closeErr  error // what closing notify returned; set once, by close
@@ -116,10 +55,7 @@ type fileWatcher struct {
 	unwatched  int  // dirs without a watch
 	refusalLog bool // the refusal of a watch was logged; cleared when every directory has its watch again
 
-	// Owned by the run goroutine.
-	pending map[*identityWatch]struct{} // events seen, reload not yet due
-	queue   []*identityWatch            // reloads due, waiting for a slot
-	running int                         // reloads in flight
+	pending map[*identityWatch]struct{} // events seen, reload not yet due; owned by the run goroutine
 }
 
 // watchedDir is one watched directory.
@@ -138,13 +74,10 @@ type identityWatch struct {
 	stopped     bool
 
 	lookingUp atomic.Bool // a relook is running
+	queued    atomic.Bool // a reload is due and has not started
+	resolve   atomic.Bool // the next reload follows an event: look up the paths again
 
-	// Owned by the run goroutine.
-	first, last time.Time // first and latest event of a pending reload
-	resolve     bool      // the next reload follows an event: look up the paths again
-	queued      bool
-	loading     bool
-	again       bool // reload once more when the running reload ends
+	first, last time.Time // first and latest event of a pending reload; owned by the run goroutine
 }
 
 func (p *Pool) fileWatcher() (*fileWatcher, error) {
@@ -161,7 +94,7 @@ func (p *Pool) fileWatcher() (*fileWatcher, error) {
 		done:      make(chan struct{}),
 		exited:    make(chan struct{}),
 		wake:      make(chan struct{}, 1),
-		loaded:    make(chan *identityWatch),
+		slots:     make(chan struct{}, maxLoads),
 		notifyOff: p.opts.disableNotify,
 		dirs:      map[string]*watchedDir{},
 		byPath:    map[string][]*identityWatch{},
@@ -207,92 +140,6 @@ func (iw *identityWatch) stop() {
 	w.setPathsLocked(iw, nil)
 }
 
-// relook looks up again, on a goroutine of its own, the paths iw's files
-// resolve through: after a kubelet ..data swap they lie in another
-// directory. It does not wait: looking a path up on a network file system
-// that stopped answering does not return, and a reload must end. One look
-// at a time per identity.
-func (iw *identityWatch) relook() {
-	if !iw.lookingUp.CompareAndSwap(false, true) {
-		return
-	}
-	go func() {
-		defer iw.lookingUp.Store(false)
-		paths := identityPaths(iw.e.id)
-		w := iw.w
-		w.mu.Lock()
-		defer w.mu.Unlock()
-		if w.closing() {
-			return // no new watches
-		}
-		if !iw.stopped && !slices.Equal(paths, iw.paths) {
-			w.setPathsLocked(iw, paths)
-		}
-		if w.unwatched > 0 {
-			w.poke()
-		}
-	}()
-}
-
-func (w *fileWatcher) setPathsLocked(iw *identityWatch, paths []string) {
-	var dirs []string
-	for _, p := range paths {
-		if d := filepath.Dir(p); !slices.Contains(dirs, d) {
-			dirs = append(dirs, d)
-		}
-	}
-	for _, p := range iw.paths {
-		rest := slices.DeleteFunc(w.byPath[p], func(o *identityWatch) bool { return o == iw })
-		if len(rest) == 0 {
-			delete(w.byPath, p)
-		} else {
-			w.byPath[p] = rest
-		}
-	}
-	for _, p := range paths {
-		w.byPath[p] = append(w.byPath[p], iw)
-	}
-	for _, d := range dirs {
-		if !slices.Contains(iw.dirs, d) {
-			w.refDirLocked(d)
-		}
-	}
-	for _, d := range iw.dirs {
-		if !slices.Contains(dirs, d) {
-			w.unrefDirLocked(d)
-		}
-	}
-	iw.paths, iw.dirs = paths, dirs
-}
-
-func (w *fileWatcher) refDirLocked(d string) {
-	wd := w.dirs[d]
-	if wd == nil {
-		wd = &watchedDir{}
-		w.dirs[d] = wd
-		if !w.notifyOff {
-			w.unwatched++
-			w.watchLocked(d, wd)
-		}
-	}
-	wd.refs++
-}
-
-func (w *fileWatcher) unrefDirLocked(d string) {
-	wd := w.dirs[d]
-	if wd.refs--; wd.refs > 0 {
-		return
-	}
-	delete(w.dirs, d)
-	switch {
-	case wd.watched:
-		_ = w.notify.Remove(d) // the kernel drops the watch of a removed directory itself
-	case !w.notifyOff:
-		w.unwatched--
-	}
-	w.logRecoveryLocked()
-}
-
 // watchLocked asks the kernel to watch d, which has no watch yet.
 // After close began it sets none: close closes notify under w.mu once the
 // run goroutine has exited, so a watcher made later would never be closed.
@@ -316,77 +163,6 @@ func (w *fileWatcher) watchLocked(d string, wd *watchedDir) {
 	wd.watched = true
 	w.unwatched--
 	w.logRecoveryLocked()
-}
-
-func (w *fileWatcher) logRefusalLocked(d string, err error) {
-	if w.refusalLog {
-		return
-	}
-	w.refusalLog = true
-	hint := ""
-	switch {
-	case errors.Is(err, syscall.EMFILE):
-		hint = "raise fs.inotify.max_user_instances, or use fewer pools and inotify users"
-	case errors.Is(err, syscall.ENOSPC):
-		hint = "raise fs.inotify.max_user_watches"
-	}
-	w.pool.opts.logger.Info("File events unavailable for a watched directory; polling it instead until its watch can be set",
-		"dir", d, "err", err.Error(), "pollInterval", w.pool.opts.fallbackPoll, "hint", hint)
-}
-
-func (w *fileWatcher) logRecoveryLocked() {
-	if w.unwatched == 0 && w.refusalLog {
-		w.refusalLog = false
-		w.pool.opts.logger.Info("File events available again for every watched directory")
-	}
-}
-
-// retryLocked tries again to watch every directory without its watch, and
-// returns the identities whose files lie in a directory that had none: the
-// poll reads them.
-func (w *fileWatcher) retryLocked() []*identityWatch {
-	if w.unwatched == 0 {
-		return nil
-	}
-	var missing []string
-	for d, wd := range w.dirs {
-		if !wd.watched {
-			missing = append(missing, d)
-			w.watchLocked(d, wd)
-		}
-	}
-	var out []*identityWatch
-	for iw := range w.watches {
-		if slices.ContainsFunc(iw.dirs, func(d string) bool { return slices.Contains(missing, d) }) {
-			out = append(out, iw)
-		}
-	}
-	return out
-}
-
-// checkLocked marks directories whose watch the kernel dropped without an
-// event fsnotify passes on (an unmount) as unwatched.
-func (w *fileWatcher) checkLocked() {
-	if w.notify == nil {
-		return
-	}
-	list := w.notify.WatchList()
-	if len(list) == len(w.dirs)-w.unwatched {
-		return
-	}
-	for d, wd := range w.dirs {
-		if wd.watched && !slices.Contains(list, d) {
-			wd.watched = false
-			w.unwatched++
-		}
-	}
-}
-
-// unwatchedDirs is the number of directories watched by polling alone.
-func (w *fileWatcher) unwatchedDirs() int {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	return w.unwatched
 }
 
 func (w *fileWatcher) poke() {
@@ -480,15 +256,12 @@ func (w *fileWatcher) run() {
 		case <-debounce.C:
 			w.onDebounce()
 			w.armDebounce(debounce)
-		case iw := <-w.loaded:
-			w.onLoaded(iw)
 		case <-poll:
 			w.onPoll()
 		case <-fallback.C:
 			fallbackArmed = false
 			w.onFallback()
 		}
-		w.dispatch()
 	}
 }
 
@@ -517,29 +290,6 @@ func (w *fileWatcher) onDebounce() {
 			iw.first, iw.last = time.Time{}, time.Time{}
 			w.enqueue(iw, true)
 		}
-	}
-}
-
-// onLoaded frees the slot of a reload that ended, and queues it again if
-// something changed while it ran.
-func (w *fileWatcher) onLoaded(iw *identityWatch) {
-	w.running--
-	iw.loading = false
-	if iw.again {
-		iw.again = false
-		w.enqueue(iw, false)
-	}
-}
-
-// onFallback tries again to watch the directories without a watch, and
-// queues a reload of the identities with files in them.
-func (w *fileWatcher) onFallback() {
-	w.mu.Lock()
-	w.checkLocked()
-	missed := w.retryLocked()
-	w.mu.Unlock()
-	for _, iw := range missed {
-		w.enqueue(iw, false)
 	}
 }
 
@@ -606,11 +356,7 @@ func (w *fileWatcher) armDebounce(t *time.Timer) {
 func (w *fileWatcher) all() []*identityWatch {
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	out := make([]*identityWatch, 0, len(w.watches))
-	for iw := range w.watches {
-		out = append(out, iw)
-	}
-	return out
+	return slices.Collect(maps.Keys(w.watches))
 }
 
 func (w *fileWatcher) enqueueAll(resolve bool) {
@@ -619,43 +365,26 @@ func (w *fileWatcher) enqueueAll(resolve bool) {
 	}
 }
 
-// enqueue asks for a reload of iw; resolve asks it to look up its paths again.
+// enqueue asks for a reload of iw; resolve asks it to look up its paths
+// again. A reload asked for while one is due is that one; one asked for
+// while one runs follows it (entry.files serializes them).
 func (w *fileWatcher) enqueue(iw *identityWatch, resolve bool) {
-	iw.resolve = iw.resolve || resolve
-	switch {
-	case iw.loading:
-		iw.again = true
-	case !iw.queued:
-		iw.queued = true
-		w.queue = append(w.queue, iw)
+	if resolve {
+		iw.resolve.Store(true)
 	}
-}
-
-// dispatch starts queued reloads while slots are free.
-func (w *fileWatcher) dispatch() {
-	for w.running < maxLoads && len(w.queue) > 0 {
-		iw := w.queue[0]
-		w.queue[0] = nil
-		w.queue = w.queue[1:]
-		iw.queued = false
-		if iw.e.closed.Load() {
-			continue
+	if !iw.queued.CompareAndSwap(false, true) {
+		return
+	}
+	w.loads.Add(1)
+	go func() {
+		defer w.loads.Done()
+		select {
+		case w.slots <- struct{}{}:
+		case <-w.done:
+			return
 		}
-		iw.loading = true
-		w.running++
-		resolve := iw.resolve
-		iw.resolve = false
-		w.loads.Add(1)
-		go func() {
-			defer w.loads.Done()
-			iw.reload(resolve)
-			select {
-			case w.loaded <- iw:
-			case <-w.done:
-			}
-		}()
-	}
-	if len(w.queue) == 0 {
-		w.queue = nil // let the backing array go after a poll of many identities
-	}
+		defer func() { <-w.slots }()
+		iw.queued.Store(false)
+		iw.reload(iw.resolve.Swap(false))
+	}()
 }
