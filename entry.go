@@ -31,6 +31,7 @@ type entry struct {
 	// material serves meanwhile): client-go's transports would read the same
 	// files, without the pool's bounds, so they are not asked.
 	filesBad atomic.Bool
+	files    filesState // the last read of the identity's files (rotation.go)
 
 	refs      int            // wrapped configs and clients holding a lease; guarded by pool.mu
 	idleTimer *time.Timer    // releases the entry after the idle grace; guarded by pool.mu
@@ -55,7 +56,9 @@ type entry struct {
 func (e *entry) sinceTime() time.Time { return time.Unix(0, e.since.Load()) }
 
 // acquire returns a lease on id's entry, building the entry on first use.
-// Concurrent first uses of one identity share one build.
+// Concurrent first uses of one identity share one build. An entry that is
+// there already serves a config built now only as long as its files hold
+// what it uses (see entry.fresh).
 func (p *Pool) acquire(id *identity) (*lease, error) {
 	built := false
 	for {
@@ -64,6 +67,10 @@ func (p *Pool) acquire(id *identity) (*lease, error) {
 			return nil, err
 		}
 		if e != nil {
+			if err := e.fresh(); err != nil {
+				p.release(e)
+				return nil, err
+			}
 			if !built {
 				p.stats.hits.Add(1)
 			}
@@ -131,6 +138,7 @@ func (p *Pool) addEntry(id *identity) (added bool, err error) {
 }
 
 func (p *Pool) build(id *identity) (*entry, error) {
+	readAt := p.opts.now()
 	m, err := p.loadMaterial(id)
 	if err != nil {
 		return nil, err
@@ -142,6 +150,7 @@ func (p *Pool) build(id *identity) (*entry, error) {
 	}
 	e.current.Store(g)
 	e.since.Store(time.Now().UnixNano())
+	e.files.readAt = readAt
 	if id.watchesFiles() {
 		w, err := p.fileWatcher()
 		if err != nil {

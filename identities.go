@@ -23,10 +23,10 @@ type IdentityInfo struct {
 	// Hosts are the servers the identity sent requests to, as
 	// "scheme://host:port"; empty until the first request.
 	Hosts []string
-	// Proxy is the proxy URL the identity's configs set, its password
-	// redacted (and a user name without one, which is the credential
-	// then); "direct" for none, and "" when the environment's proxy
-	// settings apply.
+	// Proxy is the proxy the identity's configs set, as "scheme://host"
+	// (user info, the proxy's credential, dropped; see redactHost);
+	// "direct" for none, and "" when the environment's proxy settings
+	// apply.
 	Proxy string
 	// Files are the CA, client certificate and key files watched for
 	// rotation.
@@ -64,6 +64,10 @@ type IdentityInfo struct {
 	LastError      string
 	LastErrorTime  time.Time
 	LastErrorFile  string
+	// FilesError is set while the files have been rejected for longer
+	// than the debounce (100 ms): configs built now fail with
+	// it, clients built before keep the last good material.
+	FilesError string
 }
 
 // identityCounters are one identity's share of the pool's counters, counted
@@ -81,12 +85,12 @@ type reloadFailure struct {
 }
 
 // recordReloadError counts err against e and keeps it as its last, and
-// returns the text kept: URL user info redacted, as everything the pool
-// shows. The file is the first of e's files the error names: every reload
+// returns the text kept: the pool's own text, which names files, never
+// URLs. The file is the first of e's files the error names: every reload
 // error names the file it is about.
 func (e *entry) recordReloadError(err error, at time.Time) string {
 	e.stats.rotationErrors.Add(1)
-	msg := redactURLs(err.Error())
+	msg := err.Error()
 	f := &reloadFailure{err: msg, at: at}
 	for _, path := range []string{e.id.certFile, e.id.keyFile, e.id.caFile} {
 		if path != "" && strings.Contains(msg, strconv.Quote(path)) {
@@ -125,8 +129,7 @@ func (e *entry) info(watch *identityWatch) IdentityInfo {
 	id, g := e.id, e.current.Load()
 	info := IdentityInfo{
 		Name:           id.key.String(),
-		Hosts:          e.hosts.names(),
-		Proxy:          redactHost(id.key.proxy),
+		Proxy:          id.key.proxy,
 		CertSubject:    g.certCN,
 		CertNotAfter:   g.certNotAfter,
 		Since:          time.Unix(0, e.since.Load()),
@@ -136,6 +139,12 @@ func (e *entry) info(watch *identityWatch) IdentityInfo {
 		Resumptions:    e.stats.resumptions.Load(),
 		Rotations:      e.stats.rotations.Load(),
 		RotationErrors: e.stats.rotationErrors.Load(),
+	}
+	if info.Proxy != "" && info.Proxy != "direct" {
+		info.Proxy = redactHost(info.Proxy)
+	}
+	for _, h := range e.hosts.names() {
+		info.Hosts = append(info.Hosts, redactHost(h))
 	}
 	for _, f := range []string{id.caFile, id.certFile, id.keyFile} {
 		if f != "" {
@@ -157,6 +166,9 @@ func (e *entry) info(watch *identityWatch) IdentityInfo {
 	}
 	if f := e.lastReload.Load(); f != nil {
 		info.LastError, info.LastErrorTime, info.LastErrorFile = f.err, f.at, f.file
+	}
+	if id.watchesFiles() {
+		info.FilesError = e.filesError()
 	}
 	return info
 }

@@ -19,9 +19,7 @@ import (
 	"net/url"
 	"os"
 	"path/filepath"
-	"regexp"
 	"slices"
-	"strings"
 	"sync"
 	"sync/atomic"
 
@@ -207,7 +205,7 @@ func (p *Pool) setProxy(id *identity, cfg *rest.Config) (proxy string, share boo
 	}
 	r, err := proxyRoute(cfg)
 	if err != nil {
-		p.opts.logger.V(2).Info("Config passes through: its Proxy function failed", "host", redactHost(cfg.Host), "err", redactURLs(err.Error()))
+		p.opts.logger.V(2).Info("Config passes through: its Proxy function failed", "host", redactHost(cfg.Host), "err", redactError(err))
 		return "", false
 	}
 	if r.env {
@@ -262,8 +260,15 @@ func (id *identity) setMaterial(tc *transport.Config) error {
 	if id.certData, err = dataOrFile(tc.TLS.CertData, tc.TLS.CertFile, "client certificate"); err != nil {
 		return err
 	}
-	id.keyData, err = dataOrFile(tc.TLS.KeyData, tc.TLS.KeyFile, "client key")
-	return err
+	if id.keyData, err = dataOrFile(tc.TLS.KeyData, tc.TLS.KeyFile, "client key"); err != nil {
+		return err
+	}
+	if len(id.certData) == 0 || len(id.keyData) == 0 {
+		// Half a pair: client-go presents no certificate (and reads the
+		// file of the half there is, as above).
+		id.certData, id.keyData = nil, nil
+	}
+	return nil
 }
 
 // setDialer sets the dialer the identity's transport uses and returns the
@@ -374,40 +379,6 @@ func probeRequest(cfg *rest.Config) (*http.Request, error) {
 	}
 	return &http.Request{Method: http.MethodGet, URL: u, Header: http.Header{}, Host: u.Host}, nil
 }
-
-// redactHost hides a password a config's Host (or a proxy URL) may carry. A
-// user name without a password is hidden too: it is the credential itself
-// (a token as user name, as some proxies take it). A Host that does not
-// parse is redacted by hand: everything between the scheme and the last "@"
-// may be user info.
-func redactHost(host string) string {
-	if u, err := url.Parse(host); err == nil {
-		if u.User == nil {
-			return host
-		}
-		if pw, ok := u.User.Password(); !ok || pw == "" {
-			r := *u
-			r.User = url.User("xxxxx")
-			return r.String()
-		}
-		return u.Redacted()
-	}
-	rest, scheme := host, ""
-	if i := strings.Index(rest, "://"); i >= 0 {
-		scheme, rest = rest[:i+3], rest[i+3:]
-	}
-	if i := strings.LastIndex(rest, "@"); i >= 0 {
-		return scheme + "xxxxx@" + rest[i+1:]
-	}
-	return host
-}
-
-// userInfo matches what may be a password in a URL inside free text.
-var userInfo = regexp.MustCompile(`//[^/@\s"]*@`)
-
-// redactURLs hides user info of URLs in s (a Proxy function's error may quote
-// the URL it failed to parse).
-func redactURLs(s string) string { return userInfo.ReplaceAllString(s, "//xxxxx@") }
 
 func urlString(u *url.URL) string {
 	if u == nil {
