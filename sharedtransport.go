@@ -308,6 +308,9 @@ type identityKey struct {
 	// connectHeader digests the headers CONNECT requests to the proxy carry
 	// (proxy credentials, typically).
 	connectHeader digest
+	// fixedTLS keys what a TLSTransport configuration sets beyond the
+	// fields above: versions, and its roots by content (see rootsID).
+	fixedTLS string
 }
 
 type digest [sha256.Size]byte
@@ -372,6 +375,10 @@ type identity struct {
 	// it, gets it the same way.
 	connectHeader      http.Header
 	headerFromWrappers bool
+
+	// tlsConfig, set for TLSTransport identities, is the caller's TLS
+	// configuration: generations use a copy of it instead of building one.
+	tlsConfig *tls.Config
 
 	// clientGoKey, for certificate-file identities client-go can cache (no
 	// Proxy, no Dial), is the TLS part of the config as client-go keys its
