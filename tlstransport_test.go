@@ -132,8 +132,10 @@ func TestTLSTransport(t *testing.T) {
 	t.Run("settings the pool cannot compare are refused", func(t *testing.T) {
 		r := newTLSRig(t, testserver.Options{})
 		for name, change := range map[string]func(*tls.Config){
-			"Certificates":          func(c *tls.Config) { c.Certificates = []tls.Certificate{{}} },
-			"VerifyPeerCertificate": func(c *tls.Config) { c.VerifyPeerCertificate = func([][]byte, [][]*x509.Certificate) error { return nil } },
+			"Certificates": func(c *tls.Config) { c.Certificates = []tls.Certificate{{}} },
+			"VerifyPeerCertificate": func(c *tls.Config) {
+				c.VerifyPeerCertificate = func([][]byte, [][]*x509.Certificate) error { return nil }
+			},
 		} {
 			c := r.settings(r.caPEM, "Basic a")
 			change(c.TLS)
