@@ -52,6 +52,9 @@ type identityKey struct {
 	// connectHeader digests the headers CONNECT requests to the proxy carry
 	// (proxy credentials, typically).
 	connectHeader digest
+	// fixedTLS keys what a TLSTransport configuration sets beyond the
+	// fields above: versions, and its roots by content (see rootsID).
+	fixedTLS string
 }
 
 type digest [sha256.Size]byte
@@ -116,6 +119,10 @@ type identity struct {
 	// it, gets it the same way.
 	connectHeader      http.Header
 	headerFromWrappers bool
+
+	// tlsConfig, set for TLSTransport identities, is the caller's TLS
+	// configuration: generations use a copy of it instead of building one.
+	tlsConfig *tls.Config
 
 	// proxy is nil when the transport uses the environment, as client-go
 	// does for configs without Proxy. Otherwise it returns the URL (or nil,

@@ -129,6 +129,9 @@ func (p *Pool) newGeneration(e *entry, m *material) (*generation, error) {
 		CAData:        m.caPEM,
 		GetCertHolder: getCert,
 	}})
+	if id.tlsConfig != nil {
+		tlsConfig = id.tlsConfig.Clone() // TLSTransport: the caller's own, which holds no material
+	}
 	if err != nil {
 		return nil, err
 	}

@@ -3,7 +3,6 @@
 package sharedtransport
 
 import (
-	"net/http"
 	"time"
 
 	"k8s.io/client-go/rest"
@@ -20,7 +19,6 @@ type options struct {
 	maxConnsPerHost   int
 	idleTimeout       time.Duration
 	dialIdentity      func(*rest.Config) string
-	connectHeader     func(*rest.Config) http.Header
 	pollInterval      time.Duration
 	drainTimeout      time.Duration
 	expiryWarning     time.Duration
@@ -115,17 +113,6 @@ func WithIdleTimeout(d time.Duration) Option {
 // config through.
 func WithDialIdentity(fn func(cfg *rest.Config) string) Option {
 	return func(o *options) { o.dialIdentity = fn }
-}
-
-// WithProxyConnectHeader gives the headers the CONNECT requests of a config's
-// proxy must carry, as [http.Transport].ProxyConnectHeader does (proxy
-// credentials, typically). fn is called once per [Pool.Wrap]; configs whose
-// headers differ never share a connection, and the values are never logged.
-// A wrapper already in the config's WrapTransport that sets
-// ProxyConnectHeader on the transport below it (Karmada's Spec.ProxyHeader) is
-// recognised without this option, and its headers take precedence.
-func WithProxyConnectHeader(fn func(cfg *rest.Config) http.Header) Option {
-	return func(o *options) { o.connectHeader = fn }
 }
 
 // WithPollInterval sets how often watched certificate and CA files are

@@ -714,7 +714,6 @@ func TestProxyConnectHeader(t *testing.T) {
 	t.Run("one tunnel for many configs of one identity and header", func(t *testing.T) { proxyHeaderOneTunnel(t, r) })
 	t.Run("client-go alone: a tunnel per config, each with the header", func(t *testing.T) { proxyHeaderClientGoAlone(t, r) })
 	t.Run("other headers, other tunnels", func(t *testing.T) { proxyHeaderOtherHeaders(t, r) })
-	t.Run("WithProxyConnectHeader", func(t *testing.T) { proxyHeaderOption(t, r) })
 	t.Run("a copy for another host keeps the header on client-go's transport", func(t *testing.T) { proxyHeaderCopyOtherHost(t, r) })
 	t.Run("a wrapper that changes more than CONNECT headers passes the config through", func(t *testing.T) { proxyHeaderOwnDialer(t, r) })
 }
@@ -831,21 +830,6 @@ func proxyHeaderOtherHeaders(t *testing.T, r *proxyHeaderRig) {
 	if !seen["Basic a"] || !seen["Basic b"] {
 		t.Errorf("tunnels carried %v, want both credentials", seen)
 	}
-}
-
-// proxyHeaderOption is TestProxyConnectHeader's "WithProxyConnectHeader"
-// case.
-func proxyHeaderOption(t *testing.T, r *proxyHeaderRig) {
-	proxy := r.newProxy(t)
-	p := newPool(t, WithProxyConnectHeader(func(*rest.Config) http.Header { return proxyCredB }))
-	for range 10 {
-		cfg := r.member(proxy, "token-x", nil)
-		if err := p.Wrap(cfg); err != nil {
-			t.Fatal(err)
-		}
-		r.mustObserve(t, cfg)
-	}
-	wantTunnels(t, proxy, 1, "10 configs, the header from WithProxyConnectHeader")
 }
 
 // proxyHeaderCopyOtherHost is TestProxyConnectHeader's "a copy for another

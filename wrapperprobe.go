@@ -1,169 +1,342 @@
-// The config's wrapper probe: what the wrappers already in a config's
-// WrapTransport do to the connection, found out at Wrap.
+// The probe that finds out, at Wrap, what the wrappers already in a config's
+// WrapTransport do to the transport below them: it runs them over an
+// in-memory transport, sends one request through what they return and reads
+// what reaches the wire.
 
 package sharedtransport
 
 import (
+	"bufio"
 	"context"
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
 	"crypto/tls"
+	"crypto/x509"
+	"crypto/x509/pkix"
 	"errors"
+	"math/big"
 	"net"
 	"net/http"
 	"net/url"
-	"reflect"
 	"slices"
 	"sync"
-	"unsafe"
+	"time"
 
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/transport"
 )
 
-// connectHeaderFor returns the headers cfg's CONNECT requests carry: those a
-// wrapper already in cfg.WrapTransport sets on the transport below it, or else
-// those WithProxyConnectHeader gives. Such a wrapper (Karmada's
-// Spec.ProxyHeader clones the *http.Transport it is handed and sets
-// ProxyConnectHeader on the clone) sits above the hook and is handed the
-// pool's round tripper, so it would do nothing: the pool finds out what it
-// does by running cfg.WrapTransport once, at Wrap, over a probe transport.
-// share is false when the wrappers replace the transport in any other way:
-// the pool cannot give that to shared connections, and dropping it silently
-// would change what the config does.
+// connectHeaderFor returns the headers cfg's CONNECT requests carry because
+// of a wrapper already in cfg.WrapTransport. Such a wrapper (Karmada's
+// Spec.ProxyHeader type-asserts the round tripper below it to
+// *http.Transport, in its own RoundTrip, and sends the request over a clone
+// with ProxyConnectHeader set) sits above the hook and is handed the pool's
+// round tripper, so it would do nothing: the pool finds out what it does by
+// sending one request through cfg.WrapTransport over a probe transport.
+// fromWrappers reports that the wrappers set a header. share is false when
+// the request reached the wire in any other way than the probe sends it, or
+// did not reach it: the pool cannot give that to shared connections, and
+// dropping it silently would change what the config does.
 func (p *Pool) connectHeaderFor(cfg *rest.Config) (h http.Header, fromWrappers, share bool) {
-	if cfg.WrapTransport != nil {
-		h, replaced, ok := probeWrappers(cfg.WrapTransport)
-		if !ok {
-			p.opts.logger.V(2).Info("Config passes through: a wrapper in its WrapTransport replaces the transport below it with more than CONNECT headers", "host", redactHost(cfg.Host))
-			return nil, false, false
-		}
-		if replaced {
-			return h, true, true
-		}
-	}
-	if p.opts.connectHeader != nil {
-		h = p.opts.connectHeader(cfg).Clone()
-	}
-	return h, false, true
-}
-
-// probeWrappers runs wrap over a probe transport. replaced reports that wrap
-// handed back another *http.Transport, or changed the probe in place; ok
-// that the result differs from the probe in its CONNECT headers at most (a
-// static header: GetProxyConnectHeader is not recognised).
-func probeWrappers(wrap transport.WrapperFunc) (h http.Header, replaced, ok bool) {
-	// The probe has a TLS configuration, as client-go's transports do, for
-	// wrappers that change theirs.
-	probe := &http.Transport{Proxy: probeProxy, DialContext: probeDial, TLSClientConfig: &tls.Config{}}
-	pristine := probe.Clone()
-	out, ran := runWrappers(wrap, probe)
-	if !ran {
-		return nil, true, false
-	}
-	t := unwrapTransport(out)
-	if t == nil || t == probe {
-		// A wrapper may also change the transport it is handed in place:
-		// the pool's round tripper would hide that change from it too.
-		if !sameButConnectHeader(probe, pristine) || probe.GetProxyConnectHeader != nil {
-			return nil, true, false
-		}
-		if probe.ProxyConnectHeader != nil {
-			return probe.ProxyConnectHeader.Clone(), true, true
-		}
+	if cfg.WrapTransport == nil {
 		return nil, false, true
 	}
-	if t.GetProxyConnectHeader != nil || !sameButConnectHeader(t, probe) {
-		return nil, true, false
+	req, err := probeRequest(cfg)
+	if err != nil {
+		return nil, false, false
 	}
-	return t.ProxyConnectHeader.Clone(), true, true
+	// Over https whatever the config's scheme: only a tunnel carries
+	// CONNECT headers.
+	target := &url.URL{Scheme: "https", Host: canonicalAddr(req.URL), Path: "/"}
+	h, ok := probeWrappers(cfg.WrapTransport, target)
+	if !ok {
+		p.opts.logger.V(2).Info("Config passes through: a wrapper in its WrapTransport changes what its requests put on the wire beyond CONNECT headers", "host", redactHost(cfg.Host))
+		return nil, false, false
+	}
+	return h, len(h) > 0, true
 }
 
-// runWrappers returns what wrap makes of probe; ran is false when it panics.
-// A wrapper written for client-go's transports may not expect a probe, and
-// what it does to theirs is then unknown.
-func runWrappers(wrap transport.WrapperFunc, probe *http.Transport) (out http.RoundTripper, ran bool) {
-	defer func() {
-		if recover() != nil {
-			out, ran = nil, false
-		}
-	}()
-	return wrap(probe), true
-}
-
+// isProbe reports whether rt is a probe transport of a probe running now:
+// the hook of a config wrapped again is run over it, and hands it on.
 func isProbe(rt http.RoundTripper) bool {
 	t, ok := rt.(*http.Transport)
-	return ok && t.Proxy != nil && reflect.ValueOf(t.Proxy).Pointer() == reflect.ValueOf(probeProxy).Pointer()
-}
-
-func probeProxy(*http.Request) (*url.URL, error) {
-	return nil, errors.New("sharedtransport: probe transport")
-}
-
-func probeDial(context.Context, string, string) (net.Conn, error) {
-	return nil, errors.New("sharedtransport: probe transport")
-}
-
-// sameButConnectHeader compares every exported field of two transports but
-// ProxyConnectHeader and GetProxyConnectHeader; their TLS configurations
-// (a clone's is a copy) must set nothing, as the probe's.
-func sameButConnectHeader(a, b *http.Transport) bool {
-	return sameFields(a, b, probeFields()) && tlsUnset(a.TLSClientConfig) && tlsUnset(b.TLSClientConfig)
-}
-
-// tlsUnset reports whether c is a TLS configuration that sets no exported
-// field.
-func tlsUnset(c *tls.Config) bool {
-	if c == nil {
+	if !ok {
 		return false
 	}
-	v := reflect.ValueOf(c).Elem()
-	for _, i := range tlsFields() {
-		if !v.Field(i).IsZero() {
-			return false
-		}
-	}
-	return true
+	_, ok = liveProbes.Load(t)
+	return ok
 }
 
-// The fields compared, as indices computed once: reflect's StructField
-// allocates, and the hook compares for every client it sees.
-var (
-	probeFields = sync.OnceValue(func() []int {
-		return exportedFieldsBut(reflect.TypeFor[http.Transport](), "ProxyConnectHeader", "GetProxyConnectHeader", "TLSClientConfig")
-	})
-	tlsFields = sync.OnceValue(func() []int { return exportedFieldsBut(reflect.TypeFor[tls.Config]()) })
-)
+// liveProbes holds the probe transports of the probes running now, by
+// pointer.
+var liveProbes sync.Map
 
-func exportedFieldsBut(t reflect.Type, skip ...string) []int {
-	var fields []int
-	for i := range t.NumField() {
-		if f := t.Field(i); f.IsExported() && !slices.Contains(skip, f.Name) {
-			fields = append(fields, i)
-		}
+// probeTimeout bounds one probe: every step is in memory, so only a wrapper
+// that holds the request runs into it.
+const probeTimeout = 5 * time.Second
+
+// probeWrappers sends one request for target through wrap over a probe
+// transport and returns the CONNECT headers the wrappers added to it. ok is
+// false unless the wire saw what it sees without wrappers, but for those
+// headers: one dial, to the probe's proxy, a tunnel to target, the probe's
+// TLS hello, no client certificate, the server verified against the probe's
+// roots, the request served.
+func probeWrappers(wrap transport.WrapperFunc, target *url.URL) (h http.Header, ok bool) {
+	base, err := baseline()
+	if err != nil {
+		return nil, false
 	}
-	return fields
+	got, err := runProbe(wrap, target)
+	if err != nil || !got.sameWire(base) {
+		return nil, false
+	}
+	return got.addedHeader(base), true
 }
 
-// sameFields compares the given fields of two transports. Functions, maps
-// and pointers are the same when they are the same value (one func value,
-// one map, one pointee); everything else by value.
-func sameFields(a, b *http.Transport, fields []int) bool {
-	va, vb := reflect.ValueOf(a).Elem(), reflect.ValueOf(b).Elem()
-	for _, i := range fields {
-		fa, fb := va.Field(i), vb.Field(i)
-		switch fa.Kind() {
-		case reflect.Func:
-			if *(*unsafe.Pointer)(unsafe.Pointer(fa.UnsafeAddr())) != *(*unsafe.Pointer)(unsafe.Pointer(fb.UnsafeAddr())) {
-				return false
-			}
-		case reflect.Map, reflect.Pointer, reflect.Slice, reflect.Chan:
-			if fa.Pointer() != fb.Pointer() || fa.Kind() == reflect.Slice && fa.Len() != fb.Len() {
-				return false
-			}
-		default:
-			if !fa.Equal(fb) {
-				return false
-			}
+// baseline is what the probe sees of a request sent over the probe
+// transport itself.
+var baseline = sync.OnceValues(func() (*wire, error) {
+	return runProbe(func(rt http.RoundTripper) http.RoundTripper { return rt },
+		&url.URL{Scheme: "https", Host: "probe.sharedtransport.invalid:443", Path: "/"})
+})
+
+// wire is what reached the probe's in-memory proxy and server.
+type wire struct {
+	mu          sync.Mutex
+	dials       int
+	dialAddr    string
+	connectHost string
+	header      http.Header // the CONNECT request's
+	sni         string
+	alpn        []string
+	versions    []uint16
+	peerCerts   int
+	verified    bool // the client verified the server against the probe's roots
+	served      bool // the request arrived through the tunnel
+	target      string
+}
+
+func (w *wire) sameWire(base *wire) bool {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.dials == base.dials && w.dialAddr == base.dialAddr && w.connectHost == w.target &&
+		w.sni == base.sni && slices.Equal(w.alpn, base.alpn) && slices.Equal(w.versions, base.versions) &&
+		w.peerCerts == 0 && w.verified && w.served
+}
+
+// addedHeader returns the CONNECT header fields w carries that base does
+// not carry with the same values.
+func (w *wire) addedHeader(base *wire) http.Header {
+	var h http.Header
+	for k, v := range w.header {
+		if slices.Equal(base.header[k], v) {
+			continue
 		}
+		if h == nil {
+			h = http.Header{}
+		}
+		h[k] = slices.Clone(v)
 	}
-	return true
+	return h
+}
+
+// runProbe runs wrap over a new probe transport and sends one GET for
+// target through the result. Everything the probe starts has ended when it
+// returns.
+func runProbe(wrap transport.WrapperFunc, target *url.URL) (*wire, error) {
+	id, err := probeIdentity()
+	if err != nil {
+		return nil, err
+	}
+	w := &wire{target: canonicalAddr(target)}
+	var served sync.WaitGroup
+	probe := newProbeTransport(id, w, &served)
+	liveProbes.Store(probe, struct{}{})
+	defer liveProbes.Delete(probe)
+	ctx, cancel := context.WithTimeout(context.Background(), probeTimeout)
+	defer cancel()
+	err = sendProbe(ctx, wrap, probe, target)
+	cancel()
+	probe.CloseIdleConnections()
+	served.Wait()
+	if err != nil {
+		return nil, err
+	}
+	return w, nil
+}
+
+// sendProbe sends the probe request through what wrap makes of probe. A
+// wrapper written for client-go's transports may not expect a probe: a
+// panic is an error, and what it does to theirs is then unknown.
+func sendProbe(ctx context.Context, wrap transport.WrapperFunc, probe *http.Transport, target *url.URL) (err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			err = errors.New("sharedtransport: a wrapper panicked on the probe transport")
+		}
+	}()
+	rt := wrap(probe)
+	if t, ok := rt.(*http.Transport); ok && t.GetProxyConnectHeader != nil || probe.GetProxyConnectHeader != nil {
+		// Headers chosen per proxy and target: the probe sees them for its
+		// own proxy only.
+		return errors.New("sharedtransport: a wrapper sets GetProxyConnectHeader")
+	}
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, target.String(), nil)
+	if err != nil {
+		return err
+	}
+	resp, err := rt.RoundTrip(req)
+	if err != nil {
+		return err
+	}
+	return resp.Body.Close()
+}
+
+// probeProxyAddr is where the probe transport's proxy is; nothing listens
+// there: the probe's dialer answers in memory.
+const probeProxyAddr = "proxy.sharedtransport.invalid:3128"
+
+// newProbeTransport returns a transport whose proxy and server are in
+// memory and record what reaches them in w. Keep-alive is off, so that the
+// clones a wrapper makes of it keep no connection.
+func newProbeTransport(id *probeTLS, w *wire, served *sync.WaitGroup) *http.Transport {
+	return &http.Transport{
+		Proxy: http.ProxyURL(&url.URL{Scheme: "http", Host: probeProxyAddr}),
+		DialContext: func(ctx context.Context, _, addr string) (net.Conn, error) {
+			client, server := net.Pipe()
+			w.mu.Lock()
+			w.dials++
+			w.dialAddr = addr
+			w.mu.Unlock()
+			deadline, _ := ctx.Deadline()
+			server.SetDeadline(deadline)
+			served.Add(1)
+			go func() {
+				defer served.Done()
+				defer server.Close()
+				serveProbe(server, id, w)
+			}()
+			return client, nil
+		},
+		TLSClientConfig: &tls.Config{
+			RootCAs:    id.roots,
+			ServerName: probeServerName,
+			VerifyConnection: func(cs tls.ConnectionState) error {
+				w.mu.Lock()
+				w.verified = len(cs.VerifiedChains) > 0
+				w.mu.Unlock()
+				return nil
+			},
+		},
+		DisableKeepAlives: true,
+	}
+}
+
+// serveProbe is the probe's proxy and server on one connection: it answers
+// the CONNECT, then the TLS handshake and the request through the tunnel.
+func serveProbe(conn net.Conn, id *probeTLS, w *wire) {
+	br := bufio.NewReader(conn)
+	connect, err := http.ReadRequest(br)
+	if err != nil {
+		return
+	}
+	w.mu.Lock()
+	if connect.Method == http.MethodConnect {
+		w.connectHost, w.header = connect.Host, connect.Header
+	}
+	w.mu.Unlock()
+	if connect.Method != http.MethodConnect {
+		conn.Write([]byte("HTTP/1.1 405 Method Not Allowed\r\nConnection: close\r\n\r\n"))
+		return
+	}
+	if _, err := conn.Write([]byte("HTTP/1.1 200 Connection established\r\n\r\n")); err != nil {
+		return
+	}
+	tc := tls.Server(&bufferedConn{Conn: conn, r: br}, id.serverConfig(w))
+	if err := tc.Handshake(); err != nil {
+		return
+	}
+	w.mu.Lock()
+	w.peerCerts = len(tc.ConnectionState().PeerCertificates)
+	w.mu.Unlock()
+	if _, err := http.ReadRequest(bufio.NewReader(tc)); err != nil {
+		return
+	}
+	w.mu.Lock()
+	w.served = true
+	w.mu.Unlock()
+	tc.Write([]byte("HTTP/1.1 204 No Content\r\nConnection: close\r\n\r\n"))
+	tc.Close()
+}
+
+// bufferedConn reads what a bufio.Reader already took off the connection
+// first.
+type bufferedConn struct {
+	net.Conn
+	r *bufio.Reader
+}
+
+func (c *bufferedConn) Read(b []byte) (int, error) { return c.r.Read(b) }
+
+const probeServerName = "server.sharedtransport.invalid"
+
+// probeTLS is the probe server's certificate and the roots that trust it.
+type probeTLS struct {
+	cert  tls.Certificate
+	roots *x509.CertPool
+}
+
+func (id *probeTLS) serverConfig(w *wire) *tls.Config {
+	return &tls.Config{
+		Certificates: []tls.Certificate{id.cert},
+		ClientAuth:   tls.RequestClientCert,
+		GetConfigForClient: func(hello *tls.ClientHelloInfo) (*tls.Config, error) {
+			w.mu.Lock()
+			w.sni = hello.ServerName
+			w.alpn = slices.Clone(hello.SupportedProtos)
+			w.versions = slices.Clone(hello.SupportedVersions)
+			w.mu.Unlock()
+			return nil, nil
+		},
+	}
+}
+
+// probeIdentity is a self-signed server certificate made once per process.
+var probeIdentity = sync.OnceValues(func() (*probeTLS, error) {
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		return nil, err
+	}
+	tmpl := &x509.Certificate{
+		SerialNumber:          big.NewInt(1),
+		Subject:               pkix.Name{CommonName: probeServerName},
+		DNSNames:              []string{probeServerName},
+		NotBefore:             time.Now().Add(-time.Hour),
+		NotAfter:              time.Now().Add(100 * 365 * 24 * time.Hour),
+		IsCA:                  true,
+		BasicConstraintsValid: true,
+		KeyUsage:              x509.KeyUsageDigitalSignature | x509.KeyUsageCertSign,
+		ExtKeyUsage:           []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
+	}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
+	if err != nil {
+		return nil, err
+	}
+	leaf, err := x509.ParseCertificate(der)
+	if err != nil {
+		return nil, err
+	}
+	roots := x509.NewCertPool()
+	roots.AddCert(leaf)
+	return &probeTLS{cert: tls.Certificate{Certificate: [][]byte{der}, PrivateKey: key, Leaf: leaf}, roots: roots}, nil
+})
+
+// canonicalAddr is u's host:port, with the scheme's port when u names none,
+// as a CONNECT request names its target.
+func canonicalAddr(u *url.URL) string {
+	port := u.Port()
+	if port == "" {
+		port = map[string]string{"http": "80", "https": "443"}[u.Scheme]
+	}
+	return net.JoinHostPort(u.Hostname(), port)
 }

@@ -88,7 +88,11 @@ func Start(tokens map[string]string) (*Member, error) {
 
 func (m *Member) handler(tokens map[string]string) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		user := tokens[strings.TrimPrefix(r.Header.Get("Authorization"), "Bearer ")]
+		scheme, token, _ := strings.Cut(r.Header.Get("Authorization"), " ")
+		user := ""
+		if strings.EqualFold(scheme, "bearer") { // Karmada's proxy writes "bearer"
+			user = tokens[token]
+		}
 		if len(r.TLS.PeerCertificates) > 0 {
 			user = r.TLS.PeerCertificates[0].Subject.CommonName
 		}

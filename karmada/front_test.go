@@ -1,0 +1,194 @@
+package karmada
+
+import (
+	"crypto/tls"
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"net/url"
+	"path"
+	"sync"
+	"time"
+
+	authenticationv1 "k8s.io/api/authentication/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/util/httpstream"
+	proxyutil "k8s.io/apimachinery/pkg/util/proxy"
+	"k8s.io/apiserver/pkg/authentication/user"
+	"k8s.io/apiserver/pkg/endpoints/request"
+
+	clusterapis "github.com/karmada-io/karmada/pkg/apis/cluster"
+	"github.com/karmada-io/karmada/pkg/util/proxy"
+
+	"github.com/sharedtransport/sharedtransport"
+)
+
+// mode is how the front gets the transport for a proxied request.
+type mode int
+
+const (
+	// connectCluster: Karmada's proxy.ConnectCluster, called per request as
+	// the cluster proxy (karmada-aggregated-apiserver's proxy subresource,
+	// karmada-search's cluster plugin) calls it: keep-alive off.
+	connectCluster mode = iota
+	// asIs: the aggregated path (pkg/registry/cluster/storage/aggregate.go):
+	// GetTLSConfigForCluster, Location's transport (keep-alive off) and
+	// NewThrottledUpgradeAwareProxyHandler, per request.
+	asIs
+	// keepAliveOn: the same with keep-alive on, as before Karmada PR 5610
+	// (issue 5574): the transport Location built, DisableKeepAlives false.
+	keepAliveOn
+	// pooled: the same with Location's transport as the changed
+	// createProxyTransport returns it: the pool's TLSTransport of the
+	// settings Karmada's transport carries.
+	pooled
+	// pooledCapped: pooled, the pool with WithMaxConnsPerHost(2).
+	pooledCapped
+	// pooledConnect: ConnectCluster's handler with the changed
+	// createProxyTransport: Karmada's NewUpgradeAwareHandler over the pool's
+	// transport, upgrades through Karmada's own UpgradeDialer.
+	pooledConnect
+)
+
+var modeNames = map[mode]string{connectCluster: "ConnectCluster as is", asIs: "Karmada as is (keep-alive off)",
+	keepAliveOn: "Karmada, keep-alive on", pooled: "Karmada + TLSTransport", pooledCapped: "Karmada + TLSTransport, WithMaxConnsPerHost(2)",
+	pooledConnect: "ConnectCluster's handler + TLSTransport"}
+
+func (m mode) String() string { return modeNames[m] }
+
+// front is Karmada's proxy in front of one member cluster. The user a
+// request comes from is its X-Remote-User header (an authenticated user of
+// the Karmada API server in production).
+type front struct {
+	mode    mode
+	pool    *sharedtransport.Pool
+	secrets *secrets
+
+	mu      sync.Mutex
+	cluster *clusterapis.Cluster
+}
+
+func (f *front) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	name := r.Header.Get("X-Remote-User")
+	if name == "" {
+		name = "tester"
+	}
+	r.Header.Del("X-Remote-User")
+	ctx := request.WithUser(r.Context(), &user.DefaultInfo{Name: name, Groups: []string{user.AllAuthenticated}})
+	r = r.WithContext(ctx)
+	f.mu.Lock()
+	cl := f.cluster.DeepCopy()
+	f.mu.Unlock()
+	resp := &responder{w: w}
+	if f.mode == connectCluster {
+		h, err := proxy.ConnectCluster(ctx, cl, r.URL.Path, f.secrets.get, resp)
+		if err != nil {
+			resp.Error(err)
+			return
+		}
+		h.ServeHTTP(w, r)
+		return
+	}
+	h, err := f.handler(r, cl, resp)
+	if err != nil {
+		resp.Error(err)
+		return
+	}
+	h.ServeHTTP(w, r)
+}
+
+// handler is what Karmada builds per request in the front's mode, with the
+// request's impersonation headers set as Karmada sets them.
+func (f *front) handler(r *http.Request, cl *clusterapis.Cluster, resp *responder) (http.Handler, error) {
+	ctx := r.Context()
+	tlsConfig, err := proxy.GetTLSConfigForCluster(ctx, cl, f.secrets.get)
+	if err != nil {
+		return nil, err
+	}
+	// Location changes the NextProtos of the configuration it is handed.
+	location, rt, err := proxy.Location(cl, tlsConfig.Clone())
+	if err != nil {
+		return nil, err
+	}
+	switch f.mode {
+	case keepAliveOn:
+		rt.(*http.Transport).DisableKeepAlives = false
+	case pooled, pooledCapped, pooledConnect:
+		if rt, err = f.createProxyTransport(cl, tlsConfig); err != nil {
+			return nil, err
+		}
+	}
+	sec, err := f.secrets.get(ctx, cl.Spec.ImpersonatorSecretRef.Namespace, cl.Spec.ImpersonatorSecretRef.Name)
+	if err != nil {
+		return nil, err
+	}
+	impersonateToken, err := proxy.ImpersonateToken(cl.Name, sec)
+	if err != nil {
+		return nil, err
+	}
+	requester, _ := request.UserFrom(ctx)
+	r.Header.Set(authenticationv1.ImpersonateUserHeader, requester.GetName())
+	r.Header.Set("Authorization", "bearer "+impersonateToken)
+	location.Path = path.Join(location.Path, r.URL.Path)
+	location.RawQuery = r.URL.RawQuery
+	if f.mode != pooledConnect {
+		return proxy.NewThrottledUpgradeAwareProxyHandler(location, rt, true, false, resp), nil
+	}
+	h := proxy.NewUpgradeAwareHandler(location, rt, false, httpstream.IsUpgradeRequest(r), proxyutil.NewErrorResponder(resp))
+	h.UpgradeDialer = proxy.NewUpgradeDialerWithConfig(proxy.UpgradeDialerWithConfig{
+		TLS:     tlsConfig.Clone(),
+		Proxier: http.ProxyURL(mustParse(cl.Spec.ProxyURL)),
+		Header:  proxy.ParseProxyHeaders(cl.Spec.ProxyHeader),
+	})
+	return h, nil
+}
+
+// createProxyTransport is Karmada's createProxyTransport with the change
+// the README gives: the pool's transport for the settings Karmada's own
+// carries.
+func (f *front) createProxyTransport(cl *clusterapis.Cluster, tlsConfig *tls.Config) (http.RoundTripper, error) {
+	trans := sharedtransport.TLSTransportConfig{TLS: tlsConfig}
+	if proxyURL := cl.Spec.ProxyURL; proxyURL != "" {
+		u, err := url.Parse(proxyURL)
+		if err != nil {
+			return nil, fmt.Errorf("failed to parse url of proxy url %s: %v", proxyURL, err)
+		}
+		trans.Proxy = u
+		trans.ProxyConnectHeader = proxy.ParseProxyHeaders(cl.Spec.ProxyHeader)
+	}
+	return f.pool.TLSTransport(trans)
+}
+
+func mustParse(s string) *url.URL {
+	u, err := url.Parse(s)
+	if err != nil {
+		panic(err)
+	}
+	return u
+}
+
+// responder writes what Karmada's handlers report as a Status, as the
+// Karmada API server's responder does.
+type responder struct{ w http.ResponseWriter }
+
+func (r *responder) Object(code int, obj runtime.Object) {
+	r.w.Header().Set("Content-Type", "application/json")
+	r.w.WriteHeader(code)
+	json.NewEncoder(r.w).Encode(obj)
+}
+
+func (r *responder) Error(err error) {
+	st := apierrors.NewInternalError(err).ErrStatus
+	if s, ok := err.(apierrors.APIStatus); ok {
+		st = s.Status()
+	}
+	if st.Code == 0 {
+		st.Code = http.StatusInternalServerError
+	}
+	st.TypeMeta = metav1.TypeMeta{Kind: "Status", APIVersion: "v1"}
+	r.Object(int(st.Code), &st)
+}
+
+func httpClient() *http.Client { return &http.Client{Timeout: 60 * time.Second} }

@@ -1,0 +1,179 @@
+// The transport-level entry point: the pool's counterpart of the
+// *http.Transport that code which never builds a rest.Config makes for
+// itself (Karmada's cluster proxy, karmada-search, OCM's cluster-proxy).
+
+package sharedtransport
+
+import (
+	"bytes"
+	"crypto/sha256"
+	"crypto/tls"
+	"crypto/x509"
+	"errors"
+	"fmt"
+	"net/http"
+	"net/url"
+	"reflect"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"weak"
+)
+
+// TLSTransportConfig is what a hand-built transport to one server sets:
+// the parts of it the pool keeps, every one of them part of the identity.
+type TLSTransportConfig struct {
+	// TLS is the TLS configuration of the connections. RootCAs,
+	// InsecureSkipVerify, ServerName, NextProtos, MinVersion and MaxVersion
+	// may be set; any other field is refused, since the pool could not tell
+	// two values of it apart. The pool keeps a copy.
+	TLS *tls.Config
+	// Proxy, when set, is the proxy every request goes through (as
+	// http.ProxyURL(Proxy)); nil uses the environment's proxy as
+	// utilnet.SetTransportDefaults does (HTTPS_PROXY, NO_PROXY).
+	Proxy *url.URL
+	// ProxyConnectHeader is sent with every CONNECT request to the proxy.
+	ProxyConnectHeader http.Header
+}
+
+// TLSTransport is [Pool.TLSTransport] on the package's default pool.
+func TLSTransport(c TLSTransportConfig) (http.RoundTripper, error) {
+	return defaultPool().TLSTransport(c)
+}
+
+// TLSTransport returns a round tripper that sends requests over the pool's
+// shared transport for c. Calls with equal settings share connections: roots
+// are compared with (*x509.CertPool).Equal, headers by value, the proxy by
+// URL. A call with other roots (a new caBundle) is another identity from
+// that call on; the old one is released when no round tripper of it is left
+// and its idle grace has passed ([WithIdleTimeout]). The dialer is the
+// pool's: code that needs a dialer of its own keeps its own transport.
+//
+// Keep-alive, session resumption and the connection cap are the pool's
+// options. Upgrade requests (exec, port-forward) may be sent through it; they
+// get a connection of their own.
+func (p *Pool) TLSTransport(c TLSTransportConfig) (http.RoundTripper, error) {
+	if p.isClosed() {
+		return nil, ErrClosed
+	}
+	id, err := tlsIdentity(c)
+	if err != nil {
+		return nil, err
+	}
+	l, err := p.acquire(id)
+	if err != nil {
+		return nil, err
+	}
+	return &configTransport{lease: l}, nil
+}
+
+// tlsIdentity computes the identity of c.
+func tlsIdentity(c TLSTransportConfig) (*identity, error) {
+	if c.TLS == nil {
+		return nil, errors.New("sharedtransport: TLSTransport needs a TLS configuration: set TLSTransportConfig.TLS")
+	}
+	if f := unsupportedTLSField(c.TLS); f != "" {
+		return nil, fmt.Errorf("sharedtransport: TLSTransport cannot compare tls.Config.%s: leave it unset, or keep a transport of your own for this server", f)
+	}
+	if c.TLS.RootCAs != nil && c.TLS.InsecureSkipVerify {
+		return nil, errors.New("sharedtransport: TLSTransport: a TLS configuration cannot set both RootCAs and InsecureSkipVerify: remove one of them")
+	}
+	tlsConfig := c.TLS.Clone()
+	if tlsConfig.RootCAs != nil {
+		tlsConfig.RootCAs = tlsConfig.RootCAs.Clone() // the caller may add to its own later
+	}
+	id := &identity{
+		insecure:      tlsConfig.InsecureSkipVerify,
+		serverName:    tlsConfig.ServerName,
+		nextProtos:    tlsConfig.NextProtos,
+		connectHeader: c.ProxyConnectHeader.Clone(),
+		tlsConfig:     tlsConfig,
+	}
+	id.alpn = clientGoALPN(id.nextProtos, true)
+	proxy := ""
+	if c.Proxy != nil {
+		u := *c.Proxy
+		id.proxy = http.ProxyURL(&u)
+		proxy = u.String()
+	}
+	id.key = id.keyFor("", proxy)
+	id.key.fixedTLS = fmt.Sprintf("min=%d max=%d roots=%d", tlsConfig.MinVersion, tlsConfig.MaxVersion, rootsID(tlsConfig.RootCAs))
+	return id, nil
+}
+
+// tlsFieldsKept are the fields of a tls.Config TLSTransport keeps.
+var tlsFieldsKept = []string{"RootCAs", "InsecureSkipVerify", "ServerName", "NextProtos", "MinVersion", "MaxVersion"}
+
+// unsupportedTLSField returns the name of the first exported field of c set
+// beyond tlsFieldsKept, or "".
+func unsupportedTLSField(c *tls.Config) string {
+	v := reflect.ValueOf(c).Elem()
+	t := v.Type()
+	for i := range t.NumField() {
+		f := t.Field(i)
+		if f.IsExported() && !slices.Contains(tlsFieldsKept, f.Name) && !v.Field(i).IsZero() {
+			return f.Name
+		}
+	}
+	return ""
+}
+
+// rootsID numbers root pools by content: equal pools (Equal) get one number
+// for as long as the first of them is alive (an identity holds it). Pools are
+// bucketed by a digest of their subjects and compared within a bucket.
+func rootsID(roots *x509.CertPool) uint64 {
+	if roots == nil {
+		return 0
+	}
+	bucket := subjectsDigest(roots)
+	rootsMu.Lock()
+	defer rootsMu.Unlock()
+	live := rootsSeen[bucket][:0]
+	var id uint64
+	for _, r := range rootsSeen[bucket] {
+		p := r.pool.Value()
+		if p == nil {
+			continue // its identity is gone
+		}
+		live = append(live, r)
+		if id == 0 && p.Equal(roots) {
+			id = r.id
+		}
+	}
+	if id == 0 {
+		id = rootsNext.Add(1)
+		live = append(live, seenRoots{weak.Make(roots), id})
+	}
+	if len(live) == 0 {
+		delete(rootsSeen, bucket)
+	} else {
+		rootsSeen[bucket] = live
+	}
+	return id
+}
+
+type seenRoots struct {
+	pool weak.Pointer[x509.CertPool]
+	id   uint64
+}
+
+var (
+	rootsMu   sync.Mutex
+	rootsSeen = map[[sha256.Size]byte][]seenRoots{}
+	rootsNext atomic.Uint64
+)
+
+// subjectsDigest digests the sorted subjects of the certificates in roots.
+// Pools that are Equal hold the same certificates, so the same subjects. For
+// a system pool Subjects leaves the system's roots out: such pools share a
+// bucket, and Equal still tells them apart.
+func subjectsDigest(roots *x509.CertPool) [sha256.Size]byte {
+	h := sha256.New()
+	subjects := roots.Subjects() //nolint:staticcheck // see above
+	slices.SortFunc(subjects, bytes.Compare)
+	for _, s := range subjects {
+		fmt.Fprintf(h, "%d:", len(s))
+		h.Write(s)
+	}
+	return [sha256.Size]byte(h.Sum(nil))
+}

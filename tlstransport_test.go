@@ -1,0 +1,147 @@
+package sharedtransport
+
+import (
+	"crypto/tls"
+	"crypto/x509"
+	"fmt"
+	"io"
+	"net/http"
+	"net/url"
+	"runtime"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/sharedtransport/sharedtransport/internal/testserver"
+)
+
+// tlsRig is a member server behind a CONNECT proxy that requires one of two
+// headers, and the settings a hand-built transport to it carries.
+type tlsRig struct {
+	srv   *testserver.Server
+	proxy *connectProxy
+	caPEM []byte
+}
+
+func newTLSRig(t *testing.T, opts testserver.Options) *tlsRig {
+	t.Helper()
+	ca, err := testserver.NewCA("tlstransport-ca")
+	if err != nil {
+		t.Fatal(err)
+	}
+	opts.CA = ca
+	opts.ClientAuth = testserver.VerifyClientCertIfGiven
+	opts.Tokens = map[string]string{"token-x": "x"}
+	srv, err := testserver.Start(opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { srv.Close() })
+	return &tlsRig{srv: srv, proxy: newAuthProxy(t, "Basic a", "Basic b"), caPEM: ca.CertPEM()}
+}
+
+// settings are what Karmada's proxy sets for one request: roots parsed
+// anew from the bundle, TLS 1.3 at least, the proxy and its header.
+func (r *tlsRig) settings(bundle []byte, cred string) TLSTransportConfig {
+	roots := x509.NewCertPool()
+	roots.AppendCertsFromPEM(bundle)
+	u, _ := url.Parse(r.proxy.url())
+	return TLSTransportConfig{
+		TLS:                &tls.Config{RootCAs: roots, MinVersion: tls.VersionTLS13},
+		Proxy:              u,
+		ProxyConnectHeader: http.Header{"Proxy-Authorization": {cred}},
+	}
+}
+
+// get sends one request over a TLSTransport of c and returns its error.
+func (r *tlsRig) get(p *Pool, c TLSTransportConfig) error {
+	rt, err := p.TLSTransport(c)
+	if err != nil {
+		return err
+	}
+	req, _ := http.NewRequest(http.MethodGet, r.srv.URL()+"/version", nil)
+	req.Header.Set("Authorization", "Bearer token-x")
+	resp, err := rt.RoundTrip(req)
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	io.Copy(io.Discard, resp.Body)
+	if resp.StatusCode != http.StatusOK {
+		return fmt.Errorf("status %s", resp.Status)
+	}
+	return nil
+}
+
+func TestTLSTransport(t *testing.T) {
+	t.Run("calls with equal settings share one tunnel; another header is another", func(t *testing.T) {
+		r := newTLSRig(t, testserver.Options{})
+		p := newPool(t)
+		for i := range 20 {
+			if err := r.get(p, r.settings(r.caPEM, "Basic a")); err != nil {
+				t.Fatalf("call %d: %v", i, err)
+			}
+		}
+		wantTunnels(t, r.proxy, 1, "20 calls of one cluster")
+		if err := r.get(p, r.settings(r.caPEM, "Basic b")); err != nil {
+			t.Fatal(err)
+		}
+		wantTunnels(t, r.proxy, 2, "two headers")
+		if st := p.Stats(); st.Identities != 2 {
+			t.Errorf("%d identities, want 2", st.Identities)
+		}
+		if n := r.srv.Stats().Accepted; n != 2 {
+			t.Errorf("the server accepted %d connections, want 2", n)
+		}
+	})
+	t.Run("MinVersion is kept: a TLS 1.2 server is refused", func(t *testing.T) {
+		r := newTLSRig(t, testserver.Options{MaxTLSVersion: tls.VersionTLS12})
+		err := r.get(newPool(t), r.settings(r.caPEM, "Basic a"))
+		if err == nil || !strings.Contains(err.Error(), "protocol version") {
+			t.Errorf("got %v, want a refused handshake", err)
+		}
+	})
+	t.Run("a new caBundle takes effect on the next call; the old identity is released", func(t *testing.T) {
+		r := newTLSRig(t, testserver.Options{})
+		other, err := testserver.NewCA("other-ca")
+		if err != nil {
+			t.Fatal(err)
+		}
+		p := newPool(t, WithIdleTimeout(10*time.Millisecond))
+		if err := r.get(p, r.settings(r.caPEM, "Basic a")); err != nil {
+			t.Fatal(err)
+		}
+		if err := r.get(p, r.settings(other.CertPEM(), "Basic a")); err == nil || !strings.Contains(err.Error(), "unknown authority") {
+			t.Fatalf("with a bundle that does not hold the server's CA: %v, want unknown authority", err)
+		}
+		both := append(other.CertPEM(), r.caPEM...)
+		if err := r.get(p, r.settings(both, "Basic a")); err != nil {
+			t.Fatal(err)
+		}
+		if n := r.proxy.Stats().Tunnels; n != 3 {
+			t.Errorf("%d tunnels for three bundles, want 3", n)
+		}
+		for i := 0; p.Stats().Identities != 0; i++ {
+			if i == 500 {
+				t.Fatalf("%d identities left with no round tripper of them, want 0", p.Stats().Identities)
+			}
+			runtime.GC()
+			time.Sleep(10 * time.Millisecond)
+		}
+	})
+	t.Run("settings the pool cannot compare are refused", func(t *testing.T) {
+		r := newTLSRig(t, testserver.Options{})
+		for name, change := range map[string]func(*tls.Config){
+			"Certificates": func(c *tls.Config) { c.Certificates = []tls.Certificate{{}} },
+			"VerifyPeerCertificate": func(c *tls.Config) {
+				c.VerifyPeerCertificate = func([][]byte, [][]*x509.Certificate) error { return nil }
+			},
+		} {
+			c := r.settings(r.caPEM, "Basic a")
+			change(c.TLS)
+			if _, err := newPool(t).TLSTransport(c); err == nil || !strings.Contains(err.Error(), name) {
+				t.Errorf("%s: got %v, want an error naming it", name, err)
+			}
+		}
+	})
+}
