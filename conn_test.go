@@ -397,4 +397,3 @@ func TestCapAcrossRotations(t *testing.T) {
 		})
 	}
 }
-

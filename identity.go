@@ -52,6 +52,10 @@ type identityKey struct {
 	// connectHeader digests the headers CONNECT requests to the proxy carry
 	// (proxy credentials, typically).
 	connectHeader digest
+	// noHTTP2: DISABLE_HTTP2 was set when the identity was computed. Every
+	// transport of the identity speaks HTTP/2, or none, whatever the
+	// variable says at a rotation.
+	noHTTP2 bool
 	// fixedTLS keys what a TLSTransport configuration sets beyond the
 	// fields above: versions, and its roots by content (see rootsID).
 	fixedTLS string
@@ -102,9 +106,12 @@ type identity struct {
 	nextProtos         []string
 	disableCompression bool
 	// alpn is the protocol list client-go's own transport for the identity
-	// offers once HTTP/2 is configured: what a client-go transport handed to
-	// the hook must offer to be this identity's.
-	alpn []string
+	// offers once HTTP/2 is configured, and http2 whether it speaks HTTP/2:
+	// what a client-go transport handed to the hook must do to be this
+	// identity's.
+	alpn    []string
+	http2   bool
+	noHTTP2 bool // DISABLE_HTTP2, as it was when the identity was computed
 
 	// Files are watched and reloaded; inline data is fixed for the identity.
 	caFile, certFile, keyFile string
@@ -185,6 +192,7 @@ func (p *Pool) identityOf(cfg *rest.Config, tc *transport.Config) (id *identity,
 		getCert:            tc.TLS.GetCertHolder,
 		alpn:               clientGoALPN(tc.TLS.NextProtos, hasTLS),
 	}
+	id.setHTTP2(hasTLS)
 	if err := id.setMaterial(tc); err != nil {
 		return nil, false, err
 	}
@@ -226,6 +234,7 @@ func (p *Pool) setProxy(id *identity, cfg *rest.Config) (proxy string, share boo
 // route proxy.
 func (id *identity) keyFor(dialName, proxy string) identityKey {
 	return identityKey{
+		noHTTP2:            id.noHTTP2,
 		insecure:           id.insecure,
 		serverName:         id.serverName,
 		nextProtos:         lengthPrefixed(id.nextProtos),
@@ -302,6 +311,14 @@ func (p *Pool) setDialer(id *identity, cfg *rest.Config, tc *transport.Config) (
 		id.dial = tc.DialHolder.Dial
 	}
 	return name, true
+}
+
+// setHTTP2 decides, once, whether the identity's transports speak HTTP/2:
+// where client-go's would now (not under DISABLE_HTTP2, not for a protocol
+// list without h2).
+func (id *identity) setHTTP2(hasTLS bool) {
+	id.noHTTP2 = os.Getenv("DISABLE_HTTP2") != ""
+	id.http2 = hasTLS && !id.noHTTP2 && (len(id.nextProtos) == 0 || slices.Contains(id.nextProtos, "h2"))
 }
 
 // clientGoALPN returns the protocols a transport client-go builds for

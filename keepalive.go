@@ -263,22 +263,22 @@ func (g *generation) newTransport(id *identity, keepAlive bool, tlsConfig *tls.C
 		DisableKeepAlives:   !keepAlive,
 		ProxyConnectHeader:  id.connectHeader,
 	})
-	configureHTTP2(t, g.maxConns > 0)
+	if !id.noHTTP2 {
+		configureHTTP2(t, g.maxConns > 0)
+	}
 	settleProtocols(t)
 	return t
 }
 
 // configureHTTP2 turns HTTP/2 on for t where utilnet.SetTransportDefaults
-// would (not under DISABLE_HTTP2, not for an ALPN list without h2), with the
+// would (not for an ALPN list without h2; DISABLE_HTTP2 is the identity's
+// decision, see identity.setHTTP2), with the
 // same health checks and environment variables. It does what
 // SetTransportDefaults does, because the pool needs the *http2.Transport
 // SetTransportDefaults discards: under a cap (strict), a connection at its
 // stream limit queues new requests itself, as the server's SETTINGS allow,
 // instead of having net/http dial another connection.
 func configureHTTP2(t *http.Transport, strict bool) {
-	if os.Getenv("DISABLE_HTTP2") != "" {
-		return
-	}
 	if c := t.TLSClientConfig; c != nil && len(c.NextProtos) > 0 && !slices.Contains(c.NextProtos, http2.NextProtoTLS) {
 		return
 	}

@@ -90,6 +90,7 @@ func tlsIdentity(c TLSTransportConfig) (*identity, error) {
 		tlsConfig:     tlsConfig,
 	}
 	id.alpn = clientGoALPN(id.nextProtos, true)
+	id.setHTTP2(true)
 	proxy := ""
 	if c.Proxy != nil {
 		u := *c.Proxy

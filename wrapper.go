@@ -312,7 +312,7 @@ func sameConnection(got *http.Transport, g *generation, id *identity) bool {
 	}
 	return onlyClientGoFields(have) && have.ServerName == want.ServerName &&
 		have.InsecureSkipVerify == want.InsecureSkipVerify && have.MinVersion == want.MinVersion &&
-		have.MaxVersion == want.MaxVersion && slices.Equal(settledALPN(got), id.alpn) &&
+		have.MaxVersion == want.MaxVersion && slices.Equal(settledALPN(got), id.alpn) && speaksHTTP2(got) == id.http2 &&
 		samePool(have.RootCAs, g.roots) && (have.GetClientCertificate != nil) == id.presentsCert()
 }
 
