@@ -7,7 +7,9 @@ package sharedtransport
 
 import (
 	"errors"
+	"net"
 	"net/url"
+	"strings"
 )
 
 // unparsableURL stands for a URL or host that does not parse: its text may
@@ -32,7 +34,24 @@ func redactHost(host string) string {
 			return unparsableURL
 		}
 	}
+	if !plainHost(u) {
+		return unparsableURL
+	}
 	return (&url.URL{Scheme: u.Scheme, Host: u.Host}).String()
+}
+
+// plainHost reports whether u's host is an IP or a DNS name and its port
+// digits: a malformed URL can leave user info in the host ("http://u:pw:#@h"
+// parses as host "u:pw:"), which is then not printed either.
+func plainHost(u *url.URL) bool {
+	name, port := u.Hostname(), u.Port()
+	if strings.Trim(port, "0123456789") != "" || name == "" {
+		return false
+	}
+	if net.ParseIP(name) != nil {
+		return true
+	}
+	return strings.Trim(strings.ToLower(name), "abcdefghijklmnopqrstuvwxyz0123456789-._") == ""
 }
 
 // redactError describes err, the error of a config's Proxy function, which

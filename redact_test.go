@@ -27,6 +27,7 @@ func TestRedactHost(t *testing.T) {
 		"http://user:p w@proxy:3128":          unparsableURL,
 		`http://user:p"w@proxy:3128`:          unparsableURL,
 		"http://user:p%20w@proxy:3128":        "http://proxy:3128",
+		"http://u:pw:#@proxy:3128":            unparsableURL,
 		"http://token@proxy:3128":             "http://proxy:3128",
 		"https://[::1]:6443":                  "https://[::1]:6443",
 		"https://admin:pw@127.0.0.1:6443?q#f": "https://127.0.0.1:6443",
