@@ -360,8 +360,9 @@ func TestHookComposition(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	if beforeSeen.count() != 3 || afterSeen.count() != 3 {
-		t.Errorf("wrappers saw %d and %d requests, want 3 and 3", beforeSeen.count(), afterSeen.count())
+	// The wrapper set before Wrap also carried Wrap's probe request.
+	if beforeSeen.count() != 4 || afterSeen.count() != 3 {
+		t.Errorf("wrappers saw %d and %d requests, want 4 (3 and Wrap's probe) and 3", beforeSeen.count(), afterSeen.count())
 	}
 	if _, ok := before.next.(*clientTransport); !ok {
 		t.Errorf("the wrapper set before Wrap wraps %T, want the pool's round tripper innermost", before.next)

@@ -81,7 +81,7 @@ const probeTimeout = 5 * time.Second
 // false unless the wire saw what it sees without wrappers, but for those
 // headers: one dial, to the probe's proxy, a tunnel to target, the probe's
 // TLS hello, no client certificate, the server verified against the probe's
-// roots, the request served.
+// roots, the request served with the probe's Accept-Encoding.
 func probeWrappers(wrap transport.WrapperFunc, target *url.URL) (h http.Header, ok bool) {
 	base, err := baseline()
 	if err != nil {
@@ -112,8 +112,9 @@ type wire struct {
 	alpn        []string
 	versions    []uint16
 	peerCerts   int
-	verified    bool // the client verified the server against the probe's roots
-	served      bool // the request arrived through the tunnel
+	verified    bool   // the client verified the server against the probe's roots
+	served      bool   // the request arrived through the tunnel
+	encoding    string // its Accept-Encoding: what DisableCompression decides
 	target      string
 }
 
@@ -122,7 +123,7 @@ func (w *wire) sameWire(base *wire) bool {
 	defer w.mu.Unlock()
 	return w.dials == base.dials && w.dialAddr == base.dialAddr && w.connectHost == w.target &&
 		w.sni == base.sni && slices.Equal(w.alpn, base.alpn) && slices.Equal(w.versions, base.versions) &&
-		w.peerCerts == 0 && w.verified && w.served
+		w.peerCerts == 0 && w.verified && w.served && w.encoding == base.encoding
 }
 
 // addedHeader returns the CONNECT header fields w carries that base does
@@ -259,14 +260,16 @@ func serveProbe(conn net.Conn, id *probeTLS, w *wire) {
 	w.mu.Lock()
 	w.peerCerts = len(tc.ConnectionState().PeerCertificates)
 	w.mu.Unlock()
-	if _, err := http.ReadRequest(bufio.NewReader(tc)); err != nil {
+	req, err := http.ReadRequest(bufio.NewReader(tc))
+	if err != nil {
 		return
 	}
 	w.mu.Lock()
-	w.served = true
+	w.served, w.encoding = true, req.Header.Get("Accept-Encoding")
 	w.mu.Unlock()
+	// The pipe closes on return, without a close_notify: a write on a pipe
+	// waits for the peer to read, and the client is done reading.
 	tc.Write([]byte("HTTP/1.1 204 No Content\r\nConnection: close\r\n\r\n"))
-	tc.Close()
 }
 
 // bufferedConn reads what a bufio.Reader already took off the connection
@@ -290,6 +293,9 @@ func (id *probeTLS) serverConfig(w *wire) *tls.Config {
 	return &tls.Config{
 		Certificates: []tls.Certificate{id.cert},
 		ClientAuth:   tls.RequestClientCert,
+		// No tickets: the server would write them while the client writes
+		// its request, and a pipe has no buffer to hold either.
+		SessionTicketsDisabled: true,
 		GetConfigForClient: func(hello *tls.ClientHelloInfo) (*tls.Config, error) {
 			w.mu.Lock()
 			w.sni = hello.ServerName

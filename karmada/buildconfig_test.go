@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"testing"
+	"time"
 
 	authenticationv1 "k8s.io/api/authentication/v1"
 	corev1 "k8s.io/api/core/v1"
@@ -99,8 +100,12 @@ func TestBuildClusterConfigProxyHeader(t *testing.T) {
 		defer pool.Close()
 		for i := range reconciles {
 			for _, c := range creds {
+				start := time.Now()
 				if err := reconcile(ctx, m, c, pool); err != nil {
 					t.Fatalf("reconcile %d of %s: %v", i, c, err)
+				}
+				if d := time.Since(start); d > time.Second {
+					t.Logf("reconcile %d of %s took %v", i, c, d)
 				}
 			}
 		}
