@@ -399,4 +399,3 @@ func TestCapAcrossRotations(t *testing.T) {
 		})
 	}
 }
-

@@ -146,4 +146,3 @@ func (h *hostInfo) signalLocked() {
 		h.freed = nil
 	}
 }
-
