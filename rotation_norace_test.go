@@ -1,0 +1,64 @@
+//go:build !race
+
+package sharedtransport
+
+// client-go's certificate-file callback (transport/cert_rotation.go) reads
+// the certificate it cached outside its lock, and its refresher retries at
+// once while a key does not match: under the race detector this test finds
+// that race inside client-go, with or without the pool. It runs without
+// -race: in .ci/run's Go 1.27 run and in hack/patched-client-go.sh.
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+
+	"github.com/sharedtransport/sharedtransport/internal/testserver"
+)
+
+// TestRotationFilesProxyBadKey: a wrapped config with certificate files and a
+// Proxy function (client-go builds each client a transport of its own) lives
+// through a key that stops matching its certificate and then a rotation: its
+// client's requests keep working with the last good pair, and after the
+// rotation it presents the new certificate. hack/patched-client-go.sh
+// runs it against a client-go whose unexported structs carry extra fields.
+func TestRotationFilesProxyBadKey(t *testing.T) {
+	rec := &cnRecorder{}
+	f := newFixture(t, testserver.Options{OnRequest: rec.record})
+	p := newPool(t, WithPollInterval(0))
+	d := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
+	cfg := d.config(f.srv.URL())
+	cfg.Proxy = nilProxy
+	if err := p.Wrap(cfg); err != nil {
+		t.Fatal(err)
+	}
+	cs := mustClientset(t, cfg)
+	ctx := context.Background()
+	list := func(c kubernetes.Interface) {
+		t.Helper()
+		if _, err := c.CoreV1().Nodes().List(ctx, metav1.ListOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	list(cs)
+	// Past client-go's one-second cache of the files, so that what the
+	// client's own transport would read next is the bad pair.
+	time.Sleep(certSettle + 300*time.Millisecond)
+	writeAtomic(t, d.key, f.bob.KeyPEM)
+	waitFor(t, "the pool rejects the mismatched key", func() bool { return p.Stats().RotationErrors > 0 })
+	list(cs)
+	if seen := rec.cns(); seen["alice"] != 2 || len(seen) != 1 {
+		t.Errorf("with a mismatched key on disk the server saw %v, want 2 requests from alice", seen)
+	}
+	d.write(t, f.bob, f.ca.CertPEM())
+	waitFor(t, "the pool takes the new pair into use", func() bool { return p.Stats().Rotations == 1 })
+	written := time.Now()
+	waitFor(t, "an existing client presents the new certificate", func() bool {
+		list(cs)
+		_, ok := rec.firstSince("bob", written)
+		return ok
+	})
+}
