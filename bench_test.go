@@ -104,8 +104,8 @@ func BenchmarkRoundTrip(b *testing.B) {
 		g := l.e.current.Load()
 		g.transport = noopTransport()
 		hc := g.hostFor(req())
-		hc.info.proto.Store(protoHTTP2)
-		hc.h2conns = 1
+		hc.proto.Store(protoHTTP2)
+		hc.conns = 1
 		r := req()
 		b.ReportAllocs()
 		b.ResetTimer()

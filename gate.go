@@ -1,10 +1,8 @@
-// How a generation sends requests to a host. net/http and x/net own the
-// connections and their streams; the pool adds two things. A cold-start
-// gate: while a host has no HTTP/2 connection of the generation, or a dial
-// for one is in flight, requests go to net/http one at a time, each once the
-// one before it has a connection or a dial of its own, so a burst opens the
-// connections the server's stream limit needs, not one per request. The cap
-// (WithMaxConnsPerHost) is in hosts.go and the dialer, sending in send.go.
+// How a generation sends requests to a host: a cold-start gate that lets
+// the first request learn the host's protocol while the others wait for its
+// connection, a stream limiter that keeps an HTTP/2 burst to the connections
+// it needs (and to WithMaxConnsPerHost), and response bodies that hold their
+// place until they end.
 
 package sharedtransport
 
@@ -12,368 +10,603 @@ import (
 	"context"
 	"crypto/tls"
 	"errors"
-	"net"
+	"fmt"
+	"io"
 	"net/http"
 	"net/http/httptrace"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
+
+	"k8s.io/apimachinery/pkg/util/httpstream"
 )
 
-// hostGate is one generation's cold-start gate for one host. A request
-// goes to net/http at once while the host has an HTTP/2 connection of the
-// generation and nothing waits, or, for a host speaking HTTP/1.1, while
-// another request to it is in flight. Otherwise requests take turns: the
-// one holding the turn gives it up when it gets a connection (then the next
-// goes), when it starts a dial (then all wait for the dial), or when its
-// round trip ends. A dial ends when its handshake does: the next goes, or,
-// when the host turned out to speak HTTP/1.1, every waiter goes. A dial
-// that fails fails its waiters at once with its error, as x/net's own
-// coalesced dials do.
-type hostGate struct {
-	g    *generation
-	key  hostKey
-	info *hostInfo
+const (
+	// streamsPerConn is kube-apiserver's default HTTP/2 stream limit
+	// (--http2-max-streams-per-connection).
+	streamsPerConn = 100
+	// streamsInFlight leaves a margin under it where the pool caps
+	// connections: a stream whose response body ended is still counted by
+	// the connection for a moment, and a request arriving then finds no
+	// free stream and has to come back for one.
+	streamsInFlight = streamsPerConn * 9 / 10
 
-	mu      sync.Mutex // guards the fields below, and those of pending and countedConn it names
-	turn    bool       // a request holds the turn
-	active  int        // requests in a round trip
-	dialing int        // dials of the host's requests whose handshake has not ended
-	lost    int        // dials whose connection closed before its handshake ended, until their round trip tells why
-	h2conns int        // live HTTP/2 connections
-	waiters []*pending
+	// growWait is how long a host's HTTP/2 connections stay full, with
+	// requests waiting, before one of them goes to get another connection:
+	// about a TLS handshake on a busy host.
+	growWait = 10 * time.Millisecond
+	// eofSettle is how long a body read to EOF and not closed keeps its
+	// stream slot: about the time Go takes to free the stream.
+	eofSettle = 10 * time.Millisecond
+)
+
+// What an identity knows about a host: the protocol its server spoke on the
+// last new connection that could tell (ALPN, at the end of the handshake).
+// It is kept per host, because one identity's hosts can differ, and shared
+// by the identity's generations, because a rotation changes the client's
+// certificate, not the server.
+const (
+	protoUnknown int32 = iota
+	protoHTTP2
+	protoHTTP1
+)
+
+type hostKey struct{ scheme, host string }
+
+type hostTable struct {
+	mu    sync.Mutex // guards hosts
+	hosts map[hostKey]*atomic.Int32
 }
 
-func (g *generation) hostFor(req *http.Request) *hostGate {
+func (t *hostTable) get(k hostKey) *atomic.Int32 {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.hosts == nil {
+		t.hosts = map[hostKey]*atomic.Int32{}
+	}
+	proto, ok := t.hosts[k]
+	if !ok {
+		proto = &atomic.Int32{}
+		t.hosts[k] = proto
+	}
+	return proto
+}
+
+// names lists the hosts in t as URLs without paths, sorted.
+func (t *hostTable) names() []string {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if len(t.hosts) == 0 {
+		return nil
+	}
+	out := make([]string, 0, len(t.hosts))
+	for k := range t.hosts {
+		out = append(out, k.scheme+"://"+k.host)
+	}
+	slices.Sort(out)
+	return out
+}
+
+// hostConns is one generation's traffic to one host. It decides, for every
+// request but upgrades, which transport sends it and when:
+//
+//   - While the protocol is unknown, one request goes first and the others
+//     wait for its connection (not its response): ALPN tells the protocol
+//     when the handshake ends. If it fails before it has a connection, the
+//     next waiter goes.
+//   - Over HTTP/2, requests go out while the connections the host is known
+//     to have leave streams free; beyond that one request goes to get the
+//     next connection and the others wait for it, so a burst opens
+//     ceil(N/100) connections. With a cap they wait for a stream instead
+//     once the cap's connections are full.
+//   - Over HTTP/1.1, requests go out at once, as many as the cap allows,
+//     each on an idle connection or a new one, which offers HTTP/2: the
+//     pool sees when the server speaks it again. When none is in flight
+//     (a server back after a failover) the first goes alone until it has
+//     its connection.
+//
+// A request holds its place from admission until its response body ends
+// (EOF or Close) or it fails.
+type hostConns struct {
+	g     *generation
+	key   hostKey
+	proto *atomic.Int32 // shared with the identity's other generations
+
+	mu       sync.Mutex // guards the fields below
+	inflight int        // requests on g.transport, from admission until their body ends
+	conns    int        // live HTTP/2 connections seen in use by requests sent to get one
+	leading  bool       // a request is getting the connection the waiters wait for
+	// fullSince is when requests began to wait for a stream on the
+	// host's HTTP/2 connections; zero when none waits.
+	fullSince time.Time
+	waiters   []chan struct{}
+}
+
+// admission is where a request goes and what it holds.
+type admission struct {
+	rt   *http.Transport
+	slot bool // counted in inflight until its body ends
+	lead bool // the waiters wait for its connection
+	look bool // its connection tells the protocol: trace it
+}
+
+func (g *generation) hostFor(req *http.Request) *hostConns {
 	k := hostKey{req.URL.Scheme, req.URL.Host}
-	if h := g.lastHost.Load(); h != nil && h.key == k {
-		return h
+	if hc := g.lastHost.Load(); hc != nil && hc.key == k {
+		return hc
 	}
 	g.hostsMu.RLock()
-	h, ok := g.hosts[k]
+	hc, ok := g.hosts[k]
 	g.hostsMu.RUnlock()
 	if !ok {
 		g.hostsMu.Lock()
-		if h, ok = g.hosts[k]; !ok {
-			h = &hostGate{g: g, key: k, info: g.known.get(k)}
-			g.hosts[k] = h
+		if hc, ok = g.hosts[k]; !ok {
+			hc = &hostConns{g: g, proto: g.known.get(k), key: k}
+			g.hosts[k] = hc
 		}
 		g.hostsMu.Unlock()
 	}
-	g.lastHost.Store(h)
-	return h
+	g.lastHost.Store(hc)
+	return hc
 }
 
-// pending is one request on its way through a host's gate and net/http.
-type pending struct {
-	h     *hostGate
-	ctx   context.Context
-	ready chan error // a waiter's admission: nil, or the error of the dial it waited for
-	trace httptrace.ClientTrace
-
-	// Guarded by h.mu. Its dials count in h.dialing from the dialer until
-	// they are connecting (the dialer returned, the handshake runs) and
-	// pooling (an HTTP/2 connection joins net/http's pool) no more.
-	turn       bool // it holds h's turn
-	connecting []*countedConn
-	pooling    int
-	lost       int  // its dials counted in h.lost
-	done       bool // its round trip returned
-}
-
-// poolSettle is how long a new HTTP/2 connection whose request returned
-// before its handshake ended has to join net/http's pool before the next
-// waiter goes.
-const poolSettle = 20 * time.Millisecond
-
-// pendingKey marks the context of a request the gate let through, so the
-// dialer (whose context net/http derives from the request's) knows whose
-// dial it makes.
-type pendingKey struct{}
-
-// enter returns when p may go to net/http, or why it may not: its context
-// ended, the generation closed (errRetired), or the dial it waited for failed.
-func (h *hostGate) enter(p *pending) error {
-	h.mu.Lock()
-	h.active++
-	if !h.g.http2 || h.http1FreeLocked() || h.freeLocked() && h.h2conns > 0 && h.g.maxConns == 0 {
-		h.mu.Unlock()
-		return nil
+func (hc *hostConns) protocol() int32 {
+	if !hc.g.http2 {
+		return protoHTTP1
 	}
-	if h.freeLocked() {
-		h.turn, p.turn = true, true
-		h.mu.Unlock()
-		return nil
-	}
-	p.ready = make(chan error, 1)
-	h.waiters = append(h.waiters, p)
-	h.mu.Unlock()
-	var err error
-	select {
-	case err = <-p.ready:
-		return err
-	case <-p.ctx.Done():
-		err = p.ctx.Err()
-	case <-h.g.shutCh:
-		err = errRetired
-	}
-	h.mu.Lock()
-	if i := slices.Index(h.waiters, p); i >= 0 {
-		h.waiters = slices.Delete(h.waiters, i, i+1)
-	}
-	h.mu.Unlock()
-	return err // ended passes on a turn it was handed meanwhile
+	return hc.proto.Load()
 }
 
-// http1FreeLocked: a host speaking HTTP/1.1 takes requests at once while
-// another request to it is in flight and none probes it. With nothing in
-// flight (a server back after a failover, say) the first goes alone until
-// its connection tells the protocol.
-func (h *hostGate) http1FreeLocked() bool {
-	return h.info.proto.Load() == protoHTTP1 && h.active > 1 && !h.turn && len(h.waiters) == 0
-}
-
-func (h *hostGate) freeLocked() bool {
-	return !h.turn && h.dialing == 0 && h.lost == 0 && len(h.waiters) == 0
-}
-
-// nextLocked lets the first waiter go with the turn, when nothing holds it.
-func (h *hostGate) nextLocked() {
-	if h.turn || h.dialing > 0 || h.lost > 0 || len(h.waiters) == 0 {
-		return
-	}
-	p := h.waiters[0]
-	h.waiters = slices.Delete(h.waiters, 0, 1)
-	h.turn, p.turn = true, true
-	p.ready <- nil
-}
-
-// releaseLocked lets every waiter go, or fail with err.
-func (h *hostGate) releaseLocked(err error) {
-	for _, p := range h.waiters {
-		p.ready <- err
-	}
-	h.waiters = nil
-}
-
-func (h *hostGate) learnLocked(proto int32) {
-	h.info.proto.Store(proto)
-	if proto == protoHTTP1 {
-		h.releaseLocked(nil)
-	}
-}
-
-// dropTurnLocked takes the turn from p, when it holds it.
-func (p *pending) dropTurnLocked() {
-	if p.turn {
-		p.turn, p.h.turn = false, false
-	}
-}
-
-// attach returns req carrying p to the dialer and, where the gate needs
-// them, the connection events of req.
-func (p *pending) attach(req *http.Request) *http.Request {
-	ctx := context.WithValue(req.Context(), pendingKey{}, p)
-	if p.h.g.http2 {
-		p.trace = httptrace.ClientTrace{GotConn: p.gotConn, TLSHandshakeDone: p.handshakeDone}
-		if p.h.g.maxConns > 0 {
-			p.trace.WroteHeaders = p.wroteHeaders
+// admit returns where req goes, waiting (bounded by its context) while it
+// must. It returns errRetired when the generation was closed meanwhile.
+// A request that bounced (errNoDial) goes to get a connection itself if it
+// may, and otherwise waits for the next connection or stream before it is
+// admitted again.
+func (hc *hostConns) admit(ctx context.Context, bounced bool) (admission, error) {
+	hc.mu.Lock()
+	for {
+		if bounced {
+			bounced = false
+			if a, ok := hc.tryLeadLocked(); ok {
+				hc.mu.Unlock()
+				return a, nil
+			}
+		} else if a, ok := hc.tryAdmitLocked(); ok {
+			hc.mu.Unlock()
+			return a, nil
 		}
-		ctx = httptrace.WithClientTrace(ctx, &p.trace)
-	}
-	return req.WithContext(ctx)
-}
-
-// gotConn learns from the connection req got: the protocol ALPN chose (an
-// HTTP/1.1 connection reused from an earlier time says nothing new).
-func (p *pending) gotConn(info httptrace.GotConnInfo) {
-	h := p.h
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	proto := connProto(info.Conn)
-	if proto == protoHTTP2 || !info.Reused || h.info.proto.Load() == protoUnknown {
-		h.learnLocked(proto)
-	}
-	if proto == protoHTTP2 {
-		h.countLocked(info.Conn)
-	}
-	p.settleLocked()
-	if proto == protoHTTP2 && h.g.maxConns > 0 {
-		// Under a cap, x/net queues a request on a connection at its
-		// stream limit (StrictMaxConcurrentStreams), counting every
-		// request that took a place on it: one at a time takes a place
-		// and waits there for a stream, the others wait here.
-		return
-	}
-	p.dropTurnLocked()
-	h.nextLocked()
-}
-
-// wroteHeaders is told that p's request has its stream.
-func (p *pending) wroteHeaders() {
-	h := p.h
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	p.dropTurnLocked()
-	h.nextLocked()
-}
-
-// countLocked counts conn, an HTTP/2 connection, among the generation's
-// live ones to the host, once.
-func (h *hostGate) countLocked(conn net.Conn) {
-	tc, _ := conn.(*tls.Conn)
-	if tc == nil {
-		return
-	}
-	if c, ok := tc.NetConn().(*countedConn); ok && c.gate == h && !c.counted && !c.closed.Load() {
-		c.counted = true
-		c.h2.Store(true)
-		h.h2conns++
-	}
-}
-
-func connProto(conn net.Conn) int32 {
-	if tc, ok := conn.(*tls.Conn); ok && tc.ConnectionState().NegotiatedProtocol == http2NextProto {
-		return protoHTTP2
-	}
-	return protoHTTP1
-}
-
-const http2NextProto = "h2"
-
-func (p *pending) dialStarted() {
-	h := p.h
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	h.dialing++
-	if h.info.proto.Load() != protoHTTP1 {
-		p.dropTurnLocked() // the waiters wait for the dial
-	}
-}
-
-// dialed is told how p's dial ended in the dialer: c, or err (real: not
-// because the dial's context ended). A plain-http connection is ready as it
-// is; a TLS one once its handshake ends.
-func (p *pending) dialed(c *countedConn, err error, real bool) {
-	h := p.h
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	switch {
-	case c == nil:
-		h.dialEndedLocked(p, err, real)
-	case h.key.scheme == "http":
-		h.dialEndedLocked(p, nil, false)
-	default:
-		c.dialFor = p
-		p.connecting = append(p.connecting, c)
-	}
-}
-
-// handshakeDone ends the handshake of one of p's connections. The trace
-// does not say which: when p dialed more than once at a time, the first
-// stands for it, and p's connection or return settles the rest.
-func (p *pending) handshakeDone(cs tls.ConnectionState, err error) {
-	h := p.h
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	if len(p.connecting) == 0 {
-		return
-	}
-	c := p.connecting[0]
-	c.dialFor = nil
-	c.h2.Store(cs.NegotiatedProtocol == http2NextProto)
-	p.connecting = slices.Delete(p.connecting, 0, 1)
-	switch {
-	case err != nil:
-		real := !errors.Is(err, context.Canceled) && !errors.Is(err, context.DeadlineExceeded)
-		h.dialEndedLocked(p, err, real)
-	case cs.NegotiatedProtocol == http2NextProto:
-		h.learnLocked(protoHTTP2)
-		// The connection joins net/http's pool after the handshake: the
-		// dial ends when p gets a connection or returns.
-		p.pooling++
-		p.settleSoonLocked()
-	default:
-		h.learnLocked(protoHTTP1)
-		h.dialEndedLocked(p, nil, false)
-	}
-}
-
-// settleSoonLocked settles the dials of a p that returned a moment from
-// now, as x/net lets a coalesced dial wait a moment for its leader's
-// connection: the next waiter then finds it in net/http's pool.
-func (p *pending) settleSoonLocked() {
-	if !p.done || p.pooling+len(p.connecting) == 0 {
-		return
-	}
-	time.AfterFunc(poolSettle, func() {
-		p.h.mu.Lock()
-		defer p.h.mu.Unlock()
-		p.settleLocked()
-	})
-}
-
-// settleLocked ends p's dials that are connecting or pooling: p got a
-// connection, or returned a while ago.
-func (p *pending) settleLocked() {
-	h := p.h
-	for _, c := range p.connecting {
-		c.dialFor = nil
-	}
-	h.dialing -= p.pooling + len(p.connecting)
-	p.pooling, p.connecting = 0, nil
-	h.nextLocked()
-}
-
-// dialEndedLocked ends one of p's dials: ready (err nil), or failed.
-func (h *hostGate) dialEndedLocked(p *pending, err error, real bool) {
-	h.dialing--
-	if err != nil && real {
-		h.releaseLocked(err)
-	}
-	p.dropTurnLocked()
-	h.nextLocked()
-}
-
-// connClosed is told that c closed. A connection that closes before its
-// handshake ended (a refused CONNECT, a handshake cut) failed its dial; the
-// round trip it was dialed for tells why, unless it already returned.
-func (h *hostGate) connClosed(c *countedConn) {
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	if c.counted {
-		c.counted = false
-		h.h2conns--
-	}
-	p := c.dialFor
-	if p == nil {
-		return
-	}
-	c.dialFor = nil
-	p.connecting = slices.DeleteFunc(p.connecting, func(x *countedConn) bool { return x == c })
-	h.dialing--
-	if !p.done {
-		h.lost++
-		p.lost++
-	}
-	h.nextLocked()
-}
-
-// ended is told that p's round trip returned, with err when it failed.
-func (p *pending) ended(err error) {
-	h := p.h
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	h.active--
-	p.done = true
-	p.settleSoonLocked()
-	if p.lost > 0 {
-		h.lost -= p.lost
-		p.lost = 0
-		if err != nil && p.ctx.Err() == nil {
-			h.releaseLocked(err)
+		ready := make(chan struct{}, 1)
+		hc.waiters = append(hc.waiters, ready)
+		var grow *time.Timer
+		var growC <-chan time.Time
+		if d := hc.growDelayLocked(); d > 0 {
+			grow = time.NewTimer(d)
+			growC = grow.C
+		}
+		hc.mu.Unlock()
+		var err error
+		select {
+		case <-ready:
+		case <-growC:
+		case <-ctx.Done():
+			err = ctx.Err()
+		case <-hc.g.shutCh:
+			err = errRetired
+		}
+		if grow != nil {
+			grow.Stop()
+		}
+		hc.mu.Lock()
+		if i := slices.Index(hc.waiters, ready); i >= 0 {
+			hc.waiters = slices.Delete(hc.waiters, i, i+1)
+		} else if err != nil {
+			hc.wakeOneLocked() // it was woken: pass it on
+		}
+		if err != nil {
+			hc.mu.Unlock()
+			return admission{}, err
 		}
 	}
-	p.dropTurnLocked()
-	h.nextLocked()
+}
+
+// growDelayLocked is how long the host's connections have yet to stay full
+// before a request goes to get another one (see tryAdmitHTTP2Locked), or 0.
+func (hc *hostConns) growDelayLocked() time.Duration {
+	if hc.fullSince.IsZero() || hc.leading {
+		return 0
+	}
+	return max(growWait-time.Since(hc.fullSince), time.Nanosecond)
+}
+
+// tryAdmitLocked admits a request when the host's protocol and connections
+// let it go now.
+func (hc *hostConns) tryAdmitLocked() (admission, bool) {
+	if hc.g.shut.Load() {
+		return admission{}, false // the caller's wait returns errRetired at once
+	}
+	switch hc.protocol() {
+	case protoUnknown:
+		if hc.leading {
+			return admission{}, false
+		}
+		return hc.leadLocked(), true
+	case protoHTTP2:
+		return hc.tryAdmitHTTP2Locked()
+	default:
+		return hc.tryAdmitHTTP1Locked()
+	}
+}
+
+// tryAdmitHTTP2Locked admits a request while the host's HTTP/2 connections
+// have a free stream, or as the one that gets the next connection.
+func (hc *hostConns) tryAdmitHTTP2Locked() (admission, bool) {
+	g := hc.g
+	perConn, conns := streamsPerConn, hc.conns
+	if g.maxConns > 0 {
+		perConn, conns = streamsInFlight, min(conns, g.maxConns)
+	}
+	if hc.inflight < conns*perConn {
+		if len(hc.waiters) == 0 {
+			hc.fullSince = time.Time{}
+		}
+		hc.inflight++
+		return admission{rt: g.transport, slot: true}, true
+	}
+	if g.maxConns > 0 && hc.conns >= g.maxConns || hc.leading {
+		return admission{}, false
+	}
+	if hc.conns > 0 {
+		// Full: streams often free up sooner than a handshake ends (a
+		// burst of short lists), and a connection that comes up after
+		// that is closed as surplus. Another one is got when the
+		// connections have stayed full for growWait.
+		now := time.Now()
+		if hc.fullSince.IsZero() {
+			hc.fullSince = now
+		}
+		if now.Sub(hc.fullSince) < growWait {
+			return admission{}, false
+		}
+	}
+	hc.fullSince = time.Time{}
+	return hc.leadLocked(), true
+}
+
+// tryAdmitHTTP1Locked admits a request to a host that speaks HTTP/1.1 (or
+// over a transport that does not speak HTTP/2) while the cap allows.
+func (hc *hostConns) tryAdmitHTTP1Locked() (admission, bool) {
+	g := hc.g
+	if !g.http2 {
+		if g.maxConns == 0 {
+			return admission{rt: g.transport}, true
+		}
+		if hc.inflight < g.maxConns {
+			hc.inflight++
+			return admission{rt: g.transport, slot: true}, true
+		}
+		return admission{}, false
+	}
+	if hc.leading || g.maxConns > 0 && hc.inflight >= g.maxConns {
+		return admission{}, false
+	}
+	// Each request may get a new connection, which offers HTTP/2: look at
+	// every one. When nothing is in flight (a host back after a failover,
+	// say), the others wait for the first one's connection: if it speaks
+	// HTTP/2 they go there too.
+	lead := hc.inflight == 0
+	hc.leading = lead
+	hc.inflight++
+	return admission{rt: g.transport, slot: true, lead: lead, look: true}, true
+}
+
+// tryLeadLocked admits a request that found no free stream as the one that
+// gets the next connection, when no other is getting one and the cap allows
+// another.
+func (hc *hostConns) tryLeadLocked() (admission, bool) {
+	g := hc.g
+	if g.shut.Load() || hc.leading || hc.protocol() != protoHTTP2 || g.maxConns > 0 && hc.conns >= g.maxConns {
+		return admission{}, false
+	}
+	return hc.leadLocked(), true
+}
+
+// leadLocked admits a request as the one that gets the connection the
+// waiters wait for.
+func (hc *hostConns) leadLocked() admission {
+	hc.leading = true
+	hc.inflight++
+	return admission{rt: hc.g.transport, slot: true, lead: true, look: true}
+}
+
+func (hc *hostConns) wakeOneLocked() {
+	if len(hc.waiters) > 0 {
+		hc.waiters[0] <- struct{}{}
+		hc.waiters = slices.Delete(hc.waiters, 0, 1)
+	}
+}
+
+func (hc *hostConns) wakeAllLocked() {
+	for _, w := range hc.waiters {
+		w <- struct{}{}
+	}
+	hc.waiters = hc.waiters[:0]
+}
+
+// release ends a request's hold: its body ended, or it failed.
+func (hc *hostConns) release() {
+	hc.mu.Lock()
+	hc.inflight--
+	hc.wakeOneLocked()
+	hc.mu.Unlock()
+	if hc.g.retired.Load() {
+		hc.g.closeIdleSoon()
+	}
+}
+
+// trackLocked counts c, an HTTP/2 connection, among the host's.
+func (hc *hostConns) trackLocked(c *countedConn) {
+	if c.countFor(hc) {
+		hc.conns++
+		hc.wakeAllLocked()
+	}
+}
+
+func (hc *hostConns) connClosed() {
+	hc.mu.Lock()
+	hc.conns--
+	hc.wakeAllLocked() // one of them may have to get the next connection
+	hc.mu.Unlock()
+}
+
+// setProtocolLocked records what a new connection (or a connection over
+// HTTP/2, which only a server speaking it gives) showed.
+func (hc *hostConns) setProtocolLocked(proto int32) {
+	if hc.proto.Swap(proto) != proto {
+		hc.wakeAllLocked()
+	}
+}
+
+// look follows one request to learn from the connection it gets.
+type look struct {
+	hc   *hostConns
+	lead bool        // the waiters wait for this request's connection
+	got  atomic.Bool // it got one
+}
+
+// lookKey marks the context of a request sent to get a connection: the
+// HTTP/2 transport dials for no other.
+type lookKey struct{}
+
+func (l *look) trace(req *http.Request) *http.Request {
+	ctx := context.WithValue(req.Context(), lookKey{}, l)
+	return req.WithContext(httptrace.WithClientTrace(ctx, &httptrace.ClientTrace{GotConn: l.gotConn}))
+}
+
+// gotConn learns from conn at the moment the request got it: the protocol
+// ALPN chose, and, over HTTP/2, one more connection the host can rely on.
+// An HTTP/1.1 connection reused from an earlier time says nothing new.
+func (l *look) gotConn(info httptrace.GotConnInfo) {
+	var proto int32 = protoHTTP1
+	var conn *countedConn
+	if tc, ok := info.Conn.(*tls.Conn); ok {
+		if tc.ConnectionState().NegotiatedProtocol == "h2" {
+			proto = protoHTTP2
+		}
+		conn, _ = tc.NetConn().(*countedConn)
+	} else {
+		conn, _ = info.Conn.(*countedConn)
+	}
+	hc := l.hc
+	hc.mu.Lock()
+	defer hc.mu.Unlock()
+	switch {
+	case proto == protoHTTP2:
+		if conn != nil {
+			hc.trackLocked(conn)
+		}
+		hc.setProtocolLocked(proto)
+	case !info.Reused || hc.proto.Load() == protoUnknown:
+		hc.setProtocolLocked(proto)
+	}
+	l.doneLocked()
+}
+
+// doneLocked lets the waiters go: the request has its connection, or gave up.
+func (l *look) doneLocked() {
+	if l.got.Swap(true) || !l.lead {
+		return
+	}
+	l.hc.leading = false
+	l.hc.wakeAllLocked()
+}
+
+// ended is called when the request's round trip returns.
+func (l *look) ended(resp *http.Response) {
+	hc := l.hc
+	hc.mu.Lock()
+	defer hc.mu.Unlock()
+	if !l.got.Load() && resp != nil && hc.proto.Load() == protoUnknown {
+		// A response without a connection seen: a round tripper that
+		// reports none. Its protocol is all there is to go by.
+		proto := protoHTTP1
+		if resp.ProtoMajor == 2 {
+			proto = protoHTTP2
+		}
+		hc.setProtocolLocked(proto)
+	}
+	l.doneLocked()
+}
+
+// roundTrip sends req for lease l (which the response body keeps alive).
+func (g *generation) roundTrip(l *lease, req *http.Request) (*http.Response, error) {
+	if httpstream.IsUpgradeRequest(req) {
+		// An upgraded connection is the caller's own, not a stream: no
+		// place to hold, and its HTTP/1.1 response says nothing about the
+		// server's HTTP/2.
+		resp, err := g.http1.RoundTrip(req)
+		if err != nil {
+			return nil, err
+		}
+		resp.Body = wrapBody(resp.Body, l, nil)
+		return resp, nil
+	}
+	hc := g.hostFor(req)
+	bounced := false
+	for {
+		a, err := hc.admit(req.Context(), bounced)
+		if err != nil {
+			return nil, err
+		}
+		sent := req
+		var lk *look
+		if a.look {
+			lk = &look{hc: hc, lead: a.lead}
+			sent = lk.trace(req)
+		}
+		resp, err := a.rt.RoundTrip(sent)
+		if lk != nil {
+			lk.ended(resp)
+		}
+		if err != nil {
+			if a.slot {
+				hc.release()
+			}
+			if !errors.Is(err, errNoDial) {
+				return nil, err
+			}
+			if req, err = resendable(req, err); err != nil {
+				return nil, err
+			}
+			bounced = true
+			continue
+		}
+		resp.Request = req
+		if !a.slot {
+			hc = nil
+		}
+		resp.Body = wrapBody(resp.Body, l, hc)
+		return resp, nil
+	}
+}
+
+// resendable returns req ready to be sent again on a newer generation after
+// err (errRetired) stopped it before it was sent, or err when its body cannot
+// be had again.
+func resendable(req *http.Request, err error) (*http.Request, error) {
+	if req.Body == nil || req.Body == http.NoBody {
+		return req, nil
+	}
+	if req.GetBody == nil {
+		return nil, err
+	}
+	body, gerr := req.GetBody()
+	if gerr != nil {
+		return nil, err
+	}
+	again := req.Clone(req.Context())
+	again.Body = body
+	return again, nil
+}
+
+// wrapBody returns body keeping lease l, and so the identity and its
+// connections, alive while the caller holds it: a watch or a followed log
+// runs on after its clientset and config are gone, as with client-go alone.
+// When hc is set the body ends the request's hold on it at EOF (as Go frees
+// the stream), at an error, or at Close, whichever comes first, once. The
+// wrapper keeps the interfaces of the transport's body: a 101 response's body
+// stays writable.
+func wrapBody(body io.ReadCloser, l *lease, hc *hostConns) io.ReadCloser {
+	if body == http.NoBody {
+		if hc != nil {
+			hc.release()
+		}
+		return body
+	}
+	b := leasedBody{ReadCloser: body, lease: l, hc: hc}
+	rw, ok := body.(io.ReadWriteCloser)
+	switch {
+	case !ok:
+		return &b
+	case hasCloseWrite(body):
+		return &upgradedBodyCloseWrite{upgradedBody{&b, rw}}
+	default:
+		return &upgradedBody{&b, rw}
+	}
+}
+
+type leasedBody struct {
+	io.ReadCloser
+	lease *lease // held, never used: it is what keeps the identity alive
+	hc    *hostConns
+	ended atomic.Bool
+	eof   atomic.Bool
+	timer atomic.Pointer[time.Timer] // ends the hold of a body read to EOF and not closed
+}
+
+func (b *leasedBody) Read(p []byte) (int, error) {
+	n, err := b.ReadCloser.Read(p)
+	switch {
+	case err == nil:
+	case err == io.EOF:
+		if b.hc != nil {
+			b.endSoon()
+		}
+	default:
+		b.end()
+		if b.lease.e.closed.Load() {
+			// Close cut the connection under the body: say so, as
+			// RoundTrip does for a request Close cut.
+			err = fmt.Errorf("%w while the response was read: %w", ErrClosed, err)
+		}
+	}
+	return n, err
+}
+
+func (b *leasedBody) Close() error {
+	err := b.ReadCloser.Close()
+	if t := b.timer.Load(); t != nil {
+		t.Stop()
+	}
+	b.end()
+	return err
+}
+
+// endSoon ends the hold of a body read to EOF once Go has freed its stream:
+// x/net frees it just after the EOF, in another goroutine, and Close waits
+// for that. A body that is not closed at once ends its hold a moment later;
+// a slot freed before the stream would send the next request to a
+// connection that is still full.
+func (b *leasedBody) endSoon() {
+	if b.ended.Load() || b.eof.Swap(true) {
+		return
+	}
+	b.timer.Store(time.AfterFunc(eofSettle, b.end))
+}
+
+func (b *leasedBody) end() {
+	if b.hc != nil && !b.ended.Swap(true) {
+		b.hc.release()
+	}
+}
+
+// upgradedBody is a 101 response's body: the upgraded connection.
+type upgradedBody struct {
+	*leasedBody
+	w io.Writer
+}
+
+func (b *upgradedBody) Write(p []byte) (int, error) { return b.w.Write(p) }
+
+type closeWriter interface{ CloseWrite() error }
+
+func hasCloseWrite(body io.ReadCloser) bool {
+	_, ok := body.(closeWriter)
+	return ok
+}
+
+type upgradedBodyCloseWrite struct{ upgradedBody }
+
+func (b *upgradedBodyCloseWrite) CloseWrite() error {
+	return b.ReadCloser.(closeWriter).CloseWrite()
 }

@@ -774,21 +774,21 @@ func TestFullConnectionGrows(t *testing.T) {
 // released all 100 succeeded over that one connection.
 func TestConnectionCapFewerStreams(t *testing.T) {
 	hold := newRequestHold(t)
-	const streams = 90
-	f := newFixture(t, testserver.Options{OnRequest: hold.onRequest, MaxConcurrentStreams: streams})
+	f := newFixture(t, testserver.Options{OnRequest: hold.onRequest, MaxConcurrentStreams: streamsInFlight})
 	p := newPool(t, WithMaxConnsPerHost(1))
 	client := httpClient(t, p, f.srv.RestConfig(f.alice))
 	const n = 100
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	release := sendHeld(ctx, t, hold, client, f.srv.URL(), n)
-	waitFor(t, "the server holds 90 requests", func() bool { return hold.held.Load() >= streams })
-	// Time for a request to go and get another connection if the cap let it.
-	time.Sleep(200 * time.Millisecond)
+	waitFor(t, "the server holds 90 requests", func() bool { return hold.held.Load() >= streamsInFlight })
+	// Time for a request to go and get another connection, as a full
+	// connection's waiters do after growWait.
+	time.Sleep(20 * growWait)
 	st, held := f.srv.Stats(), hold.held.Load()
 	release()
-	if st.Accepted != 1 || held != streams {
-		t.Errorf("cap 1, %d requests, %d streams: the server accepted %d connections and held %d requests; want 1 and %d", n, streams, st.Accepted, held, streams)
+	if st.Accepted != 1 || held != streamsInFlight {
+		t.Errorf("cap 1, %d requests, %d streams: the server accepted %d connections and held %d requests; want 1 and %d", n, streamsInFlight, st.Accepted, held, streamsInFlight)
 	}
 	if after := f.srv.Stats(); after.Accepted != 1 {
 		t.Errorf("cap 1: the server accepted %d connections in all", after.Accepted)
@@ -827,7 +827,7 @@ func TestConnectionCapHTTP1(t *testing.T) {
 			release := sendHeld(ctx, t, hold, client, f.srv.URL(), n)
 			waitFor(t, "the server holds 2 requests", func() bool { return hold.held.Load() >= 2 })
 			// Time for a third request to get a connection if the cap let it.
-			time.Sleep(200 * time.Millisecond)
+			time.Sleep(20 * growWait)
 			held := hold.held.Load()
 			release()
 			if held != 2 {

@@ -1,10 +1,9 @@
 // Building an identity's transports: one generation per version of its TLS
 // material, built the way client-go builds its own, with the pool's
 // keep-alive and session-resumption options applied before HTTP/2 is
-// configured; the generation's dialer counts its connections, dials whenever
-// net/http, x/net or apimachinery ask it to while the generation is open, and
-// closes them when the generation closes. The cold-start gate and the
-// connection cap are in gate.go.
+// configured; the generation's dialer counts its connections and closes them
+// when the generation closes. How requests are spread over the connections
+// (cold-start gate, stream limiter) is in gate.go.
 
 package sharedtransport
 
@@ -46,6 +45,12 @@ const retiredSettle = 50 * time.Millisecond
 // keeps: one per server the identity talks to, with room to spare.
 const sessionCacheSize = 64
 
+// errNoDial is what the HTTP/2 transport's dialer answers a request the pool
+// did not send to get a connection: one that found no free stream where the
+// pool counted one (a connection that died or a server allowing fewer
+// streams). Nothing was sent; the request goes back to the pool's gate.
+var errNoDial = errors.New("sharedtransport: no free stream where one was counted")
+
 // errRetired is returned by a generation that a rotation closed (drain
 // timeout over, or zero) before a request was sent on it; the lease sends the
 // request on the current one.
@@ -56,16 +61,19 @@ var errRetired = errors.New("sharedtransport: the TLS material this request was 
 // old one closes its connections as they become idle, and the ones still
 // busy after the drain timeout.
 type generation struct {
-	// transport carries every request but upgrades; gate.go holds a host's
-	// requests while its first connection is dialed.
+	// transport carries every request but upgrades. When it can speak
+	// HTTP/2 it dials only for the requests hostConns sends to get a
+	// connection: left to itself, Go dials for every request that finds no
+	// free stream, so a burst of N concurrent first requests opens about N
+	// connections instead of ceil(N/streams).
 	transport *http.Transport
-	// http1 offers HTTP/1.1 only: upgrades (SPDY, websocket), which an
-	// HTTP/2 connection refuses and net/http sends over HTTP/1.1 on its own
-	// only for websocket. It is transport itself when transport cannot
+	// http1 offers HTTP/1.1 only: upgrades (websocket, SPDY), which Go
+	// sends over HTTP/1.1 on connections of their own and an HTTP/2
+	// connection refuses. It is transport itself when transport cannot
 	// speak HTTP/2.
 	http1    *http.Transport
 	http2    bool // transport speaks HTTP/2
-	maxConns int  // the pool's cap per identity and host; 0: none
+	maxConns int  // the pool's cap per host; 0: none
 
 	owner    *entry
 	known    *hostTable // what the identity knows about its hosts, shared by its generations
@@ -85,13 +93,13 @@ type generation struct {
 	warned       atomic.Bool
 
 	hostsMu  sync.RWMutex // guards hosts
-	hosts    map[hostKey]*hostGate
-	lastHost atomic.Pointer[hostGate] // the host used last: most identities talk to one
+	hosts    map[hostKey]*hostConns
+	lastHost atomic.Pointer[hostConns] // the host used last: most identities talk to one
 
 	// A retired generation (a newer one took over) still serves what it
 	// was given, with the material it had, and closes connections as they
 	// become idle; a closed one (drain over, or the pool closed) dials no
-	// more and sends the requests waiting at its gate back to the lease.
+	// more and sends the requests waiting for a place back to the lease.
 	retired  atomic.Bool
 	shut     atomic.Bool
 	shutCh   chan struct{} // closed, once, with shut set
@@ -129,11 +137,11 @@ func (p *Pool) newGeneration(e *entry, m *material) (*generation, error) {
 		CAData:        m.caPEM,
 		GetCertHolder: getCert,
 	}})
-	if id.tlsConfig != nil {
-		tlsConfig = id.tlsConfig.Clone() // TLSTransport: the caller's own, which holds no material
-	}
 	if err != nil {
 		return nil, err
+	}
+	if id.tlsConfig != nil {
+		tlsConfig = id.tlsConfig.Clone() // TLSTransport: the caller's own, which holds no material
 	}
 	g := &generation{
 		maxConns: p.opts.maxConnsPerHost,
@@ -141,7 +149,7 @@ func (p *Pool) newGeneration(e *entry, m *material) (*generation, error) {
 		known:    &e.hosts,
 		material: m,
 		stats:    &p.stats,
-		hosts:    map[hostKey]*hostGate{},
+		hosts:    map[hostKey]*hostConns{},
 		shutCh:   make(chan struct{}),
 		conns:    map[*countedConn]struct{}{},
 	}
@@ -182,18 +190,19 @@ func (g *generation) setTransports(id *identity, keepAlive bool, tlsConfig *tls.
 	http1TLS := http1Only(tlsConfig, id.nextProtos)
 	// With keep-alive off every request has a connection of its own:
 	// HTTP/2 brings nothing, and Go's HTTP/2 pool dials surplus connections
-	// under concurrency. Plain http (through a proxy) has no HTTP/2 to offer
-	// either.
+	// under concurrency (a connection per request over HTTP/1.1, more than
+	// one per request over HTTP/2). Plain http (through a proxy) has no
+	// HTTP/2 to offer either.
 	if keepAlive && tlsConfig != nil {
-		g.transport = g.newTransport(id, keepAlive, tlsConfig, dial)
-		// HTTP/2 stays off under DISABLE_HTTP2 and for ALPN lists without
-		// h2, as client-go has it.
+		g.transport = g.newTransport(id, keepAlive, tlsConfig, dial, true)
+		// SetTransportDefaults leaves HTTP/2 off under DISABLE_HTTP2 and
+		// for ALPN lists without h2, as client-go does.
 		g.http2 = speaksHTTP2(g.transport)
 	}
 	if g.http2 {
-		g.http1 = g.newTransport(id, keepAlive, http1TLS, dial)
+		g.http1 = g.newTransport(id, keepAlive, http1TLS, dial, false)
 	} else {
-		g.transport = g.newTransport(id, keepAlive, http1TLS, dial)
+		g.transport = g.newTransport(id, keepAlive, http1TLS, dial, false)
 		g.http1 = g.transport
 	}
 }
@@ -252,33 +261,30 @@ func http1Only(tlsConfig *tls.Config, nextProtos []string) *tls.Config {
 
 // newTransport builds one of g's transports as client-go's cache builds
 // its own, dialing through g (see dialer).
-func (g *generation) newTransport(id *identity, keepAlive bool, tlsConfig *tls.Config, dial dialContextFunc) *http.Transport {
+func (g *generation) newTransport(id *identity, keepAlive bool, tlsConfig *tls.Config, dial dialContextFunc, onlyLooked bool) *http.Transport {
 	t := utilnet.SetOldTransportDefaults(&http.Transport{
-		Proxy:               id.proxy, // nil: the environment's proxy, like client-go
+		Proxy:               id.proxy, // nil: SetTransportDefaults installs the environment's proxy, like client-go
 		TLSHandshakeTimeout: tlsHandshakeTimeout,
 		TLSClientConfig:     tlsConfig,
 		MaxIdleConnsPerHost: idleConnsPerHost,
-		DialContext:         g.dialer(dial),
+		DialContext:         g.dialer(dial, onlyLooked),
 		DisableCompression:  id.disableCompression,
 		DisableKeepAlives:   !keepAlive,
 		ProxyConnectHeader:  id.connectHeader,
 	})
 	if !id.noHTTP2 {
-		configureHTTP2(t, g.maxConns > 0)
+		configureHTTP2(t)
 	}
 	settleProtocols(t)
 	return t
 }
 
-// configureHTTP2 turns HTTP/2 on for t where utilnet.SetTransportDefaults
-// would (not for an ALPN list without h2; DISABLE_HTTP2 is the identity's
-// decision, see identity.setHTTP2), with the
-// same health checks and environment variables. It does what
-// SetTransportDefaults does, because the pool needs the *http2.Transport
-// SetTransportDefaults discards: under a cap (strict), a connection at its
-// stream limit queues new requests itself, as the server's SETTINGS allow,
-// instead of having net/http dial another connection.
-func configureHTTP2(t *http.Transport, strict bool) {
+// configureHTTP2 turns HTTP/2 on for t as utilnet.SetTransportDefaults
+// does (not for an ALPN list without h2), with the same health checks and
+// environment variables. DISABLE_HTTP2 is the identity's decision, made
+// once (identity.setHTTP2), so that every generation of an identity speaks
+// what its first did.
+func configureHTTP2(t *http.Transport) {
 	if c := t.TLSClientConfig; c != nil && len(c.NextProtos) > 0 && !slices.Contains(c.NextProtos, http2.NextProtoTLS) {
 		return
 	}
@@ -288,7 +294,6 @@ func configureHTTP2(t *http.Transport, strict bool) {
 	}
 	t2.ReadIdleTimeout = envSeconds("HTTP2_READ_IDLE_TIMEOUT_SECONDS", 30)
 	t2.PingTimeout = envSeconds("HTTP2_PING_TIMEOUT_SECONDS", 15)
-	t2.StrictMaxConcurrentStreams = strict
 }
 
 // envSeconds reads a duration in seconds from the environment variable
@@ -316,75 +321,48 @@ func (g *generation) countHandshake(cs tls.ConnectionState) error {
 }
 
 // dialer wraps dial: it counts dials and open connections, keeps every
-// connection the generation opened so close can close them, tells the gate
-// about the dials of the requests it holds (gate.go), and keeps the cap. It
-// refuses only once the generation is closed.
-func (g *generation) dialer(dial dialContextFunc) dialContextFunc {
+// connection the generation opened so close can close them, and refuses to
+// dial for a generation that was closed. With onlyLooked (the HTTP/2
+// transport) it dials only for a request the pool sent to get a connection
+// (see hostConns): Go would otherwise dial for every request that finds no
+// free stream, and on a server that stopped speaking HTTP/2 queue the others
+// behind the one HTTP/1.1 connection it got.
+func (g *generation) dialer(dial dialContextFunc, onlyLooked bool) dialContextFunc {
 	return func(ctx context.Context, network, address string) (net.Conn, error) {
 		if g.shut.Load() {
 			return nil, g.refusal(address)
 		}
-		p, _ := ctx.Value(pendingKey{}).(*pending)
-		if p != nil && p.h.g != g {
-			p = nil
+		if onlyLooked && ctx.Value(lookKey{}) == nil {
+			return nil, errNoDial
 		}
-		var room *hostInfo
-		if p != nil && g.maxConns > 0 && !g.retired.Load() {
-			room = p.h.info
-		}
-		if room != nil {
-			if err := room.makeRoom(ctx, g); err != nil {
-				return nil, err
-			}
-		}
-		var gate *hostGate
-		if p != nil && g.http2 {
-			gate = p.h
-			p.dialStarted()
-		}
-		c, err := g.dialCounted(ctx, room, gate, dial, network, address)
-		if gate != nil {
-			p.dialed(c, err, ctx.Err() == nil)
-		}
+		conn, err := dial(ctx, network, address)
 		if err != nil {
 			return nil, err
+		}
+		g.stats.dials.Add(1)
+		g.stats.openConns.Add(1)
+		g.owner.stats.dials.Add(1)
+		g.owner.stats.openConns.Add(1)
+		c := &countedConn{Conn: conn, g: g}
+		g.connsMu.Lock()
+		closed := g.closed
+		if !closed {
+			g.conns[c] = struct{}{}
+		}
+		g.connsMu.Unlock()
+		if closed {
+			// The generation closed while this dial ran.
+			c.Close()
+			return nil, g.refusal(address)
 		}
 		return c, nil
 	}
 }
 
-// dialCounted dials for g; room is the host whose cap admitted the dial,
-// gate the one that follows it.
-func (g *generation) dialCounted(ctx context.Context, room *hostInfo, gate *hostGate, dial dialContextFunc, network, address string) (*countedConn, error) {
-	conn, err := dial(ctx, network, address)
-	if err != nil {
-		room.admitted(nil)
-		return nil, err
-	}
-	g.stats.dials.Add(1)
-	g.stats.openConns.Add(1)
-	g.owner.stats.dials.Add(1)
-	g.owner.stats.openConns.Add(1)
-	c := &countedConn{Conn: conn, g: g, room: room, gate: gate}
-	g.connsMu.Lock()
-	closed := g.closed
-	if !closed {
-		g.conns[c] = struct{}{}
-	}
-	g.connsMu.Unlock()
-	room.admitted(c)
-	if closed {
-		// The generation closed while this dial ran.
-		c.Close()
-		return nil, g.refusal(address)
-	}
-	return c, nil
-}
-
 // refusal is the error of a dial the generation no longer makes: ErrClosed
 // when the pool (or the identity) is closed, errRetired when a rotation
 // closed the generation, which the lease answers by sending the request on
-// the current one when it is safe to.
+// the current one.
 func (g *generation) refusal(address string) error {
 	if g.owner.closed.Load() {
 		return fmt.Errorf("%w: dial %s", ErrClosed, address)
@@ -395,30 +373,47 @@ func (g *generation) refusal(address string) error {
 // countedConn is a connection the generation dialed.
 type countedConn struct {
 	net.Conn
-	g      *generation
-	room   *hostInfo // the host whose cap counts it; nil: none
-	closed atomic.Bool
-	h2     atomic.Bool // its handshake chose HTTP/2
+	g *generation
 
-	gate *hostGate // the gate that follows its dial; nil: none
-	// Guarded by gate.mu.
-	dialFor *pending // the request whose dial made c, until its handshake ends
-	counted bool     // counted in gate.h2conns
+	mu     sync.Mutex // guards closed and host
+	closed bool
+	// host is set when the connection speaks HTTP/2 and a request sent to
+	// get a connection got it: it counts among that host's connections.
+	// Go hands such a request the first connection with a free stream, not
+	// necessarily the one dialed for it, so a connection is counted when it
+	// is seen in use: a new one that turned out surplus is never counted.
+	host *hostConns
 }
 
 func (c *countedConn) Close() error {
-	if !c.closed.Swap(true) {
+	c.mu.Lock()
+	first := !c.closed
+	c.closed = true
+	hc := c.host
+	c.mu.Unlock()
+	if first {
 		c.g.stats.openConns.Add(-1)
 		c.g.owner.stats.openConns.Add(-1)
 		c.g.connsMu.Lock()
 		delete(c.g.conns, c)
 		c.g.connsMu.Unlock()
-		c.room.remove(c)
-		if c.gate != nil {
-			c.gate.connClosed(c)
+		if hc != nil {
+			hc.connClosed()
 		}
 	}
 	return c.Conn.Close()
+}
+
+// countFor makes c one of hc's connections, unless it is closed or counted
+// already.
+func (c *countedConn) countFor(hc *hostConns) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.closed || c.host != nil {
+		return false
+	}
+	c.host = hc
+	return true
 }
 
 // retire takes the generation out of use for new requests: idle connections

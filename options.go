@@ -69,16 +69,15 @@ func WithSessionResumption(enabled bool) Option {
 	return func(o *options) { o.sessionResumption = enabled }
 }
 
-// WithMaxConnsPerHost caps the connections one identity keeps to each host,
-// across rotations: a rotation's first connection closes those of retired
-// material that the cap has no room for. Over HTTP/2 the pool keeps one
-// connection per host, and requests beyond the streams the server allows
-// wait for one on it (bounded by their context); a connection that received
-// GOAWAY takes no new requests and does not count. Over HTTP/1.1, n requests
-// are in flight at once and the others wait for a connection. Upgrades
-// (exec, attach, port-forward) run on connections of their own and are not
-// counted. Zero, the default, means no cap; bursts still open no more
-// connections than their concurrency needs.
+// WithMaxConnsPerHost caps the connections one identity keeps to each host.
+// Requests beyond what the cap can carry wait (bounded by their context)
+// instead of dialing or failing: over HTTP/2, n connections carry n x 90
+// requests at once (kube-apiserver allows 100 streams per connection); over
+// HTTP/1.1, n. A request holds its place until its response body is read to
+// the end or closed, so a watch holds its stream while it runs. Upgrades
+// (exec, attach, port-forward sent through the pool's transport) run on
+// connections of their own and are not counted. Zero, the default, means no
+// cap; bursts still open no more connections than their concurrency needs.
 //
 // A negative n is ignored.
 func WithMaxConnsPerHost(n int) Option {

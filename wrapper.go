@@ -421,14 +421,6 @@ func (c *clientTransport) sameCert(g *generation) bool {
 		return v.same
 	}
 	e := c.lease.e
-	if v != nil && v.same && (e.filesBad.Load() || time.Now().Before(e.sinceTime().Add(certSettle))) {
-		// client-go's certificate-file callback reads its cache outside its
-		// lock, and its refresher retries while the files are bad and just
-		// after they changed: asking it then races inside client-go. A
-		// client that presented the identity's certificate goes on with the
-		// identity's current one until the files have settled.
-		return true
-	}
 	now := time.Now()
 	v = &certVerdict{g: g, same: c.certMatches(g), expires: now.Add(certRecheck)}
 	if since := e.sinceTime(); !v.same && now.Before(since.Add(certSettle)) {
