@@ -366,12 +366,12 @@ func TestAdversaryDisableHTTP2AfterWrap(t *testing.T) {
 	}
 }
 
-// TestAdversaryClientGoTransportCreated: isClientGoTransportFor asks
-// client-go's cache with transport.New, which builds (and, before v0.36,
-// keeps for good) a transport for the original's certificate files when no
-// client of the original exists, with a certificate-refresher goroutine that
-// never stops. A process that only builds clients of copies client-go
-// cannot cache (a Proxy) gets one more of them than client-go alone starts.
+// TestAdversaryClientGoTransportCreated: Wrap of a config client-go caches
+// asks client-go's cache for the config's transport, which client-go builds
+// (and, before v0.36, keeps for good) with a certificate-refresher goroutine
+// for certificate files: the one any client of the config starts. A client
+// of a copy client-go cannot cache (a Proxy) starts no more of them through
+// the pool than through client-go alone.
 func TestAdversaryClientGoTransportCreated(t *testing.T) {
 	f := newFixture(t, testserver.Options{})
 	r := newCopyRig(t, testserver.Options{CA: f.ca})
@@ -394,6 +394,7 @@ func TestAdversaryClientGoTransportCreated(t *testing.T) {
 				t.Fatal(err)
 			}
 		}
+		time.Sleep(100 * time.Millisecond) // let Wrap's goroutines show in the dump
 		n := refreshers()
 		cp := rest.CopyConfig(orig)
 		cp.Proxy = proxyTo(r.proxies[0])
