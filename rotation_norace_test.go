@@ -5,8 +5,10 @@ package sharedtransport
 // client-go's certificate-file callback (transport/cert_rotation.go) reads
 // the certificate it cached outside its lock, and its refresher retries at
 // once while a key does not match: under the race detector this test finds
-// that race inside client-go, with or without the pool. It runs without
-// -race: in .ci/run's Go 1.27 run and in hack/patched-client-go.sh.
+// that race inside client-go, with or without the pool: a caller that loads
+// the rotated file writes the cache another goroutine read unlocked. The
+// tests here ask that callback across a rotation, and run without -race:
+// in .ci/run's Go 1.27 run and in hack/patched-client-go.sh.
 
 import (
 	"context"
@@ -61,4 +63,43 @@ func TestRotationFilesProxyBadKey(t *testing.T) {
 		_, ok := rec.firstSince("bob", written)
 		return ok
 	})
+}
+
+// TestRotationClientCatchesUp: a client whose own client-go transport reads
+// the rotated files but cannot be proven to be the identity's (a config with
+// Proxy: client-go builds it a transport of its own) goes over client-go's
+// transport while that one still presents the old certificate, and back to the
+// pool's once client-go's certificate cache has expired: from then on the
+// server sees only the new certificate from it.
+func TestRotationClientCatchesUp(t *testing.T) {
+	rec := &cnRecorder{}
+	f := newFixture(t, testserver.Options{OnRequest: rec.record})
+	p := newPool(t, WithPollInterval(0))
+	d := newCertDir(t, secretVolume, f.alice, f.ca.CertPEM())
+	cfg := d.config(f.srv.URL())
+	cfg.Proxy = nilProxy
+	if err := p.Wrap(cfg); err != nil {
+		t.Fatal(err)
+	}
+	cs := mustClientset(t, cfg)
+	ctx := context.Background()
+	list := func() {
+		t.Helper()
+		if _, err := cs.CoreV1().Nodes().List(ctx, metav1.ListOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	list()
+	d.write(t, f.bob, f.ca.CertPEM())
+	waitFor(t, "the pool takes the new files into use", func() bool { return p.Stats().Rotations == 1 })
+	list() // client-go's transport still presents alice: it carries this one
+	time.Sleep(certSettle + 300*time.Millisecond)
+	settled := time.Now()
+	for range 3 {
+		list()
+	}
+	seen := rec.cnsSince(settled)
+	if seen["bob"] != 3 || len(seen) != 1 {
+		t.Errorf("once client-go's certificate cache expired the server saw requests from %v, want 3 from bob", seen)
+	}
 }
