@@ -720,7 +720,14 @@ func (h *heldDialRotation) rotateDuringDial(t testing.TB, what string) {
 func TestRetiredGenerationRetried(t *testing.T) {
 	h := newHeldDialRotation(t)
 	f, rec, p, cfg := h.f, h.rec, h.p, h.cfg
-	client := httpClient(t, p, cfg)
+	// HTTPClientFor: the identity is the config's own, so the request is the
+	// pool's to send on the new generation. A client Wrap gave keeps
+	// client-go's transport after a rotation of its files (see
+	// clientTransport.sameCert), which does what client-go alone does.
+	client, err := p.HTTPClientFor(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
 	result := make(chan error, 1)
 	go func() {
 		_, err := getUA(context.Background(), client, f.srv.URL(), "dials across a rotation")
@@ -732,7 +739,7 @@ func TestRetiredGenerationRetried(t *testing.T) {
 	// presents dave too, so the request may go with the new material.
 	time.Sleep(certSettle + 300*time.Millisecond)
 	close(h.release)
-	err := <-result
+	err = <-result
 	t.Logf("a request whose dial outlived the rotation: %v; server saw %v", err, rec.cns())
 	if err != nil {
 		t.Errorf("a request whose generation retired before it was sent failed: %v (errors.Is ErrClosed: %v)", err, errors.Is(err, ErrClosed))

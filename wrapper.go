@@ -420,10 +420,20 @@ func (c *clientTransport) sameCert(g *generation) bool {
 	if v != nil && v.g == g && time.Now().Before(v.expires) {
 		return v.same
 	}
-	e := c.lease.e
 	now := time.Now()
+	if v != nil && (v.g != g || !v.same) && c.lease.e.id.certFile != "" {
+		// client-go's certificate-file callback returns its cache after
+		// unlocking it: a caller that loads changed files then writes what
+		// another goroutine read unlocked. Such a client is asked once per
+		// generation it was built in; after a rotation or a mismatch it
+		// keeps client-go's transport (checkMu orders this client's earlier
+		// question before the handshakes its own transport makes).
+		v = &certVerdict{g: g, expires: now.Add(100 * 365 * 24 * time.Hour)}
+		c.verdict.Store(v)
+		return false
+	}
 	v = &certVerdict{g: g, same: c.certMatches(g), expires: now.Add(certRecheck)}
-	if since := e.sinceTime(); !v.same && now.Before(since.Add(certSettle)) {
+	if since := c.lease.e.sinceTime(); !v.same && now.Before(since.Add(certSettle)) {
 		v.expires = since.Add(certSettle)
 	}
 	c.verdict.Store(v)
