@@ -65,12 +65,11 @@ func TestRotationFilesProxyBadKey(t *testing.T) {
 	})
 }
 
-// TestRotationClientCatchesUp: a client whose own client-go transport reads
-// the rotated files but cannot be proven to be the identity's (a config with
-// Proxy: client-go builds it a transport of its own) goes over client-go's
-// transport while that one still presents the old certificate, and back to the
-// pool's once client-go's certificate cache has expired: from then on the
-// server sees only the new certificate from it.
+// TestRotationClientCatchesUp: a client of a files + Proxy config built
+// before a rotation keeps client-go's own transport after it (the pool asks
+// client-go's certificate-file callback once per generation): its requests
+// go on as client-go alone sends them. A client built after the rotation
+// rides the pool's transport and presents the new certificate.
 func TestRotationClientCatchesUp(t *testing.T) {
 	rec := &cnRecorder{}
 	f := newFixture(t, testserver.Options{OnRequest: rec.record})
@@ -81,25 +80,30 @@ func TestRotationClientCatchesUp(t *testing.T) {
 	if err := p.Wrap(cfg); err != nil {
 		t.Fatal(err)
 	}
-	cs := mustClientset(t, cfg)
 	ctx := context.Background()
-	list := func() {
+	list := func(cs kubernetes.Interface) {
 		t.Helper()
 		if _, err := cs.CoreV1().Nodes().List(ctx, metav1.ListOptions{}); err != nil {
 			t.Fatal(err)
 		}
 	}
-	list()
+	cs := mustClientset(t, cfg)
+	list(cs)
 	d.write(t, f.bob, f.ca.CertPEM())
 	waitFor(t, "the pool takes the new files into use", func() bool { return p.Stats().Rotations == 1 })
-	list() // client-go's transport still presents alice: it carries this one
-	time.Sleep(certSettle + 300*time.Millisecond)
+	passed := p.Stats().PassThrough
+	list(cs) // client-go's own transport from now on
+	if got := p.Stats().PassThrough; got != passed+1 {
+		t.Errorf("Stats.PassThrough went from %d to %d after the rotation, want the old client counted once", passed, got)
+	}
+	time.Sleep(certSettle + 300*time.Millisecond) // past client-go's cache of the files
 	settled := time.Now()
+	fresh := mustClientset(t, cfg)
 	for range 3 {
-		list()
+		list(fresh)
 	}
 	seen := rec.cnsSince(settled)
 	if seen["bob"] != 3 || len(seen) != 1 {
-		t.Errorf("once client-go's certificate cache expired the server saw requests from %v, want 3 from bob", seen)
+		t.Errorf("a client built after the rotation: the server saw requests from %v, want 3 from bob", seen)
 	}
 }
