@@ -52,9 +52,6 @@ type entry struct {
 	draining map[*generation]*time.Timer
 }
 
-// sinceTime is when the current generation took effect.
-func (e *entry) sinceTime() time.Time { return time.Unix(0, e.since.Load()) }
-
 // acquire returns a lease on id's entry, building the entry on first use.
 // Concurrent first uses of one identity share one build. An entry that is
 // there already serves a config built now only as long as its files hold

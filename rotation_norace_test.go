@@ -17,6 +17,7 @@ import (
 
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
 
 	"github.com/sharedtransport/sharedtransport/internal/testserver"
 )
@@ -28,23 +29,9 @@ import (
 // rotation it presents the new certificate. hack/patched-client-go.sh
 // runs it against a client-go whose unexported structs carry extra fields.
 func TestRotationFilesProxyBadKey(t *testing.T) {
-	rec := &cnRecorder{}
-	f := newFixture(t, testserver.Options{OnRequest: rec.record})
-	p := newPool(t, WithPollInterval(0))
-	d := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
-	cfg := d.config(f.srv.URL())
-	cfg.Proxy = nilProxy
-	if err := p.Wrap(cfg); err != nil {
-		t.Fatal(err)
-	}
+	rec, f, p, d, cfg := wrappedFilesProxy(t, renameOver)
 	cs := mustClientset(t, cfg)
-	ctx := context.Background()
-	list := func(c kubernetes.Interface) {
-		t.Helper()
-		if _, err := c.CoreV1().Nodes().List(ctx, metav1.ListOptions{}); err != nil {
-			t.Fatal(err)
-		}
-	}
+	list := func(c kubernetes.Interface) { t.Helper(); listNodesOf(t, c) }
 	list(cs)
 	// Past client-go's one-second cache of the files, so that what the
 	// client's own transport would read next is the bad pair.
@@ -71,22 +58,8 @@ func TestRotationFilesProxyBadKey(t *testing.T) {
 // go on as client-go alone sends them. A client built after the rotation
 // rides the pool's transport and presents the new certificate.
 func TestRotationClientCatchesUp(t *testing.T) {
-	rec := &cnRecorder{}
-	f := newFixture(t, testserver.Options{OnRequest: rec.record})
-	p := newPool(t, WithPollInterval(0))
-	d := newCertDir(t, secretVolume, f.alice, f.ca.CertPEM())
-	cfg := d.config(f.srv.URL())
-	cfg.Proxy = nilProxy
-	if err := p.Wrap(cfg); err != nil {
-		t.Fatal(err)
-	}
-	ctx := context.Background()
-	list := func(cs kubernetes.Interface) {
-		t.Helper()
-		if _, err := cs.CoreV1().Nodes().List(ctx, metav1.ListOptions{}); err != nil {
-			t.Fatal(err)
-		}
-	}
+	rec, f, p, d, cfg := wrappedFilesProxy(t, secretVolume)
+	list := func(cs kubernetes.Interface) { t.Helper(); listNodesOf(t, cs) }
 	cs := mustClientset(t, cfg)
 	list(cs)
 	d.write(t, f.bob, f.ca.CertPEM())
@@ -105,5 +78,29 @@ func TestRotationClientCatchesUp(t *testing.T) {
 	seen := rec.cnsSince(settled)
 	if seen["bob"] != 3 || len(seen) != 1 {
 		t.Errorf("a client built after the rotation: the server saw requests from %v, want 3 from bob", seen)
+	}
+}
+
+// wrappedFilesProxy is alice's certificate files written as layout, and a
+// config of them with a Proxy function wrapped by a pool that does not poll;
+// rec records who the server saw.
+func wrappedFilesProxy(t *testing.T, layout string) (*cnRecorder, *fixture, *Pool, *certDir, *rest.Config) {
+	t.Helper()
+	rec := &cnRecorder{}
+	f := newFixture(t, testserver.Options{OnRequest: rec.record})
+	p := newPool(t, WithPollInterval(0))
+	d := newCertDir(t, layout, f.alice, f.ca.CertPEM())
+	cfg := d.config(f.srv.URL())
+	cfg.Proxy = nilProxy
+	if err := p.Wrap(cfg); err != nil {
+		t.Fatal(err)
+	}
+	return rec, f, p, d, cfg
+}
+
+func listNodesOf(t *testing.T, cs kubernetes.Interface) {
+	t.Helper()
+	if _, err := cs.CoreV1().Nodes().List(context.Background(), metav1.ListOptions{}); err != nil {
+		t.Fatal(err)
 	}
 }

@@ -24,6 +24,11 @@ import (
 )
 
 // cnRecorder keeps the certificate CN of every request the server saw.
+// certSettle is how long after a rotation client-go's transports may still
+// hand out the certificate they read before it: client-go caches what it
+// reads from certificate files for a second.
+const certSettle = 1200 * time.Millisecond
+
 type cnRecorder struct {
 	mu   sync.Mutex
 	seen []cnAt

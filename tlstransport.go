@@ -13,7 +13,6 @@ import (
 	"fmt"
 	"net/http"
 	"net/url"
-	"reflect"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -72,7 +71,7 @@ func tlsIdentity(c TLSTransportConfig) (*identity, error) {
 	if c.TLS == nil {
 		return nil, errors.New("sharedtransport: TLSTransport needs a TLS configuration: set TLSTransportConfig.TLS")
 	}
-	if f := unsupportedTLSField(c.TLS); f != "" {
+	if f := tlsFieldBeyond(c.TLS, tlsFieldsKept); f != "" {
 		return nil, fmt.Errorf("sharedtransport: TLSTransport cannot compare tls.Config.%s: leave it unset, or keep a transport of your own for this server", f)
 	}
 	if c.TLS.RootCAs != nil && c.TLS.InsecureSkipVerify {
@@ -104,20 +103,6 @@ func tlsIdentity(c TLSTransportConfig) (*identity, error) {
 
 // tlsFieldsKept are the fields of a tls.Config TLSTransport keeps.
 var tlsFieldsKept = []string{"RootCAs", "InsecureSkipVerify", "ServerName", "NextProtos", "MinVersion", "MaxVersion"}
-
-// unsupportedTLSField returns the name of the first exported field of c set
-// beyond tlsFieldsKept, or "".
-func unsupportedTLSField(c *tls.Config) string {
-	v := reflect.ValueOf(c).Elem()
-	t := v.Type()
-	for i := range t.NumField() {
-		f := t.Field(i)
-		if f.IsExported() && !slices.Contains(tlsFieldsKept, f.Name) && !v.Field(i).IsZero() {
-			return f.Name
-		}
-	}
-	return ""
-}
 
 // rootsID numbers root pools by content: equal pools (Equal) get one number
 // for as long as the first of them is alive (an identity holds it). Pools are

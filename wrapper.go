@@ -33,12 +33,6 @@ import (
 // often.
 const certRecheck = 5 * time.Minute
 
-// certSettle is how long after a rotation client-go's transports may still
-// hand out the certificate they read before it (client-go caches what it
-// reads from files for a second): a mismatch found that early is looked at
-// again.
-const certSettle = 1200 * time.Millisecond
-
 // hook is what Wrap installs as the innermost rest.Config.WrapTransport.
 // client-go calls it with the transport it built for a client of the wrapped
 // config, of a copy of it (rest.CopyConfig copies WrapTransport), or of the
@@ -328,27 +322,21 @@ func (id *identity) presentsCert() bool {
 var clientGoTLSFields = []string{"RootCAs", "ServerName", "InsecureSkipVerify", "MinVersion", "MaxVersion",
 	"NextProtos", "GetClientCertificate"}
 
-var otherTLSFields = sync.OnceValue(func() []int {
-	var out []int
-	t := reflect.TypeFor[tls.Config]()
-	for i := range t.NumField() {
-		if f := t.Field(i); f.IsExported() && !slices.Contains(clientGoTLSFields, f.Name) {
-			out = append(out, i)
-		}
-	}
-	return out
-})
-
 // onlyClientGoFields reports whether c sets no exported field client-go
 // leaves unset.
-func onlyClientGoFields(c *tls.Config) bool {
+func onlyClientGoFields(c *tls.Config) bool { return tlsFieldBeyond(c, clientGoTLSFields) == "" }
+
+// tlsFieldBeyond returns the name of the first exported field of c that is
+// set and not in allowed, or "".
+func tlsFieldBeyond(c *tls.Config, allowed []string) string {
 	v := reflect.ValueOf(c).Elem()
-	for _, i := range otherTLSFields() {
-		if !v.Field(i).IsZero() {
-			return false
+	t := v.Type()
+	for i := range t.NumField() {
+		if f := t.Field(i); f.IsExported() && !slices.Contains(allowed, f.Name) && !v.Field(i).IsZero() {
+			return f.Name
 		}
 	}
-	return true
+	return ""
 }
 
 // clientTransport is what one client gets from the hook: the shared transport
@@ -373,10 +361,17 @@ type clientTransport struct {
 }
 
 // certVerdict is a finding about a client's certificate for one generation.
+// A final one is never looked at again.
 type certVerdict struct {
 	g       *generation
 	same    bool
+	final   bool
 	expires time.Time
+}
+
+// holds reports whether v still decides for generation g at now.
+func (v *certVerdict) holds(g *generation, now time.Time) bool {
+	return v != nil && (v.final || v.g == g && now.Before(v.expires))
 }
 
 func (c *clientTransport) RoundTrip(req *http.Request) (*http.Response, error) {
@@ -411,30 +406,31 @@ func (c *clientTransport) passThrough() {
 // sameCert reports whether the client presents the certificate g presents,
 // asking client-go's transport for it once per generation and certRecheck.
 func (c *clientTransport) sameCert(g *generation) bool {
-	if v := c.verdict.Load(); v != nil && v.g == g && time.Now().Before(v.expires) {
+	if v := c.verdict.Load(); v.holds(g, time.Now()) {
 		return v.same
 	}
 	c.checkMu.Lock()
 	defer c.checkMu.Unlock()
-	v := c.verdict.Load()
-	if v != nil && v.g == g && time.Now().Before(v.expires) {
-		return v.same
-	}
 	now := time.Now()
-	if v != nil && (v.g != g || !v.same) && c.lease.e.id.certFile != "" {
+	v := c.verdict.Load()
+	switch {
+	case v.holds(g, now):
+		return v.same
+	case v != nil && c.lease.e.id.certFile != "":
 		// client-go's certificate-file callback returns its cache after
 		// unlocking it: a caller that loads changed files then writes what
-		// another goroutine read unlocked. Such a client is asked once per
-		// generation it was built in; after a rotation or a mismatch it
-		// keeps client-go's transport (checkMu orders this client's earlier
-		// question before the handshakes its own transport makes).
-		v = &certVerdict{g: g, expires: now.Add(100 * 365 * 24 * time.Hour)}
-		c.verdict.Store(v)
-		return false
-	}
-	v = &certVerdict{g: g, same: c.certMatches(g), expires: now.Add(certRecheck)}
-	if since := c.lease.e.sinceTime(); !v.same && now.Before(since.Add(certSettle)) {
-		v.expires = since.Add(certSettle)
+		// another goroutine read unlocked. A client of a files identity is
+		// asked again only on the generation it was asked on; after a
+		// rotation it keeps client-go's transport for good (checkMu orders
+		// its earlier question before the handshakes that transport makes).
+		v = &certVerdict{g: g, same: v.same && v.g == g, final: v.g != g || !v.same}
+		if !v.final {
+			v.same, v.expires = c.certMatches(g), now.Add(certRecheck)
+			v.final = !v.same
+		}
+	default:
+		v = &certVerdict{g: g, same: c.certMatches(g), expires: now.Add(certRecheck)}
+		v.final = !v.same && c.lease.e.id.certFile != ""
 	}
 	c.verdict.Store(v)
 	return v.same
@@ -504,9 +500,21 @@ func sameProxy(got, want func(*http.Request) (*url.URL, error), req *http.Reques
 	return err1 == nil && err2 == nil && sameURL(g, w)
 }
 
+// sameURL compares two proxy URLs field by field: it runs per request, and
+// String would build two strings each time.
 func sameURL(a, b *url.URL) bool {
+	if a == nil || b == nil || a == b {
+		return a == b
+	}
+	return a.Scheme == b.Scheme && a.Host == b.Host && a.Opaque == b.Opaque && a.Path == b.Path &&
+		a.RawQuery == b.RawQuery && sameUser(a.User, b.User)
+}
+
+func sameUser(a, b *url.Userinfo) bool {
 	if a == nil || b == nil {
 		return a == b
 	}
-	return a.String() == b.String()
+	pa, oka := a.Password()
+	pb, okb := b.Password()
+	return a.Username() == b.Username() && pa == pb && oka == okb
 }

@@ -8,14 +8,9 @@ package sharedtransport
 import (
 	"bufio"
 	"context"
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
 	"crypto/tls"
 	"crypto/x509"
-	"crypto/x509/pkix"
 	"errors"
-	"math/big"
 	"net"
 	"net/http"
 	"net/url"
@@ -23,8 +18,10 @@ import (
 	"sync"
 	"time"
 
+	"k8s.io/apimachinery/third_party/forked/golang/netutil"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/transport"
+	certutil "k8s.io/client-go/util/cert"
 )
 
 // connectHeaderFor returns the headers cfg's CONNECT requests carry because
@@ -48,7 +45,7 @@ func (p *Pool) connectHeaderFor(cfg *rest.Config) (h http.Header, fromWrappers, 
 	}
 	// Over https whatever the config's scheme: only a tunnel carries
 	// CONNECT headers.
-	target := &url.URL{Scheme: "https", Host: canonicalAddr(req.URL), Path: "/"}
+	target := &url.URL{Scheme: "https", Host: netutil.CanonicalAddr(req.URL), Path: "/"}
 	h, ok := probeWrappers(cfg.WrapTransport, target)
 	if !ok {
 		p.opts.logger.V(2).Info("Config passes through: a wrapper in its WrapTransport changes what its requests put on the wire beyond CONNECT headers", "host", redactHost(cfg.Host))
@@ -150,7 +147,7 @@ func runProbe(wrap transport.WrapperFunc, target *url.URL) (*wire, error) {
 	if err != nil {
 		return nil, err
 	}
-	w := &wire{target: canonicalAddr(target)}
+	w := &wire{target: netutil.CanonicalAddr(target)}
 	var served sync.WaitGroup
 	probe := newProbeTransport(id, w, &served)
 	liveProbes.Store(probe, struct{}{})
@@ -307,42 +304,18 @@ func (id *probeTLS) serverConfig(w *wire) *tls.Config {
 	}
 }
 
-// probeIdentity is a self-signed server certificate made once per process.
+// probeIdentity is the probe server's certificate, made once per process
+// with client-go's own self-signed helper, and roots that trust it.
 var probeIdentity = sync.OnceValues(func() (*probeTLS, error) {
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	certPEM, keyPEM, err := certutil.GenerateSelfSignedCertKey(probeServerName, nil, nil)
 	if err != nil {
 		return nil, err
 	}
-	tmpl := &x509.Certificate{
-		SerialNumber:          big.NewInt(1),
-		Subject:               pkix.Name{CommonName: probeServerName},
-		DNSNames:              []string{probeServerName},
-		NotBefore:             time.Now().Add(-time.Hour),
-		NotAfter:              time.Now().Add(100 * 365 * 24 * time.Hour),
-		IsCA:                  true,
-		BasicConstraintsValid: true,
-		KeyUsage:              x509.KeyUsageDigitalSignature | x509.KeyUsageCertSign,
-		ExtKeyUsage:           []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
-	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
-	if err != nil {
-		return nil, err
-	}
-	leaf, err := x509.ParseCertificate(der)
+	cert, err := tls.X509KeyPair(certPEM, keyPEM)
 	if err != nil {
 		return nil, err
 	}
 	roots := x509.NewCertPool()
-	roots.AddCert(leaf)
-	return &probeTLS{cert: tls.Certificate{Certificate: [][]byte{der}, PrivateKey: key, Leaf: leaf}, roots: roots}, nil
+	roots.AppendCertsFromPEM(certPEM)
+	return &probeTLS{cert: cert, roots: roots}, nil
 })
-
-// canonicalAddr is u's host:port, with the scheme's port when u names none,
-// as a CONNECT request names its target.
-func canonicalAddr(u *url.URL) string {
-	port := u.Port()
-	if port == "" {
-		port = map[string]string{"http": "80", "https": "443"}[u.Scheme]
-	}
-	return net.JoinHostPort(u.Hostname(), port)
-}
