@@ -87,6 +87,29 @@ func BenchmarkRoundTrip(b *testing.B) {
 		send(b, rt)
 		runtime.KeepAlive(wrapped)
 	})
+	// A config with a Proxy: the client's certificate verdict and its
+	// proxy are looked at per request.
+	for _, wrap := range []bool{false, true} {
+		name := "client-go stack, Proxy"
+		if wrap {
+			name += ", over the pool"
+		}
+		b.Run(name, func(b *testing.B) {
+			c := rest.CopyConfig(cfg)
+			c.Proxy = http.ProxyURL(nil)
+			if wrap {
+				if err := newPool(b).Wrap(c); err != nil {
+					b.Fatal(err)
+				}
+			}
+			rt, err := rest.TransportFor(c)
+			if err != nil {
+				b.Fatal(err)
+			}
+			send(b, rt)
+			runtime.KeepAlive(c)
+		})
+	}
 	b.Run("http.Transport, no-op base", func(b *testing.B) {
 		t := noopTransport()
 		r := req()
