@@ -120,12 +120,11 @@ type identity struct {
 
 	dial func(ctx context.Context, network, address string) (net.Conn, error) // nil: the default dialer
 
-	// connectHeader is sent with every CONNECT request to a proxy; see
-	// connectHeaderFor. headerFromWrappers says a wrapper in the config's
-	// WrapTransport sets it, so client-go's transport, where a client keeps
-	// it, gets it the same way.
-	connectHeader      http.Header
-	headerFromWrappers bool
+	// connectHeader is sent with every CONNECT request to a proxy. For a
+	// config it is what a wrapper in its WrapTransport sets (see
+	// connectHeaderFor), so client-go's transport, where a client keeps it,
+	// gets it the same way.
+	connectHeader http.Header
 
 	// tlsConfig, set for TLSTransport identities, is the caller's TLS
 	// configuration: generations use a copy of it instead of building one.
@@ -200,7 +199,7 @@ func (p *Pool) identityOf(cfg *rest.Config, tc *transport.Config) (id *identity,
 	if !share {
 		return nil, false, nil // pass through: a custom Dial WithDialIdentity does not name
 	}
-	if id.connectHeader, id.headerFromWrappers, share = p.connectHeaderFor(cfg); !share {
+	if id.connectHeader, share = p.connectHeaderFor(cfg); !share {
 		return nil, false, nil // pass through: wrappers that replace the transport
 	}
 	proxy, share := p.setProxy(id, cfg)

@@ -142,6 +142,7 @@ func (p *Pool) newGeneration(e *entry, m *material) (*generation, error) {
 	}
 	if id.tlsConfig != nil {
 		tlsConfig = id.tlsConfig.Clone() // TLSTransport: the caller's own, which holds no material
+		tlsConfig.NextProtos = slices.Clone(tlsConfig.NextProtos)
 	}
 	g := &generation{
 		maxConns: p.opts.maxConnsPerHost,

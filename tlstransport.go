@@ -13,6 +13,7 @@ import (
 	"fmt"
 	"net/http"
 	"net/url"
+	"runtime"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -43,7 +44,8 @@ func TLSTransport(c TLSTransportConfig) (http.RoundTripper, error) {
 // TLSTransport returns a round tripper that sends requests over the pool's
 // shared transport for c. Calls with equal settings share connections: roots
 // are compared with (*x509.CertPool).Equal, headers by value, the proxy by
-// URL. A call with other roots (a new caBundle) is another identity from
+// URL. Equal does not see constraints added with AddCertWithConstraint:
+// pass no pool that has them: the pool cannot tell such pools apart. A call with other roots (a new caBundle) is another identity from
 // that call on; the old one is released when no round tripper of it is left
 // and its idle grace has passed ([WithIdleTimeout]). The dialer is the
 // pool's: code that needs a dialer of its own keeps its own transport.
@@ -78,6 +80,7 @@ func tlsIdentity(c TLSTransportConfig) (*identity, error) {
 		return nil, errors.New("sharedtransport: TLSTransport: a TLS configuration cannot set both RootCAs and InsecureSkipVerify: remove one of them")
 	}
 	tlsConfig := c.TLS.Clone()
+	tlsConfig.NextProtos = slices.Clone(c.TLS.NextProtos) // Clone shares the slice
 	if tlsConfig.RootCAs != nil {
 		tlsConfig.RootCAs = tlsConfig.RootCAs.Clone() // the caller may add to its own later
 	}
@@ -88,7 +91,6 @@ func tlsIdentity(c TLSTransportConfig) (*identity, error) {
 		connectHeader: c.ProxyConnectHeader.Clone(),
 		tlsConfig:     tlsConfig,
 	}
-	id.alpn = clientGoALPN(id.nextProtos, true)
 	id.setHTTP2(true)
 	proxy := ""
 	if c.Proxy != nil {
@@ -129,6 +131,7 @@ func rootsID(roots *x509.CertPool) uint64 {
 	if id == 0 {
 		id = rootsNext.Add(1)
 		live = append(live, seenRoots{weak.Make(roots), id})
+		runtime.AddCleanup(roots, forgetRoots, seenKey{bucket, id})
 	}
 	if len(live) == 0 {
 		delete(rootsSeen, bucket)
@@ -136,6 +139,23 @@ func rootsID(roots *x509.CertPool) uint64 {
 		rootsSeen[bucket] = live
 	}
 	return id
+}
+
+type seenKey struct {
+	bucket [sha256.Size]byte
+	id     uint64
+}
+
+// forgetRoots drops the record of a pool that was collected.
+func forgetRoots(k seenKey) {
+	rootsMu.Lock()
+	defer rootsMu.Unlock()
+	rest := slices.DeleteFunc(rootsSeen[k.bucket], func(r seenRoots) bool { return r.id == k.id })
+	if len(rest) == 0 {
+		delete(rootsSeen, k.bucket)
+	} else {
+		rootsSeen[k.bucket] = rest
+	}
 }
 
 type seenRoots struct {

@@ -145,3 +145,90 @@ func TestTLSTransport(t *testing.T) {
 		}
 	})
 }
+
+// TestTLSTransportKeepsItsCopy: what decides a TLSTransport identity is
+// copied at the call and kept apart by value. Configurations that differ
+// only in their TLS versions are two identities; a caller that reuses its
+// NextProtos slice or adds to its pool after the call changes nothing the
+// pool sends; a pool and InsecureSkipVerify together are refused.
+func TestTLSTransportKeepsItsCopy(t *testing.T) {
+	r := newTLSRig(t, testserver.Options{})
+	p := newPool(t)
+	c := r.settings(r.caPEM, "Basic a")
+	if err := r.get(p, c); err != nil {
+		t.Fatal(err)
+	}
+	c12 := r.settings(r.caPEM, "Basic a")
+	c12.TLS.MinVersion = tls.VersionTLS12
+	if err := r.get(p, c12); err != nil {
+		t.Fatal(err)
+	}
+	if n := p.Stats().Identities; n != 2 {
+		t.Errorf("TLS 1.3 and TLS 1.2 minimums: %d identities, want 2", n)
+	}
+
+	np := []string{"h2", "http/1.1"}
+	c2 := r.settings(r.caPEM, "Basic b")
+	c2.TLS.NextProtos = np
+	if err := r.get(p, c2); err != nil {
+		t.Fatal(err)
+	}
+	np[0] = "not-h2"
+	other, err := testserver.NewCA("other-ca")
+	if err != nil {
+		t.Fatal(err)
+	}
+	c2.TLS.RootCAs.AppendCertsFromPEM(other.CertPEM())
+	c3 := r.settings(r.caPEM, "Basic b")
+	c3.TLS.NextProtos = []string{"h2", "http/1.1"}
+	rt, err := p.TLSTransport(c3)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rt.(interface{ CloseIdleConnections() }).CloseIdleConnections() // a new handshake
+	resp, err := (&http.Client{Transport: rt}).Get(r.srv.URL() + "/api")
+	if err != nil {
+		t.Fatal(err)
+	}
+	io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+	if resp.ProtoMajor != 2 || p.Stats().Identities != 3 {
+		t.Errorf("after the first caller changed its slice and pool: %s over %d identities, want HTTP/2 over 3", resp.Proto, p.Stats().Identities)
+	}
+
+	bad := r.settings(r.caPEM, "Basic a")
+	bad.TLS.InsecureSkipVerify = true
+	if _, err := p.TLSTransport(bad); err == nil || !strings.Contains(err.Error(), "InsecureSkipVerify") {
+		t.Errorf("RootCAs and InsecureSkipVerify together: %v, want an error naming both", err)
+	}
+}
+
+// TestTLSTransportRootsForgotten: the numbers given to root pools are
+// dropped once the identities holding them are gone.
+func TestTLSTransportRootsForgotten(t *testing.T) {
+	r := newTLSRig(t, testserver.Options{})
+	p := newPool(t, WithIdleTimeout(time.Millisecond))
+	count := func() int {
+		rootsMu.Lock()
+		defer rootsMu.Unlock()
+		n := 0
+		for _, rs := range rootsSeen {
+			n += len(rs)
+		}
+		return n
+	}
+	before := count()
+	for range 20 {
+		ca, err := testserver.NewCA("short-lived")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := p.TLSTransport(r.settings(ca.CertPEM(), "Basic a")); err != nil {
+			t.Fatal(err)
+		}
+	}
+	waitFor(t, "the pools' records dropped", func() bool {
+		runtime.GC()
+		return p.Stats().Identities == 0 && count() <= before
+	})
+}

@@ -192,7 +192,7 @@ func (h *hook) agrees(rt http.RoundTripper, got *http.Transport, g *generation) 
 // bare *http.Transport such a wrapper clones.
 func (id *identity) withWrapperHeader(rt http.RoundTripper) http.RoundTripper {
 	t, ok := rt.(*http.Transport)
-	if !ok || !id.headerFromWrappers {
+	if !ok || len(id.connectHeader) == 0 {
 		return rt
 	}
 	t = t.Clone()

@@ -30,29 +30,27 @@ import (
 // *http.Transport, in its own RoundTrip, and sends the request over a clone
 // with ProxyConnectHeader set) sits above the hook and is handed the pool's
 // round tripper, so it would do nothing: the pool finds out what it does by
-// sending one request through cfg.WrapTransport over a probe transport.
-// fromWrappers reports that the wrappers set a header. share is false when
-// the request reached the wire in any other way than the probe sends it, or
-// did not reach it: the pool cannot give that to shared connections, and
-// dropping it silently would change what the config does.
-func (p *Pool) connectHeaderFor(cfg *rest.Config) (h http.Header, fromWrappers, share bool) {
+// sending one request through cfg.WrapTransport over a probe transport, to
+// a host that does not exist (a wrapper that ignores the transport it is
+// handed reaches no server). share is false when the request reached the
+// wire in any other way than the probe sends it, or did not reach it: the
+// pool cannot give that to shared connections, and dropping it silently
+// would change what the config does.
+func (p *Pool) connectHeaderFor(cfg *rest.Config) (h http.Header, share bool) {
 	if cfg.WrapTransport == nil {
-		return nil, false, true
+		return nil, true
 	}
-	req, err := probeRequest(cfg)
-	if err != nil {
-		return nil, false, false
-	}
-	// Over https whatever the config's scheme: only a tunnel carries
-	// CONNECT headers.
-	target := &url.URL{Scheme: "https", Host: netutil.CanonicalAddr(req.URL), Path: "/"}
-	h, ok := probeWrappers(cfg.WrapTransport, target)
+	h, ok := probeWrappers(cfg.WrapTransport, probeTarget)
 	if !ok {
 		p.opts.logger.V(2).Info("Config passes through: a wrapper in its WrapTransport changes what its requests put on the wire beyond CONNECT headers", "host", redactHost(cfg.Host))
-		return nil, false, false
+		return nil, false
 	}
-	return h, len(h) > 0, true
+	return h, true
 }
+
+// probeTarget is the server the probe's request is for; nothing answers
+// there but the probe itself.
+var probeTarget = &url.URL{Scheme: "https", Host: "probe.sharedtransport.invalid:443", Path: "/"}
 
 // isProbe reports whether rt is a probe transport of a probe running now:
 // the hook of a config wrapped again is run over it, and hands it on.
@@ -92,11 +90,24 @@ func probeWrappers(wrap transport.WrapperFunc, target *url.URL) (h http.Header, 
 }
 
 // baseline is what the probe sees of a request sent over the probe
-// transport itself.
-var baseline = sync.OnceValues(func() (*wire, error) {
-	return runProbe(func(rt http.RoundTripper) http.RoundTripper { return rt },
-		&url.URL{Scheme: "https", Host: "probe.sharedtransport.invalid:443", Path: "/"})
-})
+// transport itself; a failed run is tried again at the next probe.
+func baseline() (*wire, error) {
+	baselineMu.Lock()
+	defer baselineMu.Unlock()
+	if baselineWire == nil {
+		w, err := runProbe(func(rt http.RoundTripper) http.RoundTripper { return rt }, probeTarget)
+		if err != nil {
+			return nil, err
+		}
+		baselineWire = w
+	}
+	return baselineWire, nil
+}
+
+var (
+	baselineMu   sync.Mutex // guards baselineWire
+	baselineWire *wire
+)
 
 // wire is what reached the probe's in-memory proxy and server.
 type wire struct {
@@ -108,6 +119,8 @@ type wire struct {
 	sni         string
 	alpn        []string
 	versions    []uint16
+	ciphers     []uint16 // the hello's cipher suites: what CipherSuites decides
+	curves      []tls.CurveID
 	peerCerts   int
 	verified    bool   // the client verified the server against the probe's roots
 	served      bool   // the request arrived through the tunnel
@@ -120,6 +133,7 @@ func (w *wire) sameWire(base *wire) bool {
 	defer w.mu.Unlock()
 	return w.dials == base.dials && w.dialAddr == base.dialAddr && w.connectHost == w.target &&
 		w.sni == base.sni && slices.Equal(w.alpn, base.alpn) && slices.Equal(w.versions, base.versions) &&
+		slices.Equal(w.ciphers, base.ciphers) && slices.Equal(w.curves, base.curves) &&
 		w.peerCerts == 0 && w.verified && w.served && w.encoding == base.encoding
 }
 
@@ -154,7 +168,15 @@ func runProbe(wrap transport.WrapperFunc, target *url.URL) (*wire, error) {
 	defer liveProbes.Delete(probe)
 	ctx, cancel := context.WithTimeout(context.Background(), probeTimeout)
 	defer cancel()
-	err = sendProbe(ctx, wrap, probe, target)
+	sent := make(chan error, 1)
+	go func() { sent <- sendProbe(ctx, wrap, probe, target) }()
+	select {
+	case err = <-sent:
+	case <-ctx.Done():
+		// A wrapper that holds the request past the context: Wrap does not
+		// wait for it, and the config passes through.
+		return nil, errors.New("sharedtransport: a wrapper held the probe request past its deadline")
+	}
 	cancel()
 	probe.CloseIdleConnections()
 	served.Wait()
@@ -298,6 +320,8 @@ func (id *probeTLS) serverConfig(w *wire) *tls.Config {
 			w.sni = hello.ServerName
 			w.alpn = slices.Clone(hello.SupportedProtos)
 			w.versions = slices.Clone(hello.SupportedVersions)
+			w.ciphers = slices.Clone(hello.CipherSuites)
+			w.curves = slices.Clone(hello.SupportedCurves)
 			w.mu.Unlock()
 			return nil, nil
 		},

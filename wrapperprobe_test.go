@@ -3,6 +3,7 @@ package sharedtransport
 import (
 	"net/http"
 	"testing"
+	"time"
 
 	"k8s.io/client-go/rest"
 
@@ -108,6 +109,63 @@ func TestProbePerRequestWrapper(t *testing.T) {
 			if got, want := r.observe(cfg), r.observe(control); got != want {
 				t.Errorf("%s: through the pool %+v, client-go alone %+v", name, got, want)
 			}
+		}
+	})
+}
+
+// rtFunc is a round tripper made of a function.
+type rtFunc func(*http.Request) (*http.Response, error)
+
+func (f rtFunc) RoundTrip(req *http.Request) (*http.Response, error) { return f(req) }
+
+// TestProbeStaysInMemory: Wrap's probe of a config's wrappers reaches no
+// server, even through a wrapper that ignores the transport it is handed,
+// and a wrapper that holds the probe's request does not hold Wrap: both
+// configs pass through.
+func TestProbeStaysInMemory(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	t.Run("a wrapper with a transport of its own", func(t *testing.T) {
+		p := newPool(t)
+		cfg := f.srv.RestConfig(f.alice)
+		own, err := rest.TransportFor(rest.CopyConfig(cfg))
+		if err != nil {
+			t.Fatal(err)
+		}
+		cfg.WrapTransport = func(http.RoundTripper) http.RoundTripper { return own }
+		before := f.srv.Stats().Requests
+		if err := p.Wrap(cfg); err != nil {
+			t.Fatal(err)
+		}
+		if n := f.srv.Stats().Requests - before; n != 0 {
+			t.Errorf("Wrap sent %d requests to the config's server, want 0", n)
+		}
+		if st := p.Stats(); st.PassThrough != 1 {
+			t.Errorf("pool %+v, want the config passed through", st)
+		}
+	})
+	t.Run("a wrapper that holds the request", func(t *testing.T) {
+		p := newPool(t)
+		cfg := f.srv.RestConfig(f.alice)
+		release := make(chan struct{})
+		defer close(release)
+		cfg.WrapTransport = func(http.RoundTripper) http.RoundTripper {
+			return rtFunc(func(*http.Request) (*http.Response, error) {
+				<-release // ignores the request's context
+				return nil, http.ErrHandlerTimeout
+			})
+		}
+		wrapped := make(chan error, 1)
+		go func() { wrapped <- p.Wrap(cfg) }()
+		select {
+		case err := <-wrapped:
+			if err != nil {
+				t.Fatal(err)
+			}
+		case <-time.After(3 * probeTimeout):
+			t.Fatalf("Wrap still waits on a wrapper that holds the probe's request after %v", 3*probeTimeout)
+		}
+		if st := p.Stats(); st.PassThrough != 1 {
+			t.Errorf("pool %+v, want the config passed through", st)
 		}
 	})
 }
