@@ -355,9 +355,10 @@ type clientTransport struct {
 	checkMu    sync.Mutex // one check at a time for this client; guards no field
 	verdict    atomic.Pointer[certVerdict]
 	passedOnce atomic.Bool // counted in Stats.PassThrough
-
-	viewOnce sync.Once
-	view     atomic.Pointer[transportView] // what WrappedRoundTripper handed out; nil until asked
+	// handedOut: WrappedRoundTripper gave clientGo to a wrapper above the
+	// hook, which may change it in place; every request goes through it
+	// from then on, as it would without the pool.
+	handedOut atomic.Bool
 }
 
 // certVerdict is a finding about a client's certificate for one generation.
@@ -375,9 +376,8 @@ func (v *certVerdict) holds(g *generation, now time.Time) bool {
 }
 
 func (c *clientTransport) RoundTrip(req *http.Request) (*http.Response, error) {
-	if v := c.view.Load(); v != nil && !v.intact() {
-		c.passThrough()
-		return v.t.RoundTrip(req) // changed by a wrapper above: what client-go's transport would have become
+	if c.handedOut.Load() {
+		return c.clientGo.RoundTrip(req)
 	}
 	if c.onlyHost != "" && req.URL.Host != c.onlyHost {
 		return c.clientGo.RoundTrip(req)
@@ -470,16 +470,23 @@ func (c *clientTransport) CloseIdleConnections() {
 	utilnet.CloseIdleConnectionsFor(c.lease)
 }
 
-// WrappedRoundTripper is a view of client-go's transport for the client
-// (see transportView): client-go helpers reading it (utilnet.TLSClientConfig,
-// utilnet.DialerFor) see what the client's requests get, a wrapper above the
-// hook that clones it to change it clones what it would clone without the
-// pool, and one that changes it in place sends the client's requests through
-// what it made.
+// WrappedRoundTripper returns client-go's transport for the client, what a
+// wrapper above the hook would find without the pool. The pool cannot see
+// what the caller does with it (change it in place, send through it), so the
+// client's requests go through it from then on and the client counts in
+// Stats.PassThrough.
 func (c *clientTransport) WrappedRoundTripper() http.RoundTripper {
-	c.viewOnce.Do(func() { c.view.Store(newTransportView(c.got)) })
-	return c.view.Load().t
+	if !c.handedOut.Swap(true) {
+		c.passThrough()
+	}
+	return c.clientGo
 }
+
+// CancelRequest is here so that client-go's round trippers, which cancel by
+// unwrapping to the first round tripper that has it (http.Client.Timeout on
+// an old code path), stop here instead of calling WrappedRoundTripper: the
+// request's context, which the shared transport honours, is cancelled too.
+func (c *clientTransport) CancelRequest(*http.Request) {}
 
 var _ utilnet.RoundTripperWrapper = &clientTransport{}
 
