@@ -258,7 +258,7 @@ func (r *raceRound) spawnFresh(loop string) {
 		kind := raceKinds[rnd.IntN(len(raceKinds))]
 		cfg := r.h.newConfig(kind)
 		start := r.begin()
-		err := r.p.Wrap(cfg)
+		err := r.p.WrapDeclared(cfg, Wrappers{}) // the tag leaves connections alone
 		r.end(start, "Wrap", loop, wrapCall, err)
 		if err != nil {
 			return
@@ -282,7 +282,7 @@ func (r *raceRound) spawnFresh(loop string) {
 // their requests, and once Close has returned each must fail.
 func (r *raceRound) spawnLongLived(t *testing.T, kind string) {
 	cfg := r.h.newConfig(kind)
-	if err := r.p.Wrap(cfg); err != nil {
+	if err := r.p.WrapDeclared(cfg, Wrappers{}); err != nil {
 		t.Fatal(err)
 	}
 	cs, err := kubernetes.NewForConfig(cfg)

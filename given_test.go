@@ -11,9 +11,16 @@ import (
 	"net"
 	"net/http"
 	"net/url"
+	"strings"
+	"sync/atomic"
 	"testing"
+	"time"
 
+	authenticationv1 "k8s.io/api/authentication/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
+	"k8s.io/client-go/transport"
 
 	"github.com/sharedtransport/sharedtransport/internal/testserver"
 )
@@ -89,3 +96,189 @@ func TestAboveTheHookDecorators(t *testing.T) {
 		})
 	}
 }
+
+// TestWrappersBeforeWrap: wrappers already on a config when it is wrapped
+// are code the pool cannot read. Undeclared, the config passes through and
+// every wrapper sees and does exactly what it does with client-go alone:
+// Wrap builds nothing, calls no wrapper and sends no request.
+func TestWrappersBeforeWrap(t *testing.T) {
+	f := newFixture(t, testserver.Options{ClientAuth: testserver.VerifyClientCertIfGiven})
+	bob, err := f.bob.TLSCertificate()
+	if err != nil {
+		t.Fatal(err)
+	}
+	serverHost := strings.TrimPrefix(f.srv.URL(), "https://")
+	cases := []struct {
+		name string
+		// wrapper returns a new wrapper, with state of its own, for cfg.
+		wrapper func(cfg *rest.Config) transport.WrapperFunc
+		// config changes the config before the wrapper is added.
+		config func(cfg *rest.Config)
+		want   string // what the server sees through client-go alone
+	}{
+		{name: "keeps the first transport it is handed", wrapper: func(*rest.Config) transport.WrapperFunc {
+			var first http.RoundTripper
+			return func(rt http.RoundTripper) http.RoundTripper {
+				if first == nil {
+					first = rt
+				}
+				return first
+			}
+		}, want: "alice"},
+		{name: "presents another certificate to its own server only", wrapper: func(*rest.Config) transport.WrapperFunc {
+			return func(rt http.RoundTripper) http.RoundTripper {
+				t := unwrapTransport(rt)
+				if t == nil {
+					return rt
+				}
+				// A transport of its own: a clone would hand its HTTP/2
+				// connections to t's pool.
+				asBob := &http.Transport{TLSClientConfig: t.TLSClientConfig.Clone(), ForceAttemptHTTP2: true}
+				asBob.TLSClientConfig.GetClientCertificate = func(*tls.CertificateRequestInfo) (*tls.Certificate, error) { return &bob, nil }
+				return rtFunc(func(req *http.Request) (*http.Response, error) {
+					if req.URL.Host == serverHost {
+						return asBob.RoundTrip(req)
+					}
+					return rt.RoundTrip(req)
+				})
+			}
+		}, want: "bob"},
+		{name: "type-asserts an *http.Transport", wrapper: func(*rest.Config) transport.WrapperFunc {
+			return func(rt http.RoundTripper) http.RoundTripper {
+				_ = rt.(*http.Transport).TLSClientConfig
+				return rt
+			}
+		}, want: "alice"},
+		{name: "adds a CA to the roots in place", config: func(cfg *rest.Config) {
+			other, err := testserver.NewCA("other-ca")
+			if err != nil {
+				t.Fatal(err)
+			}
+			cfg.CAData = other.CertPEM()
+		}, wrapper: func(*rest.Config) transport.WrapperFunc {
+			return func(rt http.RoundTripper) http.RoundTripper {
+				if t := unwrapTransport(rt); t != nil {
+					t.TLSClientConfig.RootCAs.AddCert(f.ca.Cert)
+				}
+				return rt
+			}
+		}, want: "alice"},
+		{name: "has a transport of its own", wrapper: func(cfg *rest.Config) transport.WrapperFunc {
+			own, err := rest.TransportFor(rest.CopyConfig(cfg))
+			if err != nil {
+				t.Fatal(err)
+			}
+			return func(http.RoundTripper) http.RoundTripper { return own }
+		}, want: "alice"},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			var seen [2]wrapperSeen
+			cfgs := [2]*rest.Config{}
+			for i := range cfgs {
+				cfg := f.srv.RestConfig(f.alice)
+				if c.config != nil {
+					c.config(cfg)
+				}
+				cfg.Wrap(seen[i].counting(c.wrapper(cfg)))
+				cfgs[i] = cfg
+			}
+			p := newPool(t)
+			before := f.srv.Stats().Requests
+			if err := p.Wrap(cfgs[0]); err != nil {
+				t.Fatal(err)
+			}
+			if n := f.srv.Stats().Requests - before; n != 0 || seen[0].built.Load() != 0 {
+				t.Errorf("Wrap sent %d requests and built %d wrappers, want none", n, seen[0].built.Load())
+			}
+			if st := p.Stats(); st.PassThrough != 1 || st.Identities != 0 {
+				t.Errorf("pool %+v, want the config passed through", st)
+			}
+			for range 3 {
+				got, control := observeCN(f, cfgs[0]), observeCN(f, cfgs[1])
+				if got != control || control != c.want {
+					t.Errorf("through the pool %q, through client-go alone %q (want %q)", got, control, c.want)
+				}
+			}
+			if seen[0].built.Load() != seen[1].built.Load() || seen[0].requests.Load() != seen[1].requests.Load() {
+				t.Errorf("the wrapper saw %d builds and %d requests through the pool, %d and %d through client-go alone",
+					seen[0].built.Load(), seen[0].requests.Load(), seen[1].built.Load(), seen[1].requests.Load())
+			}
+		})
+	}
+}
+
+// TestCountingWrapperDeclared: two configs with a request-counting wrapper,
+// declared, share one identity, and the wrapper counts exactly the requests
+// sent; as many as through client-go alone.
+func TestCountingWrapperDeclared(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	p := newPool(t)
+	var pooled, alone wrapperSeen
+	identity := func(rt http.RoundTripper) http.RoundTripper { return rt }
+	for range 2 {
+		cfg, control := f.srv.RestConfig(f.alice), f.srv.RestConfig(f.alice)
+		cfg.Wrap(pooled.counting(identity))
+		control.Wrap(alone.counting(identity))
+		if err := p.WrapDeclared(cfg, Wrappers{}); err != nil {
+			t.Fatal(err)
+		}
+		for range 3 {
+			if got, want := observeCN(f, cfg), observeCN(f, control); got != want || got != "alice" {
+				t.Fatalf("through the pool %q, through client-go alone %q, want alice", got, want)
+			}
+		}
+	}
+	if got, want := pooled.requests.Load(), alone.requests.Load(); got != 6 || want != 6 {
+		t.Errorf("the wrapper counted %d requests through the pool, %d through client-go alone; 6 were sent", got, want)
+	}
+	if st := p.Stats(); st.Identities != 1 || st.PassThrough != 0 {
+		t.Errorf("pool %+v, want one identity and no pass-through", st)
+	}
+}
+
+// wrapperSeen counts what a user's wrapper sees: how often it is built (once
+// per client) and the requests sent through what it returned.
+type wrapperSeen struct{ built, requests atomic.Int64 }
+
+func (s *wrapperSeen) counting(next transport.WrapperFunc) transport.WrapperFunc {
+	return func(rt http.RoundTripper) http.RoundTripper {
+		s.built.Add(1)
+		inner := next(rt)
+		return rtFunc(func(req *http.Request) (*http.Response, error) {
+			s.requests.Add(1)
+			return inner.RoundTrip(req)
+		})
+	}
+}
+
+// observeCN sends one request through a new clientset of cfg and returns
+// the client certificate the server saw, or the class of error; a panic
+// while building or sending is an outcome too.
+func observeCN(f *fixture, cfg *rest.Config) (seen string) {
+	defer func() {
+		if r := recover(); r != nil {
+			seen = "panic"
+		}
+	}()
+	cs, err := kubernetes.NewForConfig(rest.CopyConfig(cfg))
+	if err != nil {
+		return errorClass(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	before := f.srv.Stats().Requests
+	ssr, err := cs.AuthenticationV1().SelfSubjectReviews().Create(ctx, &authenticationv1.SelfSubjectReview{}, metav1.CreateOptions{})
+	if err != nil {
+		return errorClass(err)
+	}
+	if f.srv.Stats().Requests == before {
+		return "the server saw no request"
+	}
+	return ssr.Status.UserInfo.Username
+}
+
+// rtFunc is a round tripper made of a function.
+type rtFunc func(*http.Request) (*http.Response, error)
+
+func (f rtFunc) RoundTrip(req *http.Request) (*http.Response, error) { return f(req) }

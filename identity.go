@@ -121,8 +121,8 @@ type identity struct {
 	dial func(ctx context.Context, network, address string) (net.Conn, error) // nil: the default dialer
 
 	// connectHeader is sent with every CONNECT request to a proxy. For a
-	// config it is what a wrapper in its WrapTransport sets (see
-	// connectHeaderFor), so client-go's transport, where a client keeps it,
+	// config it is what the caller declared its wrappers set
+	// (DeclareWrappers), so client-go's transport, where a client keeps it,
 	// gets it the same way.
 	connectHeader http.Header
 
@@ -143,8 +143,8 @@ func (id *identity) watchesFiles() bool { return id.caFile != "" || id.certFile 
 // identityFor computes cfg's identity. share is false for configs that pass
 // through to client-go untouched: their own Transport, no TLS at all, an
 // unnamed custom Dial, a Proxy function that fails.
-func (p *Pool) identityFor(cfg *rest.Config) (id *identity, share bool, err error) {
-	id, _, share, err = p.identityAndTransportConfig(cfg)
+func (p *Pool) identityFor(cfg *rest.Config, g given) (id *identity, share bool, err error) {
+	id, _, share, err = p.identityAndTransportConfig(cfg, g)
 	return id, share, err
 }
 
@@ -153,27 +153,27 @@ func (p *Pool) identityFor(cfg *rest.Config) (id *identity, share bool, err erro
 // TransportFor builds client-go's per-request layers from the same one, so
 // that the exec plugin's certificate the identity holds and the exec
 // plugin's wrapper above it come from one authenticator.
-func (p *Pool) identityAndTransportConfig(cfg *rest.Config) (id *identity, tc *transport.Config, share bool, err error) {
+func (p *Pool) identityAndTransportConfig(cfg *rest.Config, g given) (id *identity, tc *transport.Config, share bool, err error) {
 	if cfg == nil {
 		return nil, nil, false, errors.New("sharedtransport: called with a nil *rest.Config")
 	}
 	if cfg.Transport != nil {
 		return nil, nil, false, nil // pass through: the caller's own Transport is never replaced
 	}
-	if _, err := probeRequest(cfg); err != nil {
+	if _, err := hostRequest(cfg); err != nil {
 		return nil, nil, false, err
 	}
 	tc, err = cfg.TransportConfig()
 	if err != nil {
 		return nil, nil, false, fmt.Errorf("sharedtransport: %w", err)
 	}
-	id, share, err = p.identityOf(cfg, tc)
+	id, share, err = p.identityOf(cfg, tc, g)
 	return id, tc, share, err
 }
 
 // identityOf computes the identity of cfg, whose transport config is tc.
 // share is false, with a nil identity, for a config that passes through.
-func (p *Pool) identityOf(cfg *rest.Config, tc *transport.Config) (id *identity, share bool, err error) {
+func (p *Pool) identityOf(cfg *rest.Config, tc *transport.Config, g given) (id *identity, share bool, err error) {
 	hasTLS := tc.HasCA() || tc.HasCertAuth() || tc.HasCertCallback() || tc.TLS.Insecure ||
 		tc.TLS.ServerName != "" || len(tc.TLS.NextProtos) > 0
 	if !hasTLS && tc.DialHolder == nil && tc.Proxy == nil {
@@ -199,9 +199,11 @@ func (p *Pool) identityOf(cfg *rest.Config, tc *transport.Config) (id *identity,
 	if !share {
 		return nil, false, nil // pass through: a custom Dial WithDialIdentity does not name
 	}
-	if id.connectHeader, share = p.connectHeaderFor(cfg); !share {
-		return nil, false, nil // pass through: wrappers that replace the transport
+	if cfg.WrapTransport != nil && !g.declared {
+		p.undeclaredWrappers(cfg)
+		return nil, false, nil // pass through: code the pool cannot read
 	}
+	id.connectHeader = g.wrappers.ProxyConnectHeader
 	proxy, share := p.setProxy(id, cfg)
 	if !share {
 		return nil, false, nil // pass through: a Proxy function that fails
@@ -227,6 +229,15 @@ func (p *Pool) setProxy(id *identity, cfg *rest.Config) (proxy string, share boo
 	}
 	id.proxy = r.fixed
 	return r.url, true
+}
+
+// undeclaredWrappers logs, once per pool, that a config passes through
+// because of wrappers nobody declared, and how to share it.
+func (p *Pool) undeclaredWrappers(cfg *rest.Config) {
+	p.undeclaredOnce.Do(func() {
+		p.opts.logger.V(2).Info("Config passes through: its WrapTransport holds wrappers the pool cannot read; "+
+			"declare what they do with sharedtransport.DeclareWrappers to share its transport (logged once)", "host", redactHost(cfg.Host))
+	})
 }
 
 // keyFor returns id's key, for a custom Dial named dialName and a proxy
@@ -290,11 +301,7 @@ func (id *identity) setMaterial(tc *transport.Config) error {
 // name that keys a custom Dial. share is false for a custom Dial without a
 // name: dialers cannot be compared.
 func (p *Pool) setDialer(id *identity, cfg *rest.Config, tc *transport.Config) (name string, share bool) {
-	own := cfg.Dial
-	if d := wrappedDialer(cfg); d != nil {
-		own = d.dial // the pool's dialer of a wrapped config: what it dials with
-	}
-	if own != nil {
+	if cfg.Dial != nil {
 		if p.opts.dialIdentity != nil {
 			name = p.opts.dialIdentity(cfg)
 		}
@@ -376,7 +383,7 @@ type route struct {
 // the shared transport (see hook.onlyHost); a config whose Proxy gives what
 // the environment would shares the environment's transport.
 func proxyRoute(cfg *rest.Config) (route, error) {
-	req, err := probeRequest(cfg)
+	req, err := hostRequest(cfg)
 	if err != nil {
 		return route{}, err
 	}
@@ -393,9 +400,9 @@ func proxyRoute(cfg *rest.Config) (route, error) {
 	}, nil
 }
 
-// probeRequest is a request to cfg's host, for asking proxy functions where
-// they would send it. Its error names the host, redacted.
-func probeRequest(cfg *rest.Config) (*http.Request, error) {
+// hostRequest is a request to cfg's host, for asking cfg's proxy function
+// where it sends it. Its error names the host, redacted.
+func hostRequest(cfg *rest.Config) (*http.Request, error) {
 	u, _, err := rest.DefaultServerUrlFor(cfg)
 	if err != nil {
 		return nil, fmt.Errorf("sharedtransport: host %q is not a valid URL: fix the config's Host", redactHost(cfg.Host))

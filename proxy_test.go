@@ -117,7 +117,7 @@ func TestProxySeedLoad(t *testing.T) {
 			var p *Pool
 			if tc.pool {
 				p = newPool(t)
-				f.TransportFor = p.TransportFor
+				f.TransportFor = declaredFor(p)
 			}
 			fr := newFront(t, f)
 			ctx := context.Background()
@@ -197,7 +197,7 @@ func TestProxySecretRotation(t *testing.T) {
 			clusters := memberproxy.NewClusters()
 			cluster := memberproxy.Cluster{Name: "member-1", APIEndpoint: m.URL(), Secret: tc.secret(m, 1)}
 			clusters.Set(cluster)
-			fr := newFront(t, &memberproxy.Front{Clusters: clusters, TransportFor: p.TransportFor})
+			fr := newFront(t, &memberproxy.Front{Clusters: clusters, TransportFor: declaredFor(p)})
 
 			var done atomic.Int64
 			var rotated atomic.Bool
@@ -312,7 +312,7 @@ func TestProxyClusterDeleted(t *testing.T) {
 	clusters.Set(certCluster("member-1", gone, gone.alice))
 	staying := certCluster("member-2", stays, stays.alice)
 	clusters.Set(staying)
-	fr := newFront(t, &memberproxy.Front{Clusters: clusters, TransportFor: p.TransportFor})
+	fr := newFront(t, &memberproxy.Front{Clusters: clusters, TransportFor: declaredFor(p)})
 	ctx := context.Background()
 
 	// member-2 has a long-lived client, as a controller would.
@@ -386,7 +386,7 @@ func TestProxyClusterOffline(t *testing.T) {
 	clusters := memberproxy.NewClusters()
 	clusters.Set(certCluster("member-1", member, member.alice))
 	clusters.Set(certCluster("member-2", other, other.alice))
-	fr := newFront(t, &memberproxy.Front{Clusters: clusters, TransportFor: p.TransportFor})
+	fr := newFront(t, &memberproxy.Front{Clusters: clusters, TransportFor: declaredFor(p)})
 	ctx := context.Background()
 	checkNoErrors(t, runClients(10, 10, func(int, int) error { return fr.ListNodes(ctx, "member-1", "") }))
 
@@ -480,7 +480,7 @@ func TestProxyUpgrade(t *testing.T) {
 	clusters.Set(memberproxy.Cluster{Name: "by-token", APIEndpoint: member.URL, Secret: memberproxy.Secret{CAData: member.CA.CertPEM(), Token: "exec-token"}})
 	clusters.Set(memberproxy.Cluster{Name: "by-proxy", APIEndpoint: member.URL, ProxyURL: httpProxy.URL(), Secret: secret})
 	p := newPool(t)
-	fr := newFront(t, &memberproxy.Front{Clusters: clusters, TransportFor: p.TransportFor})
+	fr := newFront(t, &memberproxy.Front{Clusters: clusters, TransportFor: declaredFor(p)})
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
 
@@ -545,7 +545,7 @@ func TestProxyManyIdentities(t *testing.T) {
 		}})
 	}
 	p := newPool(t, WithIdleTimeout(50*time.Millisecond))
-	fr := newFront(t, &memberproxy.Front{Clusters: clusters, TransportFor: p.TransportFor})
+	fr := newFront(t, &memberproxy.Front{Clusters: clusters, TransportFor: declaredFor(p)})
 	ctx := context.Background()
 	// Warm the front (its client connections, the proxy code) on a cluster
 	// of its own before measuring.
@@ -670,4 +670,12 @@ func memberStats(t testing.TB, m *testserver.Process) testserver.Stats {
 		t.Fatal(err)
 	}
 	return st
+}
+
+// declaredFor is the member front's TransportFor on p, with each member's
+// ProxyHeader wrapper declared.
+func declaredFor(p *Pool) func(*rest.Config, http.Header) (http.RoundTripper, error) {
+	return func(cfg *rest.Config, h http.Header) (http.RoundTripper, error) {
+		return p.TransportForDeclared(cfg, Wrappers{ProxyConnectHeader: h})
+	}
 }

@@ -184,8 +184,9 @@ func (sc *secretsScan) proxied(t *testing.T, proxyPassword, proxyCred string) *r
 	proxyCfg := sc.f.srv.RestConfig(sc.f.alice)
 	proxyURL, _ := url.Parse("http://proxyuser:" + proxyPassword + "@127.0.0.1:1")
 	proxyCfg.Proxy = http.ProxyURL(proxyURL)
-	proxyCfg.WrapTransport = memberproxy.ProxyHeaderWrapper(nil, http.Header{"Proxy-Authorization": {"Basic " + proxyCred}})
-	if err := sc.p.Wrap(proxyCfg); err != nil {
+	header := http.Header{"Proxy-Authorization": {"Basic " + proxyCred}}
+	proxyCfg.WrapTransport = memberproxy.ProxyHeaderWrapper(nil, header)
+	if err := sc.p.WrapDeclared(proxyCfg, Wrappers{ProxyConnectHeader: header}); err != nil {
 		t.Fatal(err)
 	}
 	sc.note("request through a proxy that is not there", listNodes(sc.ctx, proxyCfg))
@@ -330,7 +331,7 @@ func TestIdentityNamesResistGuessing(t *testing.T) {
 		proxy, _ := url.Parse("http://proxyuser:" + password + "@127.0.0.1:3128")
 		cfg := &rest.Config{Host: "https://127.0.0.1:6443", Proxy: http.ProxyURL(proxy)}
 		cfg.Insecure = true
-		id, share, err := New().identityFor(cfg)
+		id, share, err := New().identityFor(cfg, given{})
 		if err != nil || !share {
 			t.Fatalf("identityFor: %v, share %v", err, share)
 		}

@@ -46,6 +46,8 @@ type Pool struct {
 
 	closeOnce sync.Once
 	closeErr  error // what the first Close returned
+
+	undeclaredOnce sync.Once // logs the first config passed through for undeclared wrappers
 }
 
 // New returns a pool configured by opts.
@@ -62,6 +64,9 @@ var defaultPool = sync.OnceValue(func() *Pool { return New() })
 // Wrap installs the package's default pool in cfg: the one-line drop-in for
 // code that already builds a [rest.Config]. See [Pool.Wrap].
 func Wrap(cfg *rest.Config) error { return defaultPool().Wrap(cfg) }
+
+// WrapDeclared is [Pool.WrapDeclared] on the package's default pool.
+func WrapDeclared(cfg *rest.Config, w Wrappers) error { return defaultPool().WrapDeclared(cfg, w) }
 
 // BuildConfigFromFlags is [clientcmd.BuildConfigFromFlags] followed by
 // [Wrap] on the package's default pool.
@@ -94,11 +99,17 @@ func (p *Pool) BuildConfigFromFlags(masterURL, kubeconfigPath string) (*rest.Con
 //
 // Wrap reads the certificate, key and CA files cfg names, and returns an
 // error naming the file when one is missing, unreadable or invalid.
-func (p *Pool) Wrap(cfg *rest.Config) error {
+func (p *Pool) Wrap(cfg *rest.Config) error { return p.wrap(cfg, given{}) }
+
+// WrapDeclared is [Pool.Wrap] for a config whose WrapTransport already holds
+// wrappers, with what they do declared by w (see [Wrappers]).
+func (p *Pool) WrapDeclared(cfg *rest.Config, w Wrappers) error { return p.wrap(cfg, declared(w)) }
+
+func (p *Pool) wrap(cfg *rest.Config, g given) error {
 	if p.isClosed() {
 		return ErrClosed
 	}
-	id, share, err := p.identityFor(cfg)
+	id, share, err := p.identityFor(cfg, g)
 	if err != nil {
 		return err
 	}

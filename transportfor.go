@@ -48,10 +48,21 @@ func HTTPClientFor(cfg *rest.Config) (*http.Client, error) { return defaultPool(
 // returns an error naming the file when one is missing, unreadable or
 // invalid.
 func (p *Pool) TransportFor(cfg *rest.Config) (http.RoundTripper, error) {
+	return p.transportFor(cfg, given{})
+}
+
+// TransportForDeclared is [Pool.TransportFor] for a config whose
+// WrapTransport holds wrappers, with what they do declared by w (see
+// [Wrappers]).
+func (p *Pool) TransportForDeclared(cfg *rest.Config, w Wrappers) (http.RoundTripper, error) {
+	return p.transportFor(cfg, declared(w))
+}
+
+func (p *Pool) transportFor(cfg *rest.Config, g given) (http.RoundTripper, error) {
 	if p.isClosed() {
 		return nil, ErrClosed
 	}
-	id, tc, share, err := p.identityAndTransportConfig(cfg)
+	id, tc, share, err := p.identityAndTransportConfig(cfg, g)
 	if err != nil {
 		return nil, err
 	}
@@ -68,11 +79,11 @@ func (p *Pool) TransportFor(cfg *rest.Config) (http.RoundTripper, error) {
 	}
 	base := &configTransport{lease: l}
 	if cfg.Proxy != nil {
-		probe, err := probeRequest(cfg)
+		req, err := hostRequest(cfg)
 		if err != nil {
 			return nil, err
 		}
-		base.onlyHost = probe.URL.Host
+		base.onlyHost = req.URL.Host
 		base.proxy = tc.Proxy
 		base.elsewhere = &clientGoLater{tc: tc, id: id}
 	}
@@ -84,7 +95,18 @@ func (p *Pool) TransportFor(cfg *rest.Config) (http.RoundTripper, error) {
 // kubernetes.NewForConfigAndClient and the other NewForConfigAndClient
 // constructors (dynamic, discovery, metadata).
 func (p *Pool) HTTPClientFor(cfg *rest.Config) (*http.Client, error) {
-	rt, err := p.TransportFor(cfg)
+	return p.httpClientFor(cfg, given{})
+}
+
+// HTTPClientForDeclared is [Pool.HTTPClientFor] for a config whose
+// WrapTransport holds wrappers, with what they do declared by w (see
+// [Wrappers]).
+func (p *Pool) HTTPClientForDeclared(cfg *rest.Config, w Wrappers) (*http.Client, error) {
+	return p.httpClientFor(cfg, declared(w))
+}
+
+func (p *Pool) httpClientFor(cfg *rest.Config, g given) (*http.Client, error) {
+	rt, err := p.transportFor(cfg, g)
 	if err != nil {
 		return nil, err
 	}

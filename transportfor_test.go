@@ -452,9 +452,10 @@ func TestTransportForConnectHeader(t *testing.T) {
 		cfg := f.srv.RestConfig(nil)
 		cfg.BearerToken = fmt.Sprintf("token-%d", i)
 		cfg.Proxy = proxyTo(proxy)
-		cfg.WrapTransport = memberproxy.ProxyHeaderWrapper(cfg.WrapTransport, http.Header{"Proxy-Authorization": {"Basic a"}})
+		header := http.Header{"Proxy-Authorization": {"Basic a"}}
+		cfg.WrapTransport = memberproxy.ProxyHeaderWrapper(cfg.WrapTransport, header)
 		cfg.CertData, cfg.KeyData = f.alice.CertPEM, f.alice.KeyPEM
-		rt, err := p.TransportFor(cfg)
+		rt, err := p.TransportForDeclared(cfg, Wrappers{ProxyConnectHeader: header})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -674,7 +675,9 @@ func TestTransportForLifetime(t *testing.T) {
 // through rest.TransportFor(control), and returns what the server saw of each.
 func sendBoth(t *testing.T, log *requestLog, p *Pool, cfg, control *rest.Config, host, name string) (pool, clientGo testserver.RequestInfo) {
 	t.Helper()
-	rt, err := p.TransportFor(cfg)
+	// The wrappers the cases put in WrapTransport (a header, the hook of a
+	// pool) leave connections alone: declared so.
+	rt, err := p.TransportForDeclared(cfg, Wrappers{})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -78,11 +78,11 @@ type hook struct {
 func (p *Pool) newHook(id *identity, cfg *rest.Config) (*hook, error) {
 	h := &hook{pool: p, id: id}
 	if cfg.Proxy != nil {
-		probe, err := probeRequest(cfg)
+		req, err := hostRequest(cfg)
 		if err != nil {
 			return nil, err
 		}
-		h.onlyHost = probe.URL.Host
+		h.onlyHost = req.URL.Host
 	}
 	if cfg.Proxy == nil && cfg.Dial == nil {
 		h.base = rest.CopyConfig(cfg)
@@ -94,9 +94,6 @@ func (p *Pool) newHook(id *identity, cfg *rest.Config) (*hook, error) {
 		return h, nil
 	}
 	h.dialer = &poolDialer{dial: cfg.Dial}
-	if d := wrappedDialer(cfg); d != nil {
-		h.dialer.dial = d.dial // wrapped before: never a dialer of a dialer
-	}
 	cfg.Dial = h.dialer.DialContext
 	return h, nil
 }
@@ -131,9 +128,6 @@ func (h *hook) wrap(rt http.RoundTripper) http.RoundTripper {
 	switch rt.(type) {
 	case *clientTransport, *configTransport, closedRoundTripper:
 		return rt // a hook installed later, or TransportFor, already decided
-	}
-	if isProbe(rt) {
-		return rt // Wrap of this config again, finding out what its wrappers do
 	}
 	l, err := h.current()
 	switch {
@@ -186,10 +180,10 @@ func (h *hook) agrees(rt http.RoundTripper, got *http.Transport, g *generation) 
 	return rt == h.cached
 }
 
-// withWrapperHeader returns what the config's CONNECT-header wrapper would
-// have made of client-go's transport rt had the pool's round tripper not been
-// below it (see connectHeaderFor): a clone with the header, when rt is the
-// bare *http.Transport such a wrapper clones.
+// withWrapperHeader returns what the config's declared CONNECT-header
+// wrapper (DeclareWrappers) would have made of client-go's transport rt had
+// the pool's round tripper not been below it: a clone with the header, when
+// rt is the bare *http.Transport such a wrapper clones.
 func (id *identity) withWrapperHeader(rt http.RoundTripper) http.RoundTripper {
 	t, ok := rt.(*http.Transport)
 	if !ok || len(id.connectHeader) == 0 {
@@ -280,16 +274,6 @@ func dialerOf(dial func(ctx context.Context, network, address string) (net.Conn,
 		conn.Close()
 	}
 	return q.answer
-}
-
-// wrappedDialer returns the pool's dialer in cfg, a config wrapped before, or
-// nil. Only a config with a WrapTransport can carry one: the Dial of any
-// other config is never asked.
-func wrappedDialer(cfg *rest.Config) *poolDialer {
-	if cfg.WrapTransport == nil {
-		return nil
-	}
-	return dialerOf(cfg.Dial)
 }
 
 // sameConnection reports whether got, client-go's transport for a client

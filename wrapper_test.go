@@ -716,6 +716,71 @@ func TestProxyConnectHeader(t *testing.T) {
 	t.Run("other headers, other tunnels", func(t *testing.T) { proxyHeaderOtherHeaders(t, r) })
 	t.Run("a copy for another host keeps the header on client-go's transport", func(t *testing.T) { proxyHeaderCopyOtherHost(t, r) })
 	t.Run("a wrapper that changes more than CONNECT headers passes the config through", func(t *testing.T) { proxyHeaderOwnDialer(t, r) })
+	t.Run("undeclared, the config passes through: a tunnel per config, none refused", func(t *testing.T) { proxyHeaderUndeclared(t, r) })
+	t.Run("declared for TransportFor and HTTPClientFor", func(t *testing.T) { proxyHeaderPerRequest(t, r) })
+}
+
+// proxyHeaderUndeclared is TestProxyConnectHeader's "undeclared" case: Wrap
+// cannot read the wrapper, so every config passes through and behaves as
+// with client-go alone.
+func proxyHeaderUndeclared(t *testing.T, r *proxyHeaderRig) {
+	proxy := r.newProxy(t)
+	p := newPool(t)
+	for range 5 {
+		cfg := r.member(proxy, "token-x", proxyCredA)
+		if err := p.Wrap(cfg); err != nil {
+			t.Fatal(err)
+		}
+		r.mustObserve(t, cfg)
+	}
+	wantTunnels(t, proxy, 5, "5 configs with an undeclared wrapper")
+	if st := p.Stats(); st.PassThrough != 5 || st.Identities != 0 {
+		t.Errorf("pool %+v, want 5 configs passed through", st)
+	}
+}
+
+// proxyHeaderPerRequest is TestProxyConnectHeader's "declared for
+// TransportFor and HTTPClientFor" case: one tunnel for configs built per
+// request, the header on it; undeclared, they pass through.
+func proxyHeaderPerRequest(t *testing.T, r *proxyHeaderRig) {
+	proxy := r.newProxy(t)
+	p := newPool(t)
+	declared := Wrappers{ProxyConnectHeader: proxyCredA}
+	for i := range 20 {
+		cfg := r.member(proxy, "token-x", proxyCredA)
+		var err error
+		if i%2 == 0 {
+			_, err = p.TransportForDeclared(cfg, declared)
+		} else {
+			_, err = p.HTTPClientForDeclared(cfg, declared)
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	for i := range 20 {
+		cfg := r.member(proxy, "token-x", proxyCredA)
+		c, err := p.HTTPClientForDeclared(cfg, declared)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp, err := c.Get(r.srv.URL() + "/api/v1/nodes")
+		if err != nil {
+			t.Fatalf("request %d: %v", i, err)
+		}
+		resp.Body.Close()
+	}
+	wantTunnels(t, proxy, 1, "20 per-request configs, declared")
+	if h := proxy.Tunnels()[0].Header.Get("Proxy-Authorization"); h != "Basic a" {
+		t.Errorf("the tunnel carried %q", h)
+	}
+	before := p.Stats().PassThrough
+	if _, err := p.TransportFor(r.member(proxy, "token-x", proxyCredA)); err != nil {
+		t.Fatal(err)
+	}
+	if n := p.Stats().PassThrough - before; n != 1 {
+		t.Errorf("TransportFor of an undeclared wrapper: %d passed through, want 1", n)
+	}
 }
 
 // proxyHeaderRig is TestProxyConnectHeader's server, with the members'
@@ -776,7 +841,7 @@ func proxyHeaderOneTunnel(t *testing.T, r *proxyHeaderRig) {
 	p := newPool(t)
 	for i := range reconciles {
 		cfg := r.member(proxy, "token-x", proxyCredA)
-		if err := p.Wrap(cfg); err != nil {
+		if err := p.WrapDeclared(cfg, Wrappers{ProxyConnectHeader: proxyCredA}); err != nil {
 			t.Fatal(err)
 		}
 		if o := r.mustObserve(t, cfg); o.Token != "token-x" {
@@ -807,10 +872,11 @@ func proxyHeaderOtherHeaders(t *testing.T, r *proxyHeaderRig) {
 	proxy := r.newProxy(t)
 	p := newPool(t)
 	a, b := r.member(proxy, "token-x", proxyCredA), r.member(proxy, "token-x", proxyCredB)
-	for _, cfg := range []*rest.Config{a, b} {
-		if err := p.Wrap(cfg); err != nil {
-			t.Fatal(err)
-		}
+	if err := p.WrapDeclared(a, Wrappers{ProxyConnectHeader: proxyCredA}); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.WrapDeclared(b, Wrappers{ProxyConnectHeader: proxyCredB}); err != nil {
+		t.Fatal(err)
 	}
 	for range 3 {
 		for _, cfg := range []*rest.Config{a, b} {
@@ -838,7 +904,7 @@ func proxyHeaderCopyOtherHost(t *testing.T, r *proxyHeaderRig) {
 	proxy := r.newProxy(t)
 	p := newPool(t)
 	cfg := r.member(proxy, "token-x", proxyCredA)
-	if err := p.Wrap(cfg); err != nil {
+	if err := p.WrapDeclared(cfg, Wrappers{ProxyConnectHeader: proxyCredA}); err != nil {
 		t.Fatal(err)
 	}
 	cp := rest.CopyConfig(cfg)
@@ -971,18 +1037,27 @@ func TestWrapperChangingTransportInPlace(t *testing.T) {
 	})
 	t.Run("CONNECT header set in place", func(t *testing.T) {
 		proxy := newAuthProxy(t, "Basic a")
-		p := newPool(t)
-		cfg := r.srv.RestConfig(f.alice)
-		cfg.Proxy = proxyTo(proxy)
-		cfg.WrapTransport = inPlace(func(t *http.Transport) { t.ProxyConnectHeader = http.Header{"Proxy-Authorization": {"Basic a"}} })
-		if err := p.Wrap(cfg); err != nil {
-			t.Fatal(err)
-		}
-		if o := r.observe(cfg); o.Err != "" || o.CN != "alice" {
-			t.Fatalf("%+v", o)
-		}
-		if st := p.Stats(); st.PassThrough != 0 || st.Identities != 1 || proxy.Stats().Rejected != 0 {
-			t.Errorf("pool %+v, %d tunnels refused: want the header recognised and shared", st, proxy.Stats().Rejected)
+		header := http.Header{"Proxy-Authorization": {"Basic a"}}
+		for _, declare := range []bool{false, true} {
+			p := newPool(t)
+			cfg := r.srv.RestConfig(f.alice)
+			cfg.Proxy = proxyTo(proxy)
+			cfg.WrapTransport = inPlace(func(t *http.Transport) { t.ProxyConnectHeader = header })
+			wrap, want := p.Wrap, Stats{PassThrough: 1}
+			if declare {
+				wrap = func(cfg *rest.Config) error { return p.WrapDeclared(cfg, Wrappers{ProxyConnectHeader: header}) }
+				want = Stats{Identities: 1}
+			}
+			if err := wrap(cfg); err != nil {
+				t.Fatal(err)
+			}
+			if o := r.observe(cfg); o.Err != "" || o.CN != "alice" {
+				t.Fatalf("declared %v: %+v", declare, o)
+			}
+			if st := p.Stats(); st.PassThrough != want.PassThrough || st.Identities != want.Identities || proxy.Stats().Rejected != 0 {
+				t.Errorf("declared %v: pool %+v, %d tunnels refused: want %d passed through and %d identities, none refused",
+					declare, st, proxy.Stats().Rejected, want.PassThrough, want.Identities)
+			}
 		}
 	})
 }

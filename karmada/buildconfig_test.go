@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"testing"
-	"time"
 
 	authenticationv1 "k8s.io/api/authentication/v1"
 	corev1 "k8s.io/api/core/v1"
@@ -14,6 +13,7 @@ import (
 
 	clusterv1alpha1 "github.com/karmada-io/karmada/pkg/apis/cluster/v1alpha1"
 	"github.com/karmada-io/karmada/pkg/util"
+	"github.com/karmada-io/karmada/pkg/util/proxy"
 
 	"github.com/sharedtransport/sharedtransport"
 	"github.com/sharedtransport/sharedtransport/internal/connectproxy"
@@ -60,17 +60,33 @@ func newControllerMembers(t *testing.T, creds ...string) (controllerMembers, *co
 	return m, proxy
 }
 
+// How a reconcile hands its config to the pool.
+type wrapMode int
+
+const (
+	clientGoAlone  wrapMode = iota // no pool
+	wrapUndeclared                 // pool.Wrap: Karmada's ProxyHeader wrapper is not declared
+	wrapDeclared                   // pool.WrapDeclared with the cluster's ProxyHeader: the patched BuildClusterConfig
+)
+
 // reconcile is what a controller does per reconcile: a config from
-// BuildClusterConfig, wrapped by pool when set, a clientset, a request.
-func reconcile(ctx context.Context, m controllerMembers, name string, pool *sharedtransport.Pool) error {
+// BuildClusterConfig, handed to pool as mode says, a clientset, a request.
+func reconcile(ctx context.Context, m controllerMembers, name string, pool *sharedtransport.Pool, mode wrapMode) error {
 	cfg, err := util.BuildClusterConfig(name, m.cluster, m.secret)
 	if err != nil {
 		return err
 	}
-	if pool != nil {
-		if err := pool.Wrap(cfg); err != nil {
-			return err
-		}
+	switch mode {
+	case wrapUndeclared:
+		err = pool.Wrap(cfg)
+	case wrapDeclared:
+		// The lines BuildClusterConfig gains in Karmada (there with its own
+		// parseProxyHeaders, which also canonicalises the keys).
+		cl, _ := m.cluster(name)
+		err = pool.WrapDeclared(cfg, sharedtransport.Wrappers{ProxyConnectHeader: proxy.ParseProxyHeaders(cl.Spec.ProxyHeader)})
+	}
+	if err != nil {
+		return err
 	}
 	cs, err := kubernetes.NewForConfig(rest.CopyConfig(cfg))
 	if err != nil {
@@ -87,31 +103,29 @@ func reconcile(ctx context.Context, m controllerMembers, name string, pool *shar
 }
 
 // TestBuildClusterConfigProxyHeader: Karmada's BuildClusterConfig with
-// Spec.ProxyHeader, wrapped by the pool: one tunnel per member and header
-// for many reconciles, none refused, each tunnel with its member's header;
-// through client-go alone, one tunnel per reconcile.
+// Spec.ProxyHeader. Wrapped with the header declared: one tunnel per member
+// and header for many reconciles, none refused, each tunnel with its
+// member's header. Wrapped without the declaration, the pool cannot read
+// Karmada's wrapper and the config passes through: what client-go alone
+// does, a tunnel per reconcile, none refused.
 func TestBuildClusterConfigProxyHeader(t *testing.T) {
 	const reconciles = 50
 	ctx := context.Background()
 	creds := []string{"Basic bWVtYmVyLWE=", "Basic bWVtYmVyLWI="}
-	t.Run("pool", func(t *testing.T) {
+	t.Run("pool, declared", func(t *testing.T) {
 		m, proxy := newControllerMembers(t, creds...)
 		pool := sharedtransport.New()
 		defer pool.Close()
-		for i := range reconciles {
+		for i := range 2 * reconciles {
 			for _, c := range creds {
-				start := time.Now()
-				if err := reconcile(ctx, m, c, pool); err != nil {
+				if err := reconcile(ctx, m, c, pool, wrapDeclared); err != nil {
 					t.Fatalf("reconcile %d of %s: %v", i, c, err)
-				}
-				if d := time.Since(start); d > time.Second {
-					t.Logf("reconcile %d of %s took %v", i, c, d)
 				}
 			}
 		}
 		st := proxy.Stats()
 		if st.Tunnels != 2 || st.Rejected != 0 {
-			t.Errorf("%d reconciles of 2 members: %d tunnels, %d refused; want 2 and 0", 2*reconciles, st.Tunnels, st.Rejected)
+			t.Errorf("%d reconciles of each of 2 members: %d tunnels, %d refused; want 2 and 0", 2*reconciles, st.Tunnels, st.Rejected)
 		}
 		seen := map[string]int{}
 		for _, tn := range proxy.Tunnels() {
@@ -122,19 +136,27 @@ func TestBuildClusterConfigProxyHeader(t *testing.T) {
 				t.Errorf("tunnels by header %v, want one for each member", seen)
 			}
 		}
-		t.Logf("BuildClusterConfig + ProxyHeader through the pool: %d reconciles, %d tunnels, %d refused (407)", 2*reconciles, st.Tunnels, st.Rejected)
+		t.Logf("BuildClusterConfig + ProxyHeader, WrapDeclared: %d reconciles of each of 2 members, %d tunnels, %d refused (407)", 2*reconciles, st.Tunnels, st.Rejected)
 	})
-	t.Run("client-go alone", func(t *testing.T) {
-		m, proxy := newControllerMembers(t, creds[0])
-		for i := range reconciles {
-			if err := reconcile(ctx, m, creds[0], nil); err != nil {
-				t.Fatalf("reconcile %d: %v", i, err)
+	for _, mode := range []wrapMode{wrapUndeclared, clientGoAlone} {
+		name := map[wrapMode]string{wrapUndeclared: "pool, undeclared: passes through", clientGoAlone: "client-go alone"}[mode]
+		t.Run(name, func(t *testing.T) {
+			m, proxy := newControllerMembers(t, creds[0])
+			pool := sharedtransport.New()
+			defer pool.Close()
+			for i := range reconciles {
+				if err := reconcile(ctx, m, creds[0], pool, mode); err != nil {
+					t.Fatalf("reconcile %d: %v", i, err)
+				}
 			}
-		}
-		st := proxy.Stats()
-		if st.Tunnels != reconciles || st.Rejected != 0 {
-			t.Errorf("client-go alone: %d tunnels, %d refused for %d reconciles; want one each and 0", st.Tunnels, st.Rejected, reconciles)
-		}
-		t.Logf("BuildClusterConfig + ProxyHeader through client-go alone: %d reconciles, %d tunnels, %d refused (407)", reconciles, st.Tunnels, st.Rejected)
-	})
+			st := proxy.Stats()
+			if st.Tunnels != reconciles || st.Rejected != 0 {
+				t.Errorf("%d tunnels, %d refused for %d reconciles; want one each and 0", st.Tunnels, st.Rejected, reconciles)
+			}
+			if ps := pool.Stats(); mode == wrapUndeclared && (ps.PassThrough != reconciles || ps.Identities != 0) {
+				t.Errorf("pool %+v, want every config passed through", ps)
+			}
+			t.Logf("BuildClusterConfig + ProxyHeader, %s: %d reconciles, %d tunnels, %d refused (407)", name, reconciles, st.Tunnels, st.Rejected)
+		})
+	}
 }

@@ -51,10 +51,13 @@ func frontWith(m memberproxy.Mode, opts []sharedtransport.Option, wrap bool) fun
 			return f, nil
 		}
 		pool := sharedtransport.New(opts...)
-		f.TransportFor = pool.TransportFor
+		// The member's ProxyHeader wrapper is declared, as Karmada would.
+		f.TransportFor = func(cfg *rest.Config, h http.Header) (http.RoundTripper, error) {
+			return pool.TransportForDeclared(cfg, sharedtransport.Wrappers{ProxyConnectHeader: h})
+		}
 		if wrap {
-			f.TransportFor = func(cfg *rest.Config) (http.RoundTripper, error) {
-				if err := pool.Wrap(cfg); err != nil {
+			f.TransportFor = func(cfg *rest.Config, h http.Header) (http.RoundTripper, error) {
+				if err := pool.WrapDeclared(cfg, sharedtransport.Wrappers{ProxyConnectHeader: h}); err != nil {
 					return nil, err
 				}
 				return rest.TransportFor(cfg)

@@ -125,9 +125,11 @@ func (m Mode) String() string {
 type Front struct {
 	Clusters *Clusters
 	// TransportFor gives the round tripper for a member config in mode
-	// TransportFor: pass (*sharedtransport.Pool).TransportFor; nil means
-	// rest.TransportFor. The other modes build their transports themselves.
-	TransportFor func(*rest.Config) (http.RoundTripper, error)
+	// TransportFor, handed the CONNECT header the config's ProxyHeader
+	// wrapper adds (nil: the config has none): a pool's
+	// TransportForDeclared; nil means rest.TransportFor. The other modes
+	// build their transports themselves.
+	TransportFor func(cfg *rest.Config, proxyHeader http.Header) (http.RoundTripper, error)
 	Mode         Mode
 }
 
@@ -220,7 +222,7 @@ func (f *Front) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		h = proxy.NewUpgradeAwareHandler(location, nil, false, true, responder)
 		h.UpgradeTransport = upgrade
 	} else {
-		rt, err := f.roundTripper(cfg)
+		rt, err := f.roundTripper(cfg, cl.ProxyHeader)
 		if err != nil {
 			writeStatus(w, http.StatusInternalServerError, "InternalError", fmt.Sprintf("cluster %q: %v", name, err))
 			return
@@ -231,10 +233,10 @@ func (f *Front) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	h.ServeHTTP(w, r)
 }
 
-func (f *Front) roundTripper(cfg *rest.Config) (http.RoundTripper, error) {
+func (f *Front) roundTripper(cfg *rest.Config, proxyHeader http.Header) (http.RoundTripper, error) {
 	if f.Mode == TransportFor {
 		if f.TransportFor != nil {
-			return f.TransportFor(cfg)
+			return f.TransportFor(cfg, proxyHeader)
 		}
 		return rest.TransportFor(cfg)
 	}
