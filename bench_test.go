@@ -183,15 +183,22 @@ type benchConfig struct {
 	cfg  func() *rest.Config
 }
 
-// benchConfigs are inline and file material, and file material with a
-// Proxy (which client-go cannot cache). Each carries a bearer token, as a
-// member config does.
+// benchConfigs are inline material, with and without a wrapper (declared
+// to the pool), file material, and file material with a Proxy (which
+// client-go cannot cache). Each carries a bearer token, as a member config
+// does.
 func benchConfigs(b *testing.B, f *fixture) []benchConfig {
 	paths := f.kubeconfig(b, "alice", f.alice)
 	return []benchConfig{
 		{"inline", func() *rest.Config {
 			c := f.srv.RestConfig(f.alice)
 			c.BearerToken = "token"
+			return c
+		}},
+		{"inline+wrapper", func() *rest.Config {
+			c := f.srv.RestConfig(f.alice)
+			c.BearerToken = "token"
+			c.Wrap(func(rt http.RoundTripper) http.RoundTripper { return rt })
 			return c
 		}},
 		{"files", func() *rest.Config {
@@ -208,7 +215,8 @@ func benchConfigs(b *testing.B, f *fixture) []benchConfig {
 }
 
 // BenchmarkWrap: the cost of Wrap per config, on a hit (the identity
-// exists), for inline and file material and a sampled Proxy.
+// exists), for inline material (with a declared wrapper too), file material
+// and a sampled Proxy.
 func BenchmarkWrap(b *testing.B) {
 	f := newFixture(b, testserver.Options{})
 	for _, tc := range benchConfigs(b, f) {
@@ -216,7 +224,7 @@ func BenchmarkWrap(b *testing.B) {
 			p := newPool(b)
 			b.ReportAllocs()
 			for b.Loop() {
-				if err := p.Wrap(tc.cfg()); err != nil {
+				if err := p.WrapDeclared(tc.cfg(), Wrappers{}); err != nil {
 					b.Fatal(err)
 				}
 			}
@@ -237,13 +245,17 @@ func BenchmarkTransportFor(b *testing.B) {
 			rt   func(p *Pool, cfg *rest.Config) (http.RoundTripper, error)
 		}{
 			{"rest.TransportFor", func(_ *Pool, cfg *rest.Config) (http.RoundTripper, error) { return rest.TransportFor(cfg) }},
+			// The pool's entry points are told that the wrapper of
+			// inline+wrapper leaves connections alone.
 			{"Wrap+rest.TransportFor", func(p *Pool, cfg *rest.Config) (http.RoundTripper, error) {
-				if err := p.Wrap(cfg); err != nil {
+				if err := p.WrapDeclared(cfg, Wrappers{}); err != nil {
 					return nil, err
 				}
 				return rest.TransportFor(cfg)
 			}},
-			{"pool.TransportFor", func(p *Pool, cfg *rest.Config) (http.RoundTripper, error) { return p.TransportFor(cfg) }},
+			{"pool.TransportFor", func(p *Pool, cfg *rest.Config) (http.RoundTripper, error) {
+				return p.TransportForDeclared(cfg, Wrappers{})
+			}},
 		} {
 			b.Run(tc.name+"/"+way.name, func(b *testing.B) {
 				p := newPool(b)

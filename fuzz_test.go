@@ -280,7 +280,8 @@ func (fx *identityFixture) checkIdentityPair(t *testing.T, a, b identitySpec) {
 	var keys [2]string
 	for i, s := range []identitySpec{a, b} {
 		cfg := fx.config(s)
-		id, share, err := fx.pool.identityFor(cfg, given{})
+		sh, share, err := fx.pool.sharingFor(cfg, given{})
+		id := sh.id
 		if !share {
 			id = nil
 		}

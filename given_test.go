@@ -282,3 +282,32 @@ func observeCN(f *fixture, cfg *rest.Config) (seen string) {
 type rtFunc func(*http.Request) (*http.Response, error)
 
 func (f rtFunc) RoundTrip(req *http.Request) (*http.Response, error) { return f(req) }
+
+// TestCopyDialDecorator: a copy of a wrapped config with Proxy whose Dial
+// sends the proxy's address elsewhere and then calls the config's own Dial
+// (the pool's dialer) reaches the server the way client-go alone takes it.
+func TestCopyDialDecorator(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	r := newCopyRig(t, testserver.Options{CA: f.ca})
+	proxy1, proxy2 := r.proxies[0].Addr(), r.proxies[1].Addr()
+	pair := wrapPair(t, newPool(t), func() *rest.Config {
+		cfg := r.srv.RestConfig(f.alice)
+		cfg.Proxy = proxyTo(r.proxies[0])
+		return cfg
+	})
+	r.check(t, pair, &observation{CN: "alice", Proto: h2, Gzip: true, Via: "proxy 1"})
+	cp := pair.copies(func(c *rest.Config) {
+		orig := c.Dial
+		c.Dial = func(ctx context.Context, network, addr string) (net.Conn, error) {
+			if addr == proxy1 {
+				addr = proxy2
+			}
+			if orig != nil {
+				return orig(ctx, network, addr)
+			}
+			var d net.Dialer
+			return d.DialContext(ctx, network, addr)
+		}
+	})
+	r.check(t, cp, &observation{CN: "alice", Proto: h2, Gzip: true, Via: "proxy 2"})
+}

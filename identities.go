@@ -92,7 +92,7 @@ func (e *entry) recordReloadError(err error, at time.Time) string {
 	e.stats.rotationErrors.Add(1)
 	msg := err.Error()
 	f := &reloadFailure{err: msg, at: at}
-	for _, path := range []string{e.id.certFile, e.id.keyFile, e.id.caFile} {
+	for _, path := range []string{e.id.key.certFile, e.id.key.keyFile, e.id.key.caFile} {
 		if path != "" && strings.Contains(msg, strconv.Quote(path)) {
 			f.file = path
 			break
@@ -146,15 +146,15 @@ func (e *entry) info(watch *identityWatch) IdentityInfo {
 	for _, h := range e.hosts.names() {
 		info.Hosts = append(info.Hosts, redactHost(h))
 	}
-	for _, f := range []string{id.caFile, id.certFile, id.keyFile} {
+	for _, f := range []string{id.key.caFile, id.key.certFile, id.key.keyFile} {
 		if f != "" {
 			info.Files = append(info.Files, f)
 		}
 	}
 	switch {
-	case id.insecure:
+	case id.key.insecure:
 		info.Auth = "insecure"
-	case id.getCert != nil:
+	case id.key.getCert != nil:
 		info.Auth = "exec plugin"
 	case g.leaf != nil:
 		info.Auth = "client certificate"
@@ -208,6 +208,6 @@ func (e *entry) checkExpiry() {
 		return
 	}
 	e.pool.opts.logger.Info("Client certificate expires soon and no newer one has arrived: renew it",
-		"identity", e.id.key, "certificate", describe(e.id.certFile, "inline data"),
+		"identity", e.id.key, "certificate", describe(e.id.key.certFile, "inline data"),
 		"subject", g.certCN, "notAfter", stamp(g.certNotAfter), "left", left.Round(time.Second))
 }

@@ -24,6 +24,7 @@ import (
 	"sync/atomic"
 
 	utilnet "k8s.io/apimachinery/pkg/util/net"
+	"k8s.io/apimachinery/third_party/forked/golang/netutil"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/transport"
 )
@@ -99,24 +100,22 @@ func (k identityKey) GoString() string { return k.String() }
 // credentials (tokens, basic auth, impersonation) and the user agent are not
 // part of it: client-go adds them above WrapTransport.
 type identity struct {
+	// key is the identity's comparable part: TLS settings, files, digests
+	// of inline material, the exec plugin's holder, the route. The fields
+	// below are what the transport is built from.
 	key identityKey
 
-	insecure           bool
-	serverName         string
-	nextProtos         []string
-	disableCompression bool
+	nextProtos []string
 	// alpn is the protocol list client-go's own transport for the identity
 	// offers once HTTP/2 is configured, and http2 whether it speaks HTTP/2:
 	// what a client-go transport handed to the hook must do to be this
 	// identity's.
-	alpn    []string
-	http2   bool
-	noHTTP2 bool // DISABLE_HTTP2, as it was when the identity was computed
+	alpn  []string
+	http2 bool
 
-	// Files are watched and reloaded; inline data is fixed for the identity.
-	caFile, certFile, keyFile string
+	// Inline material, fixed for the identity; files (key.caFile ...) are
+	// watched and reloaded.
 	caData, certData, keyData []byte
-	getCert                   *transport.GetCertHolder // exec plugin certificates
 
 	dial func(ctx context.Context, network, address string) (net.Conn, error) // nil: the default dialer
 
@@ -138,42 +137,72 @@ type identity struct {
 
 // watchesFiles reports whether the identity's material comes from files that
 // are watched for rotation.
-func (id *identity) watchesFiles() bool { return id.caFile != "" || id.certFile != "" }
+func (id *identity) watchesFiles() bool { return id.key.caFile != "" || id.key.certFile != "" }
 
-// identityFor computes cfg's identity. share is false for configs that pass
-// through to client-go untouched: their own Transport, no TLS at all, an
-// unnamed custom Dial, a Proxy function that fails.
-func (p *Pool) identityFor(cfg *rest.Config, g given) (id *identity, share bool, err error) {
-	id, _, share, err = p.identityAndTransportConfig(cfg, g)
-	return id, share, err
+// sharing is what the pool makes of one config it is given, computed once.
+type sharing struct {
+	id *identity
+	// tc is the transport config client-go derives from the config.
+	// TransportFor builds client-go's per-request layers from it, so that
+	// the exec plugin's certificate the identity holds and the plugin's
+	// wrapper above it come from one authenticator. Nil when the config has
+	// a Transport of its own.
+	tc *transport.Config
+	// onlyHost, set when the config has a Proxy function, is the host that
+	// function was asked about: only requests to it ride the shared
+	// transport.
+	onlyHost string
+	// firstHop is the address the identity's transport dials for the
+	// config's host: its proxy's (the config's route, or the environment's),
+	// or the server's.
+	firstHop string
 }
 
-// identityAndTransportConfig is identityFor, also returning the transport
-// config client-go derives from cfg (nil when cfg has its own Transport).
-// TransportFor builds client-go's per-request layers from the same one, so
-// that the exec plugin's certificate the identity holds and the exec
-// plugin's wrapper above it come from one authenticator.
-func (p *Pool) identityAndTransportConfig(cfg *rest.Config, g given) (id *identity, tc *transport.Config, share bool, err error) {
+// sharingFor computes what the pool makes of cfg. share is false for configs
+// that pass through to client-go untouched: their own Transport, no TLS at
+// all, an unnamed custom Dial, undeclared wrappers, a Proxy function that
+// fails.
+func (p *Pool) sharingFor(cfg *rest.Config, g given) (s sharing, share bool, err error) {
 	if cfg == nil {
-		return nil, nil, false, errors.New("sharedtransport: called with a nil *rest.Config")
+		return s, false, errors.New("sharedtransport: called with a nil *rest.Config")
 	}
 	if cfg.Transport != nil {
-		return nil, nil, false, nil // pass through: the caller's own Transport is never replaced
+		return s, false, nil // pass through: the caller's own Transport is never replaced
 	}
-	if _, err := hostRequest(cfg); err != nil {
-		return nil, nil, false, err
-	}
-	tc, err = cfg.TransportConfig()
+	req, err := hostRequest(cfg)
 	if err != nil {
-		return nil, nil, false, fmt.Errorf("sharedtransport: %w", err)
+		return s, false, err
 	}
-	id, share, err = p.identityOf(cfg, tc, g)
-	return id, tc, share, err
+	if s.tc, err = cfg.TransportConfig(); err != nil {
+		return s, false, fmt.Errorf("sharedtransport: %w", err)
+	}
+	if cfg.Proxy != nil {
+		s.onlyHost = req.URL.Host
+	}
+	s.id, share, err = p.identityOf(cfg, s.tc, g, req)
+	if share {
+		s.firstHop = s.id.firstHop(req)
+	}
+	return s, share, err
+}
+
+// firstHop returns the address the identity's transport dials for req: its
+// proxy's, or req's host's.
+func (id *identity) firstHop(req *http.Request) string {
+	proxy := id.proxy
+	if proxy == nil {
+		proxy = utilnet.NewProxierWithNoProxyCIDR(http.ProxyFromEnvironment)
+	}
+	if u, err := proxy(req); err == nil && u != nil {
+		return netutil.CanonicalAddr(u)
+	}
+	return netutil.CanonicalAddr(req.URL)
 }
 
 // identityOf computes the identity of cfg, whose transport config is tc.
 // share is false, with a nil identity, for a config that passes through.
-func (p *Pool) identityOf(cfg *rest.Config, tc *transport.Config, g given) (id *identity, share bool, err error) {
+// req is a request to cfg's host, for asking cfg's Proxy function.
+func (p *Pool) identityOf(cfg *rest.Config, tc *transport.Config, g given, req *http.Request) (id *identity, share bool, err error) {
 	hasTLS := tc.HasCA() || tc.HasCertAuth() || tc.HasCertCallback() || tc.TLS.Insecure ||
 		tc.TLS.ServerName != "" || len(tc.TLS.NextProtos) > 0
 	if !hasTLS && tc.DialHolder == nil && tc.Proxy == nil {
@@ -184,12 +213,14 @@ func (p *Pool) identityOf(cfg *rest.Config, tc *transport.Config, g given) (id *
 	}
 
 	id = &identity{
-		insecure:           tc.TLS.Insecure,
-		serverName:         tc.TLS.ServerName,
-		nextProtos:         tc.TLS.NextProtos,
-		disableCompression: tc.DisableCompression,
-		getCert:            tc.TLS.GetCertHolder,
-		alpn:               clientGoALPN(tc.TLS.NextProtos, hasTLS),
+		key: identityKey{
+			insecure:           tc.TLS.Insecure,
+			serverName:         tc.TLS.ServerName,
+			disableCompression: tc.DisableCompression,
+			getCert:            tc.TLS.GetCertHolder,
+		},
+		nextProtos: tc.TLS.NextProtos,
+		alpn:       clientGoALPN(tc.TLS.NextProtos, hasTLS),
 	}
 	id.setHTTP2(hasTLS)
 	if err := id.setMaterial(tc); err != nil {
@@ -204,22 +235,22 @@ func (p *Pool) identityOf(cfg *rest.Config, tc *transport.Config, g given) (id *
 		return nil, false, nil // pass through: code the pool cannot read
 	}
 	id.connectHeader = g.wrappers.ProxyConnectHeader
-	proxy, share := p.setProxy(id, cfg)
+	proxy, share := p.setProxy(id, cfg, req)
 	if !share {
 		return nil, false, nil // pass through: a Proxy function that fails
 	}
-	id.key = id.keyFor(dialName, proxy)
+	id.completeKey(dialName, proxy)
 	return id, true, nil
 }
 
 // setProxy sets the proxy function of id's transport from cfg.Proxy, and
 // returns the route that keys it (see identityKey.proxy). share is false when
 // cfg.Proxy fails.
-func (p *Pool) setProxy(id *identity, cfg *rest.Config) (proxy string, share bool) {
+func (p *Pool) setProxy(id *identity, cfg *rest.Config, req *http.Request) (proxy string, share bool) {
 	if cfg.Proxy == nil {
 		return "", true
 	}
-	r, err := proxyRoute(cfg)
+	r, err := proxyRoute(cfg, req)
 	if err != nil {
 		p.opts.logger.V(2).Info("Config passes through: its Proxy function failed", "host", redactHost(cfg.Host), "err", redactError(err))
 		return "", false
@@ -240,26 +271,14 @@ func (p *Pool) undeclaredWrappers(cfg *rest.Config) {
 	})
 }
 
-// keyFor returns id's key, for a custom Dial named dialName and a proxy
-// route proxy.
-func (id *identity) keyFor(dialName, proxy string) identityKey {
-	return identityKey{
-		noHTTP2:            id.noHTTP2,
-		insecure:           id.insecure,
-		serverName:         id.serverName,
-		nextProtos:         lengthPrefixed(id.nextProtos),
-		disableCompression: id.disableCompression,
-		caFile:             id.caFile,
-		certFile:           id.certFile,
-		keyFile:            id.keyFile,
-		caData:             digestOf(id.caData),
-		certData:           digestOf(id.certData),
-		keyData:            digestOf(id.keyData),
-		getCert:            id.getCert,
-		dialName:           dialName,
-		proxy:              proxy,
-		connectHeader:      digestOf(canonicalHeader(id.connectHeader)),
-	}
+// completeKey derives the rest of id's key from its material, for a custom
+// Dial named dialName and a proxy route.
+func (id *identity) completeKey(dialName, route string) {
+	k := &id.key
+	k.nextProtos = lengthPrefixed(id.nextProtos)
+	k.caData, k.certData, k.keyData = digestOf(id.caData), digestOf(id.certData), digestOf(id.keyData)
+	k.connectHeader = digestOf(canonicalHeader(id.connectHeader))
+	k.dialName, k.proxy = dialName, route
 }
 
 // setMaterial records where id's CA and client certificate come from. Like
@@ -268,17 +287,17 @@ func (id *identity) keyFor(dialName, proxy string) identityKey {
 func (id *identity) setMaterial(tc *transport.Config) error {
 	var err error
 	if tc.TLS.CAFile != "" && len(tc.TLS.CAData) == 0 {
-		if id.caFile, err = filepath.Abs(tc.TLS.CAFile); err != nil {
+		if id.key.caFile, err = filepath.Abs(tc.TLS.CAFile); err != nil {
 			return fmt.Errorf("sharedtransport: CA file %q: %w", tc.TLS.CAFile, err)
 		}
 	} else {
 		id.caData = tc.TLS.CAData
 	}
 	if tc.TLS.CertFile != "" && len(tc.TLS.CertData) == 0 && tc.TLS.KeyFile != "" && len(tc.TLS.KeyData) == 0 {
-		if id.certFile, err = filepath.Abs(tc.TLS.CertFile); err != nil {
+		if id.key.certFile, err = filepath.Abs(tc.TLS.CertFile); err != nil {
 			return fmt.Errorf("sharedtransport: client certificate file %q: %w", tc.TLS.CertFile, err)
 		}
-		if id.keyFile, err = filepath.Abs(tc.TLS.KeyFile); err != nil {
+		if id.key.keyFile, err = filepath.Abs(tc.TLS.KeyFile); err != nil {
 			return fmt.Errorf("sharedtransport: client key file %q: %w", tc.TLS.KeyFile, err)
 		}
 		return nil
@@ -323,8 +342,8 @@ func (p *Pool) setDialer(id *identity, cfg *rest.Config, tc *transport.Config) (
 // where client-go's would now (not under DISABLE_HTTP2, not for a protocol
 // list without h2).
 func (id *identity) setHTTP2(hasTLS bool) {
-	id.noHTTP2 = os.Getenv("DISABLE_HTTP2") != ""
-	id.http2 = hasTLS && !id.noHTTP2 && (len(id.nextProtos) == 0 || slices.Contains(id.nextProtos, "h2"))
+	id.key.noHTTP2 = os.Getenv("DISABLE_HTTP2") != ""
+	id.http2 = hasTLS && !id.key.noHTTP2 && (len(id.nextProtos) == 0 || slices.Contains(id.nextProtos, "h2"))
 }
 
 // clientGoALPN returns the protocols a transport client-go builds for
@@ -382,11 +401,7 @@ type route struct {
 // same answer for the host they talk to. Only requests to that host ever use
 // the shared transport (see hook.onlyHost); a config whose Proxy gives what
 // the environment would shares the environment's transport.
-func proxyRoute(cfg *rest.Config) (route, error) {
-	req, err := hostRequest(cfg)
-	if err != nil {
-		return route{}, err
-	}
+func proxyRoute(cfg *rest.Config, req *http.Request) (route, error) {
 	got, err := cfg.Proxy(req)
 	if err != nil {
 		return route{}, err

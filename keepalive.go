@@ -122,7 +122,7 @@ func (p *Pool) newGeneration(e *entry, m *material) (*generation, error) {
 	if len(m.certPEM) > 0 && m.cert == nil {
 		return nil, errors.New("sharedtransport: internal error: a client certificate was not checked before use")
 	}
-	getCert := id.getCert
+	getCert := id.key.getCert
 	if m.cert != nil {
 		// The pair checkMaterial parsed, handed to client-go as a callback
 		// rather than as bytes for it to parse again. client-go gives
@@ -131,8 +131,8 @@ func (p *Pool) newGeneration(e *entry, m *material) (*generation, error) {
 		getCert = &transport.GetCertHolder{GetCert: func() (*tls.Certificate, error) { return m.cert, nil }}
 	}
 	tlsConfig, err := transport.TLSConfigFor(&transport.Config{TLS: transport.TLSConfig{
-		Insecure:      id.insecure,
-		ServerName:    id.serverName,
+		Insecure:      id.key.insecure,
+		ServerName:    id.key.serverName,
 		NextProtos:    id.nextProtos,
 		CAData:        m.caPEM,
 		GetCertHolder: getCert,
@@ -169,7 +169,7 @@ func (p *Pool) setTLS(g *generation, id *identity, tlsConfig *tls.Config) {
 	if c := g.material.cert; c != nil {
 		g.leaf, g.certCN, g.certNotAfter = c.Leaf.Raw, c.Leaf.Subject.CommonName, c.Leaf.NotAfter
 	}
-	if p.opts.sessionResumption && id.getCert == nil {
+	if p.opts.sessionResumption && id.key.getCert == nil {
 		// One cache per generation: a resumed session carries the client
 		// certificate of the handshake it came from. An exec plugin's
 		// certificate can change without a new generation, and a resumed
@@ -186,7 +186,7 @@ func (p *Pool) setTLS(g *generation, id *identity, tlsConfig *tls.Config) {
 func (g *generation) setTransports(id *identity, keepAlive bool, tlsConfig *tls.Config) {
 	dial := id.dial
 	if dial == nil {
-		dial = (&net.Dialer{Timeout: dialTimeout, KeepAlive: tcpKeepAlive}).DialContext
+		dial = clientGoDialer.DialContext
 	}
 	http1TLS := http1Only(tlsConfig, id.nextProtos)
 	// With keep-alive off every request has a connection of its own:
@@ -269,11 +269,11 @@ func (g *generation) newTransport(id *identity, keepAlive bool, tlsConfig *tls.C
 		TLSClientConfig:     tlsConfig,
 		MaxIdleConnsPerHost: idleConnsPerHost,
 		DialContext:         g.dialer(dial, onlyLooked),
-		DisableCompression:  id.disableCompression,
+		DisableCompression:  id.key.disableCompression,
 		DisableKeepAlives:   !keepAlive,
 		ProxyConnectHeader:  id.connectHeader,
 	})
-	if !id.noHTTP2 {
+	if !id.key.noHTTP2 {
 		configureHTTP2(t)
 	}
 	settleProtocols(t)

@@ -68,7 +68,7 @@ func (p *Pool) loadMaterial(id *identity) (*material, error) {
 // second read failed.
 func (p *Pool) checkRead(id *identity, m *material, now time.Time, done <-chan struct{}) (*material, error) {
 	err := checkMaterial(id, m, now)
-	if !errors.As(err, new(*pairError)) || id.certFile == "" {
+	if !errors.As(err, new(*pairError)) || id.key.certFile == "" {
 		return m, err
 	}
 	if m, err = p.readMaterial(id, done); err != nil {
@@ -82,11 +82,11 @@ func (p *Pool) checkRead(id *identity, m *material, now time.Time, done <-chan s
 func (p *Pool) readMaterial(id *identity, done <-chan struct{}) (*material, error) {
 	m := &material{caPEM: id.caData, certPEM: id.certData, keyPEM: id.keyData}
 	files := make([]fileToRead, 0, 3)
-	if id.caFile != "" {
-		files = append(files, fileToRead{id.caFile, "CA", &m.caPEM})
+	if id.key.caFile != "" {
+		files = append(files, fileToRead{id.key.caFile, "CA", &m.caPEM})
 	}
-	if id.certFile != "" {
-		files = append(files, fileToRead{id.certFile, "client certificate", &m.certPEM}, fileToRead{id.keyFile, "client key", &m.keyPEM})
+	if id.key.certFile != "" {
+		files = append(files, fileToRead{id.key.certFile, "client certificate", &m.certPEM}, fileToRead{id.key.keyFile, "client key", &m.keyPEM})
 	}
 	if len(files) == 0 {
 		return m, nil
@@ -118,7 +118,7 @@ func (e *notYetValidError) Unwrap() error { return e.err }
 func checkMaterial(id *identity, m *material, now time.Time) error {
 	if len(m.caPEM) > 0 {
 		if err := checkCABundle(m.caPEM, now); err != nil {
-			return fmt.Errorf("sharedtransport: %s: %w", describe(id.caFile, "inline CA data"), err)
+			return fmt.Errorf("sharedtransport: %s: %w", describe(id.key.caFile, "inline CA data"), err)
 		}
 	}
 	if len(m.certPEM) == 0 && len(m.keyPEM) == 0 {
@@ -127,16 +127,16 @@ func checkMaterial(id *identity, m *material, now time.Time) error {
 	cert, err := tls.X509KeyPair(m.certPEM, m.keyPEM)
 	if err != nil {
 		return &pairError{fmt.Sprintf("sharedtransport: %s and %s do not form a valid pair (%v): check that the key belongs to the certificate and that neither is half-written",
-			describe(id.certFile, "inline client certificate data"), describe(id.keyFile, "inline client key data"), err)}
+			describe(id.key.certFile, "inline client certificate data"), describe(id.key.keyFile, "inline client key data"), err)}
 	}
 	leaf := cert.Leaf
 	if leaf == nil {
 		if leaf, err = x509.ParseCertificate(cert.Certificate[0]); err != nil {
-			return fmt.Errorf("sharedtransport: %s: %w", describe(id.certFile, "inline client certificate data"), err)
+			return fmt.Errorf("sharedtransport: %s: %w", describe(id.key.certFile, "inline client certificate data"), err)
 		}
 	}
 	if err := checkValidity(leaf, now); err != nil {
-		err2 := fmt.Errorf("sharedtransport: client certificate %s %w", describe(id.certFile, "(inline data)"), err)
+		err2 := fmt.Errorf("sharedtransport: client certificate %s %w", describe(id.key.certFile, "(inline data)"), err)
 		var nyv *notYetValidError
 		if errors.As(err, &nyv) {
 			return &notYetValidError{err2, nyv.from}

@@ -120,7 +120,7 @@ func (e *entry) refreshLocked(done <-chan struct{}) (news bool) {
 		}
 		p.stats.rotations.Add(1)
 		e.stats.rotations.Add(1)
-		p.opts.logger.V(2).Info("Rotated TLS material", "identity", e.id.key, "files", []string{e.id.caFile, e.id.certFile, e.id.keyFile})
+		p.opts.logger.V(2).Info("Rotated TLS material", "identity", e.id.key, "files", []string{e.id.key.caFile, e.id.key.certFile, e.id.key.keyFile})
 	}
 	e.goodLocked(now)
 	return true

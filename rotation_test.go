@@ -639,7 +639,7 @@ func TestWatcherSetsNoWatchAfterClose(t *testing.T) {
 	if err := p.Close(); err != nil {
 		t.Fatal(err)
 	}
-	w.add(&entry{id: &identity{caFile: filepath.Join(t.TempDir(), "ca.crt")}})
+	w.add(&entry{id: &identity{key: identityKey{caFile: filepath.Join(t.TempDir(), "ca.crt")}}})
 	w.mu.Lock()
 	n := w.notify
 	w.mu.Unlock()

@@ -331,7 +331,8 @@ func TestIdentityNamesResistGuessing(t *testing.T) {
 		proxy, _ := url.Parse("http://proxyuser:" + password + "@127.0.0.1:3128")
 		cfg := &rest.Config{Host: "https://127.0.0.1:6443", Proxy: http.ProxyURL(proxy)}
 		cfg.Insecure = true
-		id, share, err := New().identityFor(cfg, given{})
+		sh, share, err := New().sharingFor(cfg, given{})
+		id := sh.id
 		if err != nil || !share {
 			t.Fatalf("identityFor: %v, share %v", err, share)
 		}

@@ -109,7 +109,7 @@ func (p *Pool) wrap(cfg *rest.Config, g given) error {
 	if p.isClosed() {
 		return ErrClosed
 	}
-	id, share, err := p.identityFor(cfg, g)
+	s, share, err := p.sharingFor(cfg, g)
 	if err != nil {
 		return err
 	}
@@ -117,11 +117,11 @@ func (p *Pool) wrap(cfg *rest.Config, g given) error {
 		p.stats.passThrough.Add(1)
 		return nil
 	}
-	l, err := p.acquire(id) // reads and checks the material first: its errors name the file
+	l, err := p.acquire(s.id) // reads and checks the material first: its errors name the file
 	if err != nil {
 		return err
 	}
-	h, err := p.newHook(id, cfg)
+	h, err := p.newHook(s, cfg)
 	if err != nil {
 		return err
 	}

@@ -85,8 +85,7 @@ func tlsIdentity(c TLSTransportConfig) (*identity, error) {
 		tlsConfig.RootCAs = tlsConfig.RootCAs.Clone() // the caller may add to its own later
 	}
 	id := &identity{
-		insecure:      tlsConfig.InsecureSkipVerify,
-		serverName:    tlsConfig.ServerName,
+		key:           identityKey{insecure: tlsConfig.InsecureSkipVerify, serverName: tlsConfig.ServerName},
 		nextProtos:    tlsConfig.NextProtos,
 		connectHeader: c.ProxyConnectHeader.Clone(),
 		tlsConfig:     tlsConfig,
@@ -98,7 +97,7 @@ func tlsIdentity(c TLSTransportConfig) (*identity, error) {
 		id.proxy = http.ProxyURL(&u)
 		proxy = u.String()
 	}
-	id.key = id.keyFor("", proxy)
+	id.completeKey("", proxy)
 	id.key.fixedTLS = fmt.Sprintf("min=%d max=%d roots=%d", tlsConfig.MinVersion, tlsConfig.MaxVersion, rootsID(tlsConfig.RootCAs))
 	return id, nil
 }

@@ -62,32 +62,28 @@ func (p *Pool) transportFor(cfg *rest.Config, g given) (http.RoundTripper, error
 	if p.isClosed() {
 		return nil, ErrClosed
 	}
-	id, tc, share, err := p.identityAndTransportConfig(cfg, g)
+	s, share, err := p.sharingFor(cfg, g)
 	if err != nil {
 		return nil, err
 	}
 	if !share {
 		p.stats.passThrough.Add(1)
-		if tc == nil {
+		if s.tc == nil {
 			return rest.TransportFor(cfg)
 		}
-		return transport.New(tc)
+		return transport.New(s.tc)
 	}
-	l, err := p.acquire(id)
+	l, err := p.acquire(s.id)
 	if err != nil {
 		return nil, err
 	}
 	base := &configTransport{lease: l}
-	if cfg.Proxy != nil {
-		req, err := hostRequest(cfg)
-		if err != nil {
-			return nil, err
-		}
-		base.onlyHost = req.URL.Host
-		base.proxy = tc.Proxy
-		base.elsewhere = &clientGoLater{tc: tc, id: id}
+	if s.onlyHost != "" {
+		base.onlyHost = s.onlyHost
+		base.proxy = s.tc.Proxy
+		base.elsewhere = &clientGoLater{tc: s.tc, id: s.id}
 	}
-	return transport.HTTPWrappersForConfig(tc, base)
+	return transport.HTTPWrappersForConfig(s.tc, base)
 }
 
 // HTTPClientFor is the pool's [rest.HTTPClientFor]: an [http.Client] over
@@ -171,7 +167,11 @@ type clientGoLater struct {
 
 func (l *clientGoLater) get() (http.RoundTripper, error) {
 	l.once.Do(func() {
-		l.rt, l.err = clientGoTransportFor(l.tc, l.id)
+		l.rt, l.err = clientGoTransport(l.tc)
+		if l.err != nil {
+			l.err = fmt.Errorf("sharedtransport: client-go's transport for requests to other hosts than the config's: %w", l.err)
+		}
+		l.rt = l.id.withWrapperHeader(l.rt)
 		l.built.Store(l.err == nil)
 	})
 	return l.rt, l.err
@@ -201,18 +201,3 @@ func (l *clientGoLater) CloseIdleConnections() {
 func (c *configTransport) WrappedRoundTripper() http.RoundTripper { return c.lease }
 
 var _ utilnet.RoundTripperWrapper = &configTransport{}
-
-// clientGoTransportFor returns the transport client-go builds for tc, as it
-// hands it to WrapTransport: what client-go's own stack for the config rests
-// on. The per-request layers are left out; TransportFor's stack already has
-// them above.
-func clientGoTransportFor(tc *transport.Config, id *identity) (http.RoundTripper, error) {
-	c := *tc
-	c.UserAgent, c.Username, c.Password, c.BearerToken, c.BearerTokenFile = "", "", "", "", ""
-	c.Impersonate = transport.ImpersonationConfig{}
-	base, err := clientGoBase(&c)
-	if err != nil {
-		return nil, fmt.Errorf("sharedtransport: client-go's transport for requests to other hosts than the config's: %w", err)
-	}
-	return id.withWrapperHeader(base), nil
-}

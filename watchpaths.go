@@ -53,7 +53,7 @@ func splitPath(p string) []string {
 // without repeats.
 func identityPaths(id *identity) []string {
 	var paths []string
-	for _, f := range []string{id.caFile, id.certFile, id.keyFile} {
+	for _, f := range []string{id.key.caFile, id.key.certFile, id.key.keyFile} {
 		if f == "" {
 			continue
 		}

@@ -57,11 +57,14 @@ const certRecheck = 5 * time.Minute
 type hook struct {
 	pool *Pool
 	id   *identity
-	// base is the wrapped config as Wrap found it, for asking client-go's
-	// cache which transport it holds for the config's key; nil when the
-	// config carries dialer instead.
-	base   *rest.Config
+	// base is the transport config of the wrapped config as Wrap found it,
+	// for asking client-go's cache which transport it holds for the
+	// config's key; nil when the config carries dialer instead.
+	base   *transport.Config
 	dialer *poolDialer
+	// firstHop is the address the identity's transport dials for the
+	// wrapped config's host: its proxy's, or the server's.
+	firstHop string
 	// onlyHost, set when the wrapped config has a Proxy function, is the
 	// host that function was asked about: requests to other hosts keep
 	// client-go's transport, which asks the client's own function.
@@ -75,18 +78,11 @@ type hook struct {
 
 // newHook prepares the hook for cfg, whose identity is id. For a config
 // client-go does not cache it installs the pool's dialer in cfg.
-func (p *Pool) newHook(id *identity, cfg *rest.Config) (*hook, error) {
-	h := &hook{pool: p, id: id}
-	if cfg.Proxy != nil {
-		req, err := hostRequest(cfg)
-		if err != nil {
-			return nil, err
-		}
-		h.onlyHost = req.URL.Host
-	}
+func (p *Pool) newHook(s sharing, cfg *rest.Config) (*hook, error) {
+	h := &hook{pool: p, id: s.id, onlyHost: s.onlyHost}
 	if cfg.Proxy == nil && cfg.Dial == nil {
-		h.base = rest.CopyConfig(cfg)
-		rt, err := clientGoCached(h.base)
+		h.base = s.tc
+		rt, err := clientGoTransport(h.base)
 		if err != nil {
 			return nil, fmt.Errorf("sharedtransport: %w", err)
 		}
@@ -95,25 +91,20 @@ func (p *Pool) newHook(id *identity, cfg *rest.Config) (*hook, error) {
 	}
 	h.dialer = &poolDialer{dial: cfg.Dial}
 	cfg.Dial = h.dialer.DialContext
+	h.firstHop = s.firstHop
 	return h, nil
 }
 
-// clientGoCached returns the transport client-go's cache holds for cfg: the
-// one client-go hands WrapTransport for every config of cfg's cache key.
-func clientGoCached(cfg *rest.Config) (http.RoundTripper, error) {
-	tc, err := cfg.TransportConfig()
-	if err != nil {
-		return nil, err
-	}
-	return clientGoBase(tc)
-}
-
-// clientGoBase returns the transport client-go builds (or takes from its
-// cache) for tc, as it hands it to WrapTransport, without the per-request
-// layers above it.
-func clientGoBase(tc *transport.Config) (http.RoundTripper, error) {
+// clientGoTransport returns the transport client-go builds (or takes from
+// its cache) for tc, as it hands it to WrapTransport: what client-go's own
+// stack for the config rests on. The per-request layers above it (user
+// agent, credentials, impersonation) are not built; they are not part of
+// client-go's cache key either.
+func clientGoTransport(tc *transport.Config) (http.RoundTripper, error) {
 	var base http.RoundTripper
 	c := *tc
+	c.UserAgent, c.Username, c.Password, c.BearerToken, c.BearerTokenFile = "", "", "", "", ""
+	c.Impersonate = transport.ImpersonationConfig{}
 	c.WrapTransport = func(rt http.RoundTripper) http.RoundTripper {
 		base = rt
 		return rt
@@ -160,22 +151,28 @@ func (h *hook) wrap(rt http.RoundTripper) http.RoundTripper {
 // config client-go does not cache (asked at the client's first request).
 func (h *hook) agrees(rt http.RoundTripper, got *http.Transport, g *generation) bool {
 	if h.base == nil {
-		return dialerOf(got.DialContext) == h.dialer && sameConnection(got, g, h.id)
+		return dialerOf(got.DialContext, h.firstHop) == h.dialer && sameConnection(got, g, h.id)
 	}
 	h.mu.Lock()
-	defer h.mu.Unlock()
-	if rt == h.cached {
+	cached, asked := h.cached, h.cachedFor == g
+	h.mu.Unlock()
+	if rt == cached {
 		return true
 	}
-	if h.cachedFor == g {
+	if asked {
 		return false
 	}
 	// A rotation may have changed the key client-go computes from the files
 	// (client-go before v0.36 keys its cache by the CA's bytes): ask again
-	// once per generation.
-	h.cachedFor = g
-	if now, err := clientGoCached(h.base); err == nil {
-		h.cached = now
+	// once per generation, without the lock (client-go reads the files).
+	now, err := clientGoTransport(h.base)
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.cachedFor != g {
+		h.cachedFor = g
+		if err == nil {
+			h.cached = now
+		}
 	}
 	return rt == h.cached
 }
@@ -242,8 +239,12 @@ type poolDialer struct {
 var clientGoDialer = &net.Dialer{Timeout: dialTimeout, KeepAlive: tcpKeepAlive}
 
 // dialerQuestion is what dialerOf puts in the context of the dial it asks
-// for; a poolDialer answers by writing itself into it.
-type dialerQuestion struct{ answer *poolDialer }
+// for; a poolDialer answers by writing itself into it, when the address
+// reached it as asked.
+type dialerQuestion struct {
+	addr   string
+	answer *poolDialer
+}
 
 type dialerQuestionKey struct{}
 
@@ -251,7 +252,9 @@ var errDialerQuestion = errors.New("sharedtransport: a question to the pool's di
 
 func (d *poolDialer) DialContext(ctx context.Context, network, address string) (net.Conn, error) {
 	if q, ok := ctx.Value(dialerQuestionKey{}).(*dialerQuestion); ok {
-		q.answer = d
+		if network == "tcp" && address == q.addr {
+			q.answer = d
+		}
 		return nil, errDialerQuestion
 	}
 	if d.dial != nil {
@@ -260,17 +263,20 @@ func (d *poolDialer) DialContext(ctx context.Context, network, address string) (
 	return clientGoDialer.DialContext(ctx, network, address)
 }
 
-// dialerOf returns the pool's dialer that dial is, or dials through, or nil.
-// It asks with a context that is already cancelled and a network that does
-// not exist, so a dialer of anyone else's returns an error without dialing.
-func dialerOf(dial func(ctx context.Context, network, address string) (net.Conn, error)) *poolDialer {
+// dialerOf returns the pool's dialer that dial is, or passes addr to
+// unchanged, or nil. addr is the first hop the identity's transport dials
+// (its proxy, or the server), so a dialer that sends that hop elsewhere
+// before calling the pool's is not taken for it. It asks with a context
+// that is already cancelled, so a dialer of anyone else's returns an error
+// without connecting.
+func dialerOf(dial func(ctx context.Context, network, address string) (net.Conn, error), addr string) *poolDialer {
 	if dial == nil {
 		return nil
 	}
-	q := &dialerQuestion{}
+	q := &dialerQuestion{addr: addr}
 	ctx, cancel := context.WithCancel(context.WithValue(context.Background(), dialerQuestionKey{}, q))
 	cancel()
-	if conn, err := dial(ctx, "sharedtransport-question", "question.invalid:0"); err == nil {
+	if conn, err := dial(ctx, "tcp", addr); err == nil {
 		conn.Close()
 	}
 	return q.answer
@@ -281,7 +287,7 @@ func dialerOf(dial func(ctx context.Context, network, address string) (net.Conn,
 // same TLS settings, compression and no CONNECT header or dialer of its own.
 func sameConnection(got *http.Transport, g *generation, id *identity) bool {
 	if got.Dial != nil || got.DialTLS != nil || got.DialTLSContext != nil || got.ProxyConnectHeader != nil ||
-		got.GetProxyConnectHeader != nil || got.OnProxyConnectResponse != nil || got.DisableCompression != id.disableCompression {
+		got.GetProxyConnectHeader != nil || got.OnProxyConnectResponse != nil || got.DisableCompression != id.key.disableCompression {
 		return false
 	}
 	have, want := got.TLSClientConfig, g.transport.TLSClientConfig
@@ -297,7 +303,7 @@ func sameConnection(got *http.Transport, g *generation, id *identity) bool {
 // presentsCert reports whether the identity's connections present a client
 // certificate (or ask an exec plugin for one).
 func (id *identity) presentsCert() bool {
-	return id.getCert != nil || id.certFile != "" || len(id.certData) > 0 && len(id.keyData) > 0
+	return id.key.getCert != nil || id.key.certFile != "" || len(id.certData) > 0 && len(id.keyData) > 0
 }
 
 // clientGoTLSFields are the fields of the TLS configurations client-go
@@ -400,7 +406,7 @@ func (c *clientTransport) sameCert(g *generation) bool {
 	switch {
 	case v.holds(g, now):
 		return v.same
-	case v != nil && c.lease.e.id.certFile != "":
+	case v != nil && c.lease.e.id.key.certFile != "":
 		// client-go's certificate-file callback returns its cache after
 		// unlocking it: a caller that loads changed files then writes what
 		// another goroutine read unlocked. A client of a files identity is
@@ -414,7 +420,7 @@ func (c *clientTransport) sameCert(g *generation) bool {
 		}
 	default:
 		v = &certVerdict{g: g, same: c.certMatches(g), expires: now.Add(certRecheck)}
-		v.final = !v.same && c.lease.e.id.certFile != ""
+		v.final = !v.same && c.lease.e.id.key.certFile != ""
 	}
 	c.verdict.Store(v)
 	return v.same
@@ -432,7 +438,7 @@ func (c *clientTransport) certMatches(g *generation) bool {
 		return false
 	}
 	want := g.leaf
-	if holder := c.lease.e.id.getCert; holder != nil {
+	if holder := c.lease.e.id.key.getCert; holder != nil {
 		if want, err = leafOf(holder.GetCert()); err != nil {
 			return false
 		}
