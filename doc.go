@@ -79,10 +79,11 @@
 // HTTPClientFor shares them: a copy naming other files with the same bytes,
 // or inline data of the same bytes as the files; a copy that adds a Proxy;
 // a copy whose client-go cache key differs in any field. A config with a
-// custom Dial is shared only with WithDialIdentity. A wrapper added to a copy
-// after Wrap runs above the hook: one that unwraps the round tripper it is
-// handed finds a copy of client-go's transport, and changes made to that copy
-// reach the client's requests; one that type-asserts [http.Transport]
+// custom Dial is shared only with WithDialIdentity. Wrappers already on a
+// config are shared only when declared ([Pool.WrapDeclared]). A wrapper
+// added after Wrap runs above the hook: one that unwraps the round tripper
+// it is handed gets client-go's transport for the client, which carries the
+// client's requests from then on; one that type-asserts [http.Transport]
 // without unwrapping finds none. SPDY and websocket round trippers (exec,
 // attach, port-forward) and a config's own Transport pass through.
 //
