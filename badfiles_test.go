@@ -597,3 +597,41 @@ func TestCABundleText(t *testing.T) {
 		}
 	})
 }
+
+// TestNoStaleRefusal: a config built right after valid files replaced ones
+// the pool rejected is built and served, as client-go alone builds and
+// serves it: the pool reads the files at that moment instead of returning
+// the rejection it read before, however recent. Nothing watches the files,
+// so only the pool's reads for new configs see them.
+func TestNoStaleRefusal(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	const debounce = 2 * time.Second
+	p := newPool(t, withDebounce(debounce), withoutWatching())
+	d := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
+	d.wrapped(t, p, f.srv.URL())
+	writeAtomic(t, d.key, f.bob.KeyPEM) // the key stops matching
+	time.Sleep(debounce)
+	// Read, rejected, read again a debounce later (a rotation might have
+	// been half written), rejected.
+	if err := p.Wrap(d.config(f.srv.URL())); err == nil {
+		t.Fatal("a config built while the key does not match was wrapped: the test's premise is wrong")
+	}
+	// Now the rejection is older than the debounce and the last read
+	// younger.
+	time.Sleep(debounce / 4)
+	writeAtomic(t, d.cert, f.carol.CertPEM)
+	writeAtomic(t, d.key, f.carol.KeyPEM)
+
+	cfg := d.config(f.srv.URL())
+	wrapErr := p.Wrap(cfg)
+	ctx := context.Background()
+	if err := listNodes(ctx, d.config(f.srv.URL())); err != nil {
+		t.Fatalf("client-go alone: %v", err)
+	}
+	if wrapErr != nil {
+		t.Fatalf("through the pool, a config built right after the valid pair was written: %v", wrapErr)
+	}
+	if err := listNodes(ctx, cfg); err != nil {
+		t.Fatalf("through the pool: %v", err)
+	}
+}

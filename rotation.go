@@ -45,8 +45,9 @@ func (iw *identityWatch) reload(resolve bool) {
 }
 
 // fresh holds a config built now to what e's files hold now: it re-reads
-// them when their last read is older than the debounce, and fails with the
-// files' error when they have been rejected for longer than the debounce. A
+// them when their last read is older than the debounce or was rejected (a
+// config is never refused on a stale read), and fails with the files' error
+// when they have been rejected for longer than the debounce. A
 // rejection younger than that may be a rotation in progress (a pair written
 // one file after the other): fresh waits for the rest of the debounce and
 // reads once more. So a config gets material that was on disk at most the
@@ -58,7 +59,7 @@ func (e *entry) fresh() error {
 	p, st := e.pool, &e.files
 	for waited := false; ; waited = true {
 		st.mu.Lock()
-		if p.opts.now().Sub(st.readAt) >= p.opts.debounce {
+		if st.err != nil || p.opts.now().Sub(st.readAt) >= p.opts.debounce {
 			e.refreshLocked(e.watch.w.done)
 		}
 		err, wait := st.err, st.badSince.Add(p.opts.debounce).Sub(p.opts.now())
