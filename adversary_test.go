@@ -7,6 +7,7 @@ package sharedtransport
 
 import (
 	"context"
+	"crypto/ecdsa"
 	"crypto/tls"
 	"encoding/base64"
 	"fmt"
@@ -1107,5 +1108,49 @@ func TestAdversaryCopyOtherCAFile(t *testing.T) {
 	}
 	if got := p.Stats().PassThrough; got != want {
 		t.Errorf("client-go re-reads the copy's CA file: %v; %d clients passed through, want %d", rereads, got, want)
+	}
+}
+
+// TestAdversaryCopyCertChain: a copy of a config with Proxy presents the
+// same leaf with the intermediate added or removed. The server trusts only
+// the root, so the chain decides whether the client authenticates: each
+// copy must meet what it meets through client-go alone, never the
+// original's chain.
+func TestAdversaryCopyCertChain(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	r := newCopyRig(t, testserver.Options{CA: f.ca})
+	interKP, err := f.ca.Issue(testserver.CertSpec{CommonName: "intermediate", CA: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	interKey, err := tls.X509KeyPair(interKP.CertPEM, interKP.KeyPEM)
+	if err != nil {
+		t.Fatal(err)
+	}
+	inter := &testserver.CA{Cert: interKP.Cert, Key: interKey.PrivateKey.(*ecdsa.PrivateKey)}
+	kp, err := inter.IssueClient("alice")
+	if err != nil {
+		t.Fatal(err)
+	}
+	leafOnly := kp.CertPEM
+	withIntermediate := slices.Concat(kp.CertPEM, interKP.CertPEM)
+	for _, c := range []struct {
+		name           string
+		original, copy []byte
+		want           observation // the copy through client-go alone
+	}{
+		{"intermediate removed", withIntermediate, leafOnly, observation{Err: "error"}}, // the server: unknown certificate authority
+		{"intermediate added", leafOnly, withIntermediate, observation{CN: "alice", Proto: h2, Gzip: true, Via: "proxy 1"}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			pair := wrapPair(t, newPool(t), func() *rest.Config {
+				cfg := r.srv.RestConfig(nil)
+				cfg.CertData, cfg.KeyData = c.original, kp.KeyPEM
+				cfg.Proxy = proxyTo(r.proxies[0])
+				return cfg
+			})
+			r.check(t, pair, nil)
+			r.check(t, pair.copies(func(cfg *rest.Config) { cfg.CertData = c.copy }), &c.want)
+		})
 	}
 }

@@ -85,7 +85,7 @@ type generation struct {
 	// client certificate it presents (nil when none, or when it comes from
 	// an exec plugin and is asked for at handshake time).
 	roots *x509.CertPool
-	leaf  []byte
+	chain [][]byte
 	// The client certificate's subject and expiry, for Identities and the
 	// expiry warning; warned says the warning for it was logged.
 	certCN       string
@@ -167,7 +167,7 @@ func (p *Pool) newGeneration(e *entry, m *material) (*generation, error) {
 func (p *Pool) setTLS(g *generation, id *identity, tlsConfig *tls.Config) {
 	g.roots = tlsConfig.RootCAs
 	if c := g.material.cert; c != nil {
-		g.leaf, g.certCN, g.certNotAfter = c.Leaf.Raw, c.Leaf.Subject.CommonName, c.Leaf.NotAfter
+		g.chain, g.certCN, g.certNotAfter = c.Certificate, c.Leaf.Subject.CommonName, c.Leaf.NotAfter
 	}
 	if p.opts.sessionResumption && id.key.getCert == nil {
 		// One cache per generation: a resumed session carries the client

@@ -427,30 +427,30 @@ func (c *clientTransport) sameCert(g *generation) bool {
 }
 
 // certMatches asks the client's TLS configuration for its certificate and
-// compares it with what g presents.
+// compares it, the whole chain, with what g presents.
 func (c *clientTransport) certMatches(g *generation) bool {
 	tc := c.got.TLSClientConfig
 	if tc == nil || tc.GetClientCertificate == nil {
 		return !c.lease.e.id.presentsCert()
 	}
-	have, err := leafOf(tc.GetClientCertificate(&tls.CertificateRequestInfo{}))
+	have, err := chainOf(tc.GetClientCertificate(&tls.CertificateRequestInfo{}))
 	if err != nil || have == nil {
 		return false
 	}
-	want := g.leaf
+	want := g.chain
 	if holder := c.lease.e.id.key.getCert; holder != nil {
-		if want, err = leafOf(holder.GetCert()); err != nil {
+		if want, err = chainOf(holder.GetCert()); err != nil {
 			return false
 		}
 	}
-	return bytes.Equal(have, want)
+	return slices.EqualFunc(have, want, bytes.Equal)
 }
 
-func leafOf(cert *tls.Certificate, err error) ([]byte, error) {
+func chainOf(cert *tls.Certificate, err error) ([][]byte, error) {
 	if err != nil || cert == nil || len(cert.Certificate) == 0 {
 		return nil, err
 	}
-	return cert.Certificate[0], nil
+	return cert.Certificate, nil
 }
 
 // CloseIdleConnections closes idle connections of both transports the client
