@@ -1154,3 +1154,46 @@ func TestAdversaryCopyCertChain(t *testing.T) {
 		})
 	}
 }
+
+// TestAdversaryRejectedCAFile: a config client-go caches (no Proxy), its CA
+// from a file, wrapped and used; then the CA file is emptied, or replaced
+// by another CA with a torn block after it, or by an expired CA. The pool
+// rejects the file and keeps the old CA for its connections, but a client
+// built now from the wrapped config meets the file as client-go alone
+// meets it: it does not ride the material the pool rejected.
+func TestAdversaryRejectedCAFile(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	r := newCopyRig(t, testserver.Options{CA: f.ca})
+	other, err := testserver.NewCA("other-ca")
+	if err != nil {
+		t.Fatal(err)
+	}
+	expired, err := testserver.SelfSigned(testserver.CertSpec{CommonName: "expired-ca", CA: true,
+		NotBefore: time.Now().Add(-48 * time.Hour), NotAfter: time.Now().Add(-24 * time.Hour)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct {
+		name string
+		ca   []byte
+	}{
+		{"emptied", nil},
+		{"another CA and a torn block", slices.Concat(other.CertPEM(), []byte("-----BEGIN CERTIFICATE-----\nMIIB"))},
+		{"an expired CA", expired.CertPEM},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			p := newPool(t, WithPollInterval(0))
+			d := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
+			pair := wrapPair(t, p, func() *rest.Config { return d.config(r.srv.URL()) })
+			r.check(t, pair, &observation{CN: "alice", Proto: h2, Gzip: true, Via: "direct"})
+			writeAtomic(t, d.ca, c.ca)
+			waitFor(t, "the CA file rejected", func() bool { return p.Stats().RotationErrors > 0 })
+			// client-go before v0.36 reads the file for every new client
+			// and fails; later versions re-read it on their own schedule.
+			got, control := r.observe(pair.wrapped), r.observe(pair.control)
+			if got != control {
+				t.Errorf("a client built now: through the pool %+v, through client-go alone %+v", got, control)
+			}
+		})
+	}
+}

@@ -133,7 +133,7 @@ func (h *hook) wrap(rt http.RoundTripper) http.RoundTripper {
 		return closedRoundTripper{}
 	}
 	got := unwrapTransport(rt)
-	if got == nil || !h.agrees(rt, got, l.e.current.Load()) {
+	if got == nil || !h.agrees(rt, got, l.e) {
 		h.pool.stats.passThrough.Add(1)
 		return rt // SPDY, websocket, a caller's own transport, another identity
 	}
@@ -147,9 +147,10 @@ func (h *hook) wrap(rt http.RoundTripper) http.RoundTripper {
 }
 
 // agrees reports whether rt, client-go's transport for a client, connects as
-// the identity's generation g does, but for the client certificate of a
+// the entry's current generation does, but for the client certificate of a
 // config client-go does not cache (asked at the client's first request).
-func (h *hook) agrees(rt http.RoundTripper, got *http.Transport, g *generation) bool {
+func (h *hook) agrees(rt http.RoundTripper, got *http.Transport, e *entry) bool {
+	g := e.current.Load()
 	if h.base == nil {
 		return dialerOf(got.DialContext, h.firstHop) == h.dialer && sameConnection(got, g, h.id)
 	}
@@ -159,7 +160,10 @@ func (h *hook) agrees(rt http.RoundTripper, got *http.Transport, g *generation) 
 	if rt == cached {
 		return true
 	}
-	if asked {
+	if asked || e.filesBad.Load() {
+		// While the pool rejects the files, client-go's answer for them is
+		// not the material the pool serves: the client keeps client-go's
+		// transport, and meets the files as it would without the pool.
 		return false
 	}
 	// A rotation may have changed the key client-go computes from the files
