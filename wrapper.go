@@ -1,8 +1,8 @@
 // The hook Wrap installs in a config's WrapTransport, and the rule it applies
 // to every client built from the config or a copy of it: a client rides the
-// shared transport only when public behaviour shows that client-go's
-// transport for it authenticates, trusts, dials, routes, negotiates and
-// compresses as the shared one does.
+// shared transport only when data the pool was given, or objects it created
+// itself, show that client-go's transport for it authenticates, trusts,
+// dials, routes, negotiates and compresses as the shared one does.
 
 package sharedtransport
 
@@ -43,10 +43,13 @@ const certRecheck = 5 * time.Minute
 //     key decides: a client whose transport is the one client-go's cache
 //     holds for the wrapped config agrees with it on every field of the key.
 //   - For a config client-go does not cache, Wrap installs a dialer of the
-//     pool's (poolDialer): a transport that dials through it is a client of
-//     the wrapped config or of a copy that kept its dialer. Its TLS settings
-//     are compared field by field, its proxy is asked per request, and its
-//     certificate is asked for at the client's first request.
+//     pool's (poolDialer): a transport that dials through it, the identity's
+//     first hop unchanged, is a client of the wrapped config or of a copy
+//     that kept its dialer. Its TLS settings are compared field by field, its
+//     proxy is asked with each real request, and its certificate is asked for
+//     at the client's first request. The dialer and the certificate are
+//     questions to functions, the part of the rule not yet met: Go cannot
+//     compare functions, and client-go hands the hook nothing else.
 //
 // The hook refers to its lease weakly: client-go before v0.36 keeps the
 // WrapTransport of the first config of each cache key for good (the cached
