@@ -114,7 +114,7 @@ func TestWrappersBeforeWrap(t *testing.T) {
 		wrapper func(cfg *rest.Config) transport.WrapperFunc
 		// config changes the config before the wrapper is added.
 		config func(cfg *rest.Config)
-		want   string // what the server sees through client-go alone
+		want   string // what the server sees through client-go alone; "": as the client-go version has it
 	}{
 		{name: "keeps the first transport it is handed", wrapper: func(*rest.Config) transport.WrapperFunc {
 			var first http.RoundTripper
@@ -148,7 +148,7 @@ func TestWrappersBeforeWrap(t *testing.T) {
 				_ = rt.(*http.Transport).TLSClientConfig
 				return rt
 			}
-		}, want: "alice"},
+		}}, // client-go from v0.36 hands wrappers a wrapper of its own: the assertion panics there too
 		{name: "adds a CA to the roots in place", config: func(cfg *rest.Config) {
 			other, err := testserver.NewCA("other-ca")
 			if err != nil {
@@ -196,7 +196,7 @@ func TestWrappersBeforeWrap(t *testing.T) {
 			}
 			for range 3 {
 				got, control := observeCN(f, cfgs[0]), observeCN(f, cfgs[1])
-				if got != control || control != c.want {
+				if got != control || c.want != "" && control != c.want {
 					t.Errorf("through the pool %q, through client-go alone %q (want %q)", got, control, c.want)
 				}
 			}
