@@ -311,3 +311,40 @@ func TestCopyDialDecorator(t *testing.T) {
 	})
 	r.check(t, cp, &observation{CN: "alice", Proto: h2, Gzip: true, Via: "proxy 2"})
 }
+
+// TestLegacyCancelKeepsSharing: net/http cancels a request that runs into
+// http.Client.Timeout through CancelRequest when its timer fires first, and
+// client-go's round trippers pass that on by unwrapping to the first round
+// tripper that can cancel. The pool's round tripper stops it there, so the
+// client keeps the shared transport.
+func TestLegacyCancelKeepsSharing(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	p := newPool(t)
+	cfg := f.srv.RestConfig(f.alice)
+	if err := p.Wrap(cfg); err != nil {
+		t.Fatal(err)
+	}
+	hc, err := rest.HTTPClientFor(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	get := func() {
+		t.Helper()
+		resp, err := hc.Get(f.srv.URL() + "/api/v1/nodes")
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+	}
+	get()
+	canceler, ok := hc.Transport.(interface{ CancelRequest(*http.Request) })
+	if !ok {
+		t.Fatalf("client-go's round tripper %T has no CancelRequest: the test's premise is wrong", hc.Transport)
+	}
+	req, _ := http.NewRequest(http.MethodGet, f.srv.URL()+"/api/v1/nodes", nil)
+	canceler.CancelRequest(req) // what net/http's timer does
+	get()
+	if st := p.Stats(); st.PassThrough != 0 || st.Dials != 1 {
+		t.Errorf("pool %+v: want the client still on the shared transport, on its one connection", st)
+	}
+}

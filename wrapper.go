@@ -480,10 +480,15 @@ func (c *clientTransport) WrappedRoundTripper() http.RoundTripper {
 }
 
 // CancelRequest is here so that client-go's round trippers, which cancel by
-// unwrapping to the first round tripper that has it (http.Client.Timeout on
-// an old code path), stop here instead of calling WrappedRoundTripper: the
-// request's context, which the shared transport honours, is cancelled too.
-func (c *clientTransport) CancelRequest(*http.Request) {}
+// unwrapping to the first round tripper that has it (http.Client.Timeout),
+// stop here instead of calling WrappedRoundTripper. It reaches client-go's
+// transport, where the client's passed-through requests go; the shared
+// transport's requests end with their context, which net/http cancels too.
+func (c *clientTransport) CancelRequest(req *http.Request) {
+	if cr, ok := c.clientGo.(interface{ CancelRequest(*http.Request) }); ok {
+		cr.CancelRequest(req)
+	}
+}
 
 var _ utilnet.RoundTripperWrapper = &clientTransport{}
 
