@@ -529,9 +529,11 @@ func (s *Server) serveHTTP(w http.ResponseWriter, r *http.Request) {
 			s.delayed.Add(-1)
 			return
 		case <-done:
+			// The server is stopping: the request dies with it, as on a
+			// real server that goes away. Returning would answer 200.
 			t.Stop()
 			s.delayed.Add(-1)
-			return
+			panic(http.ErrAbortHandler)
 		}
 	}
 	ri := RequestInfo{
