@@ -12,10 +12,12 @@ import (
 	"net/http"
 	"net/url"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/go-logr/logr/funcr"
 	authenticationv1 "k8s.io/api/authentication/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
@@ -346,5 +348,38 @@ func TestLegacyCancelKeepsSharing(t *testing.T) {
 	get()
 	if st := p.Stats(); st.PassThrough != 0 || st.Dials != 1 {
 		t.Errorf("pool %+v: want the client still on the shared transport, on its one connection", st)
+	}
+}
+
+// TestUndeclaredWrappersLoggedOnce: configs passed through for undeclared
+// wrappers are logged once per pool, at V(2), with the way to share them.
+func TestUndeclaredWrappersLoggedOnce(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	var mu sync.Mutex
+	var lines []string
+	logger := funcr.New(func(_, args string) {
+		mu.Lock()
+		defer mu.Unlock()
+		lines = append(lines, args)
+	}, funcr.Options{Verbosity: 2})
+	p := newPool(t, WithLogger(logger))
+	for range 3 {
+		cfg := f.srv.RestConfig(f.alice)
+		cfg.Wrap(func(rt http.RoundTripper) http.RoundTripper { return rt })
+		if err := p.Wrap(cfg); err != nil {
+			t.Fatal(err)
+		}
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	n := 0
+	for _, l := range lines {
+		if strings.Contains(l, "WrapDeclared") {
+			n++
+		}
+	}
+	if n != 1 || p.Stats().PassThrough != 3 {
+		t.Errorf("3 configs with undeclared wrappers: %d log lines naming WrapDeclared, %d passed through; want 1 and 3\n%s",
+			n, p.Stats().PassThrough, strings.Join(lines, "\n"))
 	}
 }

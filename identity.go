@@ -121,7 +121,7 @@ type identity struct {
 
 	// connectHeader is sent with every CONNECT request to a proxy. For a
 	// config it is what the caller declared its wrappers set
-	// (DeclareWrappers), so client-go's transport, where a client keeps it,
+	// (WrapDeclared and the like), so client-go's transport, where a client keeps it,
 	// gets it the same way.
 	connectHeader http.Header
 
@@ -267,7 +267,7 @@ func (p *Pool) setProxy(id *identity, cfg *rest.Config, req *http.Request) (prox
 func (p *Pool) undeclaredWrappers(cfg *rest.Config) {
 	p.undeclaredOnce.Do(func() {
 		p.opts.logger.V(2).Info("Config passes through: its WrapTransport holds wrappers the pool cannot read; "+
-			"declare what they do with sharedtransport.DeclareWrappers to share its transport (logged once)", "host", redactHost(cfg.Host))
+			"declare what they do with WrapDeclared, TransportForDeclared or HTTPClientForDeclared to share its transport (logged once)", "host", redactHost(cfg.Host))
 	})
 }
 

@@ -185,7 +185,7 @@ func (h *hook) agrees(rt http.RoundTripper, got *http.Transport, e *entry) bool 
 }
 
 // withWrapperHeader returns what the config's declared CONNECT-header
-// wrapper (DeclareWrappers) would have made of client-go's transport rt had
+// wrapper (WrapDeclared) would have made of client-go's transport rt had
 // the pool's round tripper not been below it: a clone with the header, when
 // rt is the bare *http.Transport such a wrapper clones.
 func (id *identity) withWrapperHeader(rt http.RoundTripper) http.RoundTripper {
