@@ -12,12 +12,10 @@ import (
 	"net/http"
 	"net/url"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
-	"github.com/go-logr/logr/funcr"
 	authenticationv1 "k8s.io/api/authentication/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
@@ -322,14 +320,7 @@ func TestCopyDialDecorator(t *testing.T) {
 func TestLegacyCancelKeepsSharing(t *testing.T) {
 	f := newFixture(t, testserver.Options{})
 	p := newPool(t)
-	cfg := f.srv.RestConfig(f.alice)
-	if err := p.Wrap(cfg); err != nil {
-		t.Fatal(err)
-	}
-	hc, err := rest.HTTPClientFor(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
+	hc := httpClient(t, p, f.srv.RestConfig(f.alice))
 	get := func() {
 		t.Helper()
 		resp, err := hc.Get(f.srv.URL() + "/api/v1/nodes")
@@ -355,14 +346,8 @@ func TestLegacyCancelKeepsSharing(t *testing.T) {
 // wrappers are logged once per pool, at V(2), with the way to share them.
 func TestUndeclaredWrappersLoggedOnce(t *testing.T) {
 	f := newFixture(t, testserver.Options{})
-	var mu sync.Mutex
-	var lines []string
-	logger := funcr.New(func(_, args string) {
-		mu.Lock()
-		defer mu.Unlock()
-		lines = append(lines, args)
-	}, funcr.Options{Verbosity: 2})
-	p := newPool(t, WithLogger(logger))
+	logs := &logLines{}
+	p := newPool(t, WithLogger(logs.loggerAt(2)))
 	for range 3 {
 		cfg := f.srv.RestConfig(f.alice)
 		cfg.Wrap(func(rt http.RoundTripper) http.RoundTripper { return rt })
@@ -370,16 +355,8 @@ func TestUndeclaredWrappersLoggedOnce(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	mu.Lock()
-	defer mu.Unlock()
-	n := 0
-	for _, l := range lines {
-		if strings.Contains(l, "WrapDeclared") {
-			n++
-		}
-	}
-	if n != 1 || p.Stats().PassThrough != 3 {
-		t.Errorf("3 configs with undeclared wrappers: %d log lines naming WrapDeclared, %d passed through; want 1 and 3\n%s",
-			n, p.Stats().PassThrough, strings.Join(lines, "\n"))
+	if n := logs.count("WrapDeclared"); n != 1 || p.Stats().PassThrough != 3 {
+		t.Errorf("3 configs with undeclared wrappers: %d log lines naming WrapDeclared, %d passed through; want 1 and 3",
+			n, p.Stats().PassThrough)
 	}
 }

@@ -24,7 +24,6 @@ import (
 	"sync/atomic"
 
 	utilnet "k8s.io/apimachinery/pkg/util/net"
-	"k8s.io/apimachinery/third_party/forked/golang/netutil"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/transport"
 )
@@ -152,10 +151,9 @@ type sharing struct {
 	// function was asked about: only requests to it ride the shared
 	// transport.
 	onlyHost string
-	// firstHop is the address the identity's transport dials for the
-	// config's host: its proxy's (the config's route, or the environment's),
-	// or the server's.
-	firstHop string
+	// host is a request to the config's host, built once: what its Proxy
+	// function and the shared transport's proxy are asked about.
+	host *http.Request
 }
 
 // sharingFor computes what the pool makes of cfg. share is false for configs
@@ -173,6 +171,7 @@ func (p *Pool) sharingFor(cfg *rest.Config, g given) (s sharing, share bool, err
 	if err != nil {
 		return s, false, err
 	}
+	s.host = req
 	if s.tc, err = cfg.TransportConfig(); err != nil {
 		return s, false, fmt.Errorf("sharedtransport: %w", err)
 	}
@@ -180,23 +179,7 @@ func (p *Pool) sharingFor(cfg *rest.Config, g given) (s sharing, share bool, err
 		s.onlyHost = req.URL.Host
 	}
 	s.id, share, err = p.identityOf(cfg, s.tc, g, req)
-	if share {
-		s.firstHop = s.id.firstHop(req)
-	}
 	return s, share, err
-}
-
-// firstHop returns the address the identity's transport dials for req: its
-// proxy's, or req's host's.
-func (id *identity) firstHop(req *http.Request) string {
-	proxy := id.proxy
-	if proxy == nil {
-		proxy = utilnet.NewProxierWithNoProxyCIDR(http.ProxyFromEnvironment)
-	}
-	if u, err := proxy(req); err == nil && u != nil {
-		return netutil.CanonicalAddr(u)
-	}
-	return netutil.CanonicalAddr(req.URL)
 }
 
 // identityOf computes the identity of cfg, whose transport config is tc.

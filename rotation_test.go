@@ -578,12 +578,15 @@ type logLines struct {
 	lines []string
 }
 
-func (l *logLines) logger() klog.Logger {
+func (l *logLines) logger() klog.Logger { return l.loggerAt(0) }
+
+// loggerAt also collects messages logged at V(v) and below.
+func (l *logLines) loggerAt(v int) klog.Logger {
 	return funcr.New(func(prefix, args string) {
 		l.mu.Lock()
 		l.lines = append(l.lines, args)
 		l.mu.Unlock()
-	}, funcr.Options{})
+	}, funcr.Options{Verbosity: v})
 }
 
 func (l *logLines) count(msg string) int {

@@ -121,7 +121,7 @@ func (p *Pool) wrap(cfg *rest.Config, g given) error {
 	if err != nil {
 		return err
 	}
-	h, err := p.newHook(s, cfg)
+	h, err := p.newHook(s, cfg, l.e.current.Load())
 	if err != nil {
 		return err
 	}

@@ -167,11 +167,12 @@ type clientGoLater struct {
 
 func (l *clientGoLater) get() (http.RoundTripper, error) {
 	l.once.Do(func() {
-		l.rt, l.err = clientGoTransport(l.tc)
-		if l.err != nil {
-			l.err = fmt.Errorf("sharedtransport: client-go's transport for requests to other hosts than the config's: %w", l.err)
+		rt, err := clientGoTransport(l.tc)
+		if err != nil {
+			l.err = fmt.Errorf("sharedtransport: client-go's transport for requests to other hosts than the config's: %w", err)
+			return
 		}
-		l.rt = l.id.withWrapperHeader(l.rt)
+		l.rt = l.id.withWrapperHeader(rt)
 		l.built.Store(l.err == nil)
 	})
 	return l.rt, l.err

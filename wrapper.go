@@ -24,6 +24,7 @@ import (
 	"weak"
 
 	utilnet "k8s.io/apimachinery/pkg/util/net"
+	"k8s.io/apimachinery/third_party/forked/golang/netutil"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/transport"
 )
@@ -79,9 +80,9 @@ type hook struct {
 	cachedFor *generation       // the generation current when cached was asked for
 }
 
-// newHook prepares the hook for cfg, whose identity is id. For a config
-// client-go does not cache it installs the pool's dialer in cfg.
-func (p *Pool) newHook(s sharing, cfg *rest.Config) (*hook, error) {
+// newHook prepares the hook for cfg, whose identity is s.id and transport g.
+// For a config client-go does not cache it installs the pool's dialer in cfg.
+func (p *Pool) newHook(s sharing, cfg *rest.Config, g *generation) (*hook, error) {
 	h := &hook{pool: p, id: s.id, onlyHost: s.onlyHost}
 	if cfg.Proxy == nil && cfg.Dial == nil {
 		h.base = s.tc
@@ -94,8 +95,20 @@ func (p *Pool) newHook(s sharing, cfg *rest.Config) (*hook, error) {
 	}
 	h.dialer = &poolDialer{dial: cfg.Dial}
 	cfg.Dial = h.dialer.DialContext
-	h.firstHop = s.firstHop
+	h.firstHop = firstHop(g.transport, s.host)
 	return h, nil
+}
+
+// firstHop returns the address t dials for req: its proxy's, or req's
+// host's. The shared transport's proxy is the config's route, or the
+// environment's as client-go reads it.
+func firstHop(t *http.Transport, req *http.Request) string {
+	if t.Proxy != nil {
+		if u, err := t.Proxy(req); err == nil && u != nil {
+			return netutil.CanonicalAddr(u)
+		}
+	}
+	return netutil.CanonicalAddr(req.URL)
 }
 
 // clientGoTransport returns the transport client-go builds (or takes from
