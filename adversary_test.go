@@ -924,18 +924,24 @@ func TestAdversaryProxyTokenAsUserName(t *testing.T) {
 			p := newPool(t)
 			cfg := f.srv.RestConfig(f.alice)
 			cfg.Proxy = http.ProxyURL(proxyURL)
-			if err := p.Wrap(cfg); err != nil {
+			rt, err := p.TransportFor(cfg)
+			if err != nil {
 				t.Fatal(err)
 			}
 			// A config whose Proxy fails passes through, and its Host is
-			// logged.
+			// logged; Wrap passes a config with a Proxy through, and logs
+			// its Host too.
 			failing := f.srv.RestConfig(f.alice)
 			failing.Host = "https://" + userInfo + "@" + strings.TrimPrefix(failing.Host, "https://")
 			failing.Proxy = func(*http.Request) (*url.URL, error) { return nil, fmt.Errorf("no route") }
+			if _, err := p.TransportFor(failing); err != nil {
+				t.Fatal(err)
+			}
 			if err := p.Wrap(failing); err != nil {
 				t.Fatal(err)
 			}
 			identities := fmt.Sprintf("%+v", p.Identities())
+			runtime.KeepAlive(rt)
 			if !strings.Contains(identities, "127.0.0.1:3128") {
 				t.Fatalf("Identities names no proxy (the test's premise is wrong): %s", identities)
 			}

@@ -34,22 +34,18 @@ func churnConfig(f *fixture, i int) *rest.Config {
 	return cfg
 }
 
-// churn wraps n new identities and builds an HTTP client from each (which
-// runs the hook), keeping the configs (and so the identities) when keep is
-// set.
-func churn(t testing.TB, p *Pool, f *fixture, from, n int, keep bool) []*rest.Config {
+// churn builds an HTTP client over p for each of n new identities, keeping
+// the clients (and so the identities) when keep is set.
+func churn(t testing.TB, p *Pool, f *fixture, from, n int, keep bool) []*http.Client {
 	t.Helper()
-	var kept []*rest.Config
+	var kept []*http.Client
 	for i := from; i < from+n; i++ {
-		cfg := churnConfig(f, i)
-		if err := p.Wrap(cfg); err != nil {
-			t.Fatal(err)
-		}
-		if _, err := rest.HTTPClientFor(cfg); err != nil {
+		hc, err := p.HTTPClientFor(churnConfig(f, i))
+		if err != nil {
 			t.Fatal(err)
 		}
 		if keep {
-			kept = append(kept, cfg)
+			kept = append(kept, hc)
 		}
 	}
 	return kept

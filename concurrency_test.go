@@ -258,14 +258,9 @@ func (r *raceRound) spawnFresh(loop string) {
 		kind := raceKinds[rnd.IntN(len(raceKinds))]
 		cfg := r.h.newConfig(kind)
 		start := r.begin()
-		err := r.p.WrapDeclared(cfg, Wrappers{}) // the tag leaves connections alone
+		cs, err := declaredClientset(r.p, cfg, Wrappers{}) // the tag leaves connections alone
 		r.end(start, "Wrap", loop, wrapCall, err)
 		if err != nil {
-			return
-		}
-		cs, err := kubernetes.NewForConfig(cfg)
-		if err != nil {
-			r.fail("NewForConfig", err)
 			return
 		}
 		start = r.begin()
@@ -282,10 +277,7 @@ func (r *raceRound) spawnFresh(loop string) {
 // their requests, and once Close has returned each must fail.
 func (r *raceRound) spawnLongLived(t *testing.T, kind string) {
 	cfg := r.h.newConfig(kind)
-	if err := r.p.WrapDeclared(cfg, Wrappers{}); err != nil {
-		t.Fatal(err)
-	}
-	cs, err := kubernetes.NewForConfig(cfg)
+	cs, err := declaredClientset(r.p, cfg, Wrappers{})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -54,10 +54,11 @@ func Example() {
 			log.Fatal(err)
 		}
 		cfg.Proxy = func(*http.Request) (*url.URL, error) { return nil, nil }
-		if err := pool.Wrap(cfg); err != nil { // the one added line
+		httpClient, err := pool.HTTPClientFor(cfg) // instead of client-go's own
+		if err != nil {
 			log.Fatal(err)
 		}
-		clientset, err := kubernetes.NewForConfig(cfg)
+		clientset, err := kubernetes.NewForConfigAndClient(cfg, httpClient)
 		if err != nil {
 			log.Fatal(err)
 		}

@@ -53,13 +53,15 @@ func checkExecRotation(t *testing.T, opts ...Option) {
 			p := newPool(t, append([]Option{WithDialIdentity(func(*rest.Config) string { return "plain" })}, opts...)...)
 			cfg := f.srv.RestConfig(nil)
 			cfg.ExecProvider = exec
+			// A config with its own Dial: HTTPClientFor, as Wrap passes it
+			// through.
+			var cs kubernetes.Interface
 			if customDial {
 				cfg.Dial = (&net.Dialer{}).DialContext
+				cs, err = pooledClientset(p, cfg)
+			} else {
+				cs, err = wrapped(cfg, p.Wrap)
 			}
-			if err := p.Wrap(cfg); err != nil {
-				t.Fatal(err)
-			}
-			cs, err := kubernetes.NewForConfig(cfg)
 			if err != nil {
 				t.Fatal(err)
 			}

@@ -334,12 +334,12 @@ func TestGoaway(t *testing.T) {
 		f := newFixture(t, testserver.Options{GoawayChance: 0.3})
 		kubeconfig := f.kubeconfig(t, "alice", f.alice).Kubeconfig
 		start := time.Now()
-		seedLoad(t, workers, requests, func() (*rest.Config, error) {
+		seedLoad(t, workers, requests, func() (kubernetes.Interface, error) {
 			cfg, err := clientcmd.BuildConfigFromFlags("", kubeconfig)
 			if err != nil {
 				return nil, err
 			}
-			return cfg, wrap(cfg)
+			return wrapped(cfg, wrap)
 		})
 		st := f.srv.Stats()
 		t.Logf("%d requests in %v, all ok; server sent %d GOAWAYs, accepted %d connections, at most %d open at once",

@@ -98,10 +98,18 @@ func burst(t testing.TB, cs kubernetes.Interface, n int) {
 	}))
 }
 
-// httpClient wraps cfg with p and returns an HTTP client built from it by
-// client-go, for requests whose headers a test sets itself.
+// httpClient returns an HTTP client of cfg over p, for requests whose
+// headers a test sets itself: built by client-go from cfg wrapped, or by
+// HTTPClientFor for a config with a Proxy or Dial.
 func httpClient(t testing.TB, p *Pool, cfg *rest.Config) *http.Client {
 	t.Helper()
+	if cfg.Proxy != nil || cfg.Dial != nil {
+		c, err := p.HTTPClientFor(cfg) // Wrap passes such a config through
+		if err != nil {
+			t.Fatal(err)
+		}
+		return c
+	}
 	if err := p.Wrap(cfg); err != nil {
 		t.Fatal(err)
 	}

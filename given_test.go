@@ -26,10 +26,13 @@ import (
 )
 
 // TestAboveTheHookDecorators: a wrapper added after Wrap unwraps a client's
-// round tripper and wraps its Proxy, DialContext or GetClientCertificate in
-// place, in a function of its own that calls the original. It gets
-// client-go's transport for the client, and the client's requests go
-// through what it made of it, as without the pool.
+// round tripper and changes what it finds in place, in a function of its
+// own that calls the original: the proxy, the dialer or the client
+// certificate. It gets client-go's cached transport for the config, and
+// the client's requests go through what it made of it, as without the
+// pool. Without the pool every client of that cache key uses the changed
+// transport from then on: so do the wrapped config's other clients, those
+// built before and after.
 func TestAboveTheHookDecorators(t *testing.T) {
 	f := newFixture(t, testserver.Options{})
 	r := newCopyRig(t, testserver.Options{CA: f.ca})
@@ -37,9 +40,9 @@ func TestAboveTheHookDecorators(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	proxy1, proxy2 := r.proxies[0].Addr(), r.proxies[1].Addr()
 	u2, _ := url.Parse(r.proxies[1].url())
 	serverHost := r.srv.Addr()
+	relay := r.relays[0].dial()
 
 	inPlace := func(change func(*http.Transport)) func(http.RoundTripper) http.RoundTripper {
 		return func(rt http.RoundTripper) http.RoundTripper {
@@ -67,12 +70,12 @@ func TestAboveTheHookDecorators(t *testing.T) {
 		{"DialContext", func(t *http.Transport) {
 			orig := t.DialContext
 			t.DialContext = func(ctx context.Context, network, addr string) (net.Conn, error) {
-				if addr == proxy1 {
-					addr = proxy2
+				if addr == serverHost {
+					return relay(ctx, network, addr)
 				}
 				return orig(ctx, network, addr)
 			}
-		}, observation{CN: "alice", Proto: h2, Gzip: true, Via: "proxy 2"}},
+		}, observation{CN: "alice", Proto: h2, Gzip: true, Via: "relay 1"}},
 		{"GetClientCertificate", func(t *http.Transport) {
 			orig := t.TLSClientConfig.GetClientCertificate
 			t.TLSClientConfig.GetClientCertificate = func(cri *tls.CertificateRequestInfo) (*tls.Certificate, error) {
@@ -81,18 +84,30 @@ func TestAboveTheHookDecorators(t *testing.T) {
 				}
 				return &bob, nil
 			}
-		}, observation{CN: "bob", Proto: h2, Gzip: true, Via: "proxy 1"}},
+		}, observation{CN: "bob", Proto: h2, Gzip: true, Via: "direct"}},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
+			// A certificate of its own: client-go's cached transport for
+			// it is this case's alone to change.
+			alice, err := f.ca.IssueClient("alice")
+			if err != nil {
+				t.Fatal(err)
+			}
 			p := newPool(t)
-			pair := wrapPair(t, p, func() *rest.Config {
-				cfg := r.srv.RestConfig(f.alice)
-				cfg.Proxy = proxyTo(r.proxies[0])
-				return cfg
-			})
-			r.check(t, pair, &observation{CN: "alice", Proto: h2, Gzip: true, Via: "proxy 1"})
+			pair := wrapPair(t, p, func() *rest.Config { return r.srv.RestConfig(alice) })
+			before := [2]*rigClient{r.client(pair.wrapped), r.client(pair.control)}
+			if got, control := before[0].observe(), before[1].observe(); got != control || control.Via != "direct" {
+				t.Fatalf("before: through the pool %+v, client-go alone %+v (direct)", got, control)
+			}
+			if st := p.Stats(); st.PassThrough != 0 {
+				t.Fatalf("pool %+v: the wrapped config's clients do not share, the test tests nothing", st)
+			}
 			r.check(t, pair.copies(func(cfg *rest.Config) { cfg.Wrap(inPlace(c.change)) }), &c.want)
+			if got, control := before[0].observe(), before[1].observe(); got != control || control != c.want {
+				t.Errorf("a client built before: through the pool %+v, client-go alone %+v (want %+v)", got, control, c.want)
+			}
+			r.check(t, pair, &c.want)
 		})
 	}
 }
@@ -282,35 +297,6 @@ func observeCN(f *fixture, cfg *rest.Config) (seen string) {
 type rtFunc func(*http.Request) (*http.Response, error)
 
 func (f rtFunc) RoundTrip(req *http.Request) (*http.Response, error) { return f(req) }
-
-// TestCopyDialDecorator: a copy of a wrapped config with Proxy whose Dial
-// sends the proxy's address elsewhere and then calls the config's own Dial
-// (the pool's dialer) reaches the server the way client-go alone takes it.
-func TestCopyDialDecorator(t *testing.T) {
-	f := newFixture(t, testserver.Options{})
-	r := newCopyRig(t, testserver.Options{CA: f.ca})
-	proxy1, proxy2 := r.proxies[0].Addr(), r.proxies[1].Addr()
-	pair := wrapPair(t, newPool(t), func() *rest.Config {
-		cfg := r.srv.RestConfig(f.alice)
-		cfg.Proxy = proxyTo(r.proxies[0])
-		return cfg
-	})
-	r.check(t, pair, &observation{CN: "alice", Proto: h2, Gzip: true, Via: "proxy 1"})
-	cp := pair.copies(func(c *rest.Config) {
-		orig := c.Dial
-		c.Dial = func(ctx context.Context, network, addr string) (net.Conn, error) {
-			if addr == proxy1 {
-				addr = proxy2
-			}
-			if orig != nil {
-				return orig(ctx, network, addr)
-			}
-			var d net.Dialer
-			return d.DialContext(ctx, network, addr)
-		}
-	})
-	r.check(t, cp, &observation{CN: "alice", Proto: h2, Gzip: true, Via: "proxy 2"})
-}
 
 // TestLegacyCancelKeepsSharing: net/http cancels a request that runs into
 // http.Client.Timeout through CancelRequest when its timer fires first, and

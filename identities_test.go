@@ -11,6 +11,8 @@ import (
 	"testing"
 	"time"
 
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 	"k8s.io/klog/v2"
 
@@ -72,15 +74,13 @@ func TestIdentitySnapshot(t *testing.T) {
 	defer cancel()
 
 	dir := newCertDir(t, secretVolume, f.alice, f.ca.CertPEM())
-	fileCfg, _ := dir.wrapped(t, p, f.srv.URL())
+	_, fileCS := dir.wrapped(t, p, f.srv.URL())
 	proxy := newConnectProxy(t)
 	password := randomSecret(t, "proxy-password-")
 	proxyCfg := f.srv.RestConfig(f.bob)
 	proxyURL, _ := url.Parse("http://someone:" + password + "@" + proxy.Addr())
 	proxyCfg.Proxy = http.ProxyURL(proxyURL)
-	if err := p.Wrap(proxyCfg); err != nil {
-		t.Fatal(err)
-	}
+	proxyCS := mustPooled(t, p, proxyCfg)
 	isFile := func(i IdentityInfo) bool { return len(i.Files) > 0 }
 	isProxy := func(i IdentityInfo) bool { return strings.Contains(i.Proxy, proxy.Addr()) }
 
@@ -90,8 +90,8 @@ func TestIdentitySnapshot(t *testing.T) {
 	send := func(n int) {
 		t.Helper()
 		for range n {
-			for _, cfg := range []*rest.Config{fileCfg, proxyCfg} {
-				if err := listNodes(ctx, cfg); err != nil {
+			for _, cs := range []kubernetes.Interface{fileCS, proxyCS} {
+				if _, err := cs.CoreV1().Nodes().List(ctx, metav1.ListOptions{}); err != nil {
 					t.Fatal(err)
 				}
 			}

@@ -21,7 +21,6 @@ import (
 	"path/filepath"
 	"slices"
 	"sync"
-	"sync/atomic"
 
 	utilnet "k8s.io/apimachinery/pkg/util/net"
 	"k8s.io/client-go/rest"
@@ -105,12 +104,6 @@ type identity struct {
 	key identityKey
 
 	nextProtos []string
-	// alpn is the protocol list client-go's own transport for the identity
-	// offers once HTTP/2 is configured, and http2 whether it speaks HTTP/2:
-	// what a client-go transport handed to the hook must do to be this
-	// identity's.
-	alpn  []string
-	http2 bool
 
 	// Inline material, fixed for the identity; files (key.caFile ...) are
 	// watched and reloaded.
@@ -203,9 +196,8 @@ func (p *Pool) identityOf(cfg *rest.Config, tc *transport.Config, g given, req *
 			getCert:            tc.TLS.GetCertHolder,
 		},
 		nextProtos: tc.TLS.NextProtos,
-		alpn:       clientGoALPN(tc.TLS.NextProtos, hasTLS),
 	}
-	id.setHTTP2(hasTLS)
+	id.key.noHTTP2 = noHTTP2()
 	if err := id.setMaterial(tc); err != nil {
 		return nil, false, err
 	}
@@ -251,6 +243,17 @@ func (p *Pool) undeclaredWrappers(cfg *rest.Config) {
 	p.undeclaredOnce.Do(func() {
 		p.opts.logger.V(2).Info("Config passes through: its WrapTransport holds wrappers the pool cannot read; "+
 			"declare what they do with WrapDeclared, TransportForDeclared or HTTPClientForDeclared to share its transport (logged once)", "host", redactHost(cfg.Host))
+	})
+}
+
+// functionsPassThrough counts a config Wrap leaves to client-go for its Proxy
+// or Dial function, and logs the first of them once per pool with how to
+// share it.
+func (p *Pool) functionsPassThrough(cfg *rest.Config) {
+	p.stats.passThrough.Add(1)
+	p.functionsOnce.Do(func() {
+		p.opts.logger.V(2).Info("Config passes through Wrap: it has a Proxy or Dial function, which the hook cannot tell from a copy's; "+
+			"build its clients with HTTPClientFor or TransportFor to share its transport (logged once)", "host", redactHost(cfg.Host))
 	})
 }
 
@@ -321,48 +324,10 @@ func (p *Pool) setDialer(id *identity, cfg *rest.Config, tc *transport.Config) (
 	return name, true
 }
 
-// setHTTP2 decides, once, whether the identity's transports speak HTTP/2:
-// where client-go's would now (not under DISABLE_HTTP2, not for a protocol
-// list without h2).
-func (id *identity) setHTTP2(hasTLS bool) {
-	id.key.noHTTP2 = os.Getenv("DISABLE_HTTP2") != ""
-	id.http2 = hasTLS && !id.key.noHTTP2 && (len(id.nextProtos) == 0 || slices.Contains(id.nextProtos, "h2"))
-}
-
-// clientGoALPN returns the protocols a transport client-go builds for
-// nextProtos offers once utilnet.SetTransportDefaults configured HTTP/2
-// (DISABLE_HTTP2 included).
-// Configuring HTTP/2 on a transport is most of what computing an identity
-// costs, and TransportFor computes one per config: the answer is kept per
-// protocol list and DISABLE_HTTP2 (callers do not modify it).
-func clientGoALPN(nextProtos []string, hasTLS bool) []string {
-	if !hasTLS {
-		return nil
-	}
-	k := alpnKey{nextProtos: lengthPrefixed(nextProtos), noHTTP2: os.Getenv("DISABLE_HTTP2") != ""}
-	if v, ok := alpnCache.Load(k); ok {
-		return v.([]string)
-	}
-	t := utilnet.SetTransportDefaults(&http.Transport{TLSClientConfig: &tls.Config{NextProtos: slices.Clone(nextProtos)}})
-	alpn := settledALPN(t)
-	if alpnCached.Add(1) <= maxALPNCached {
-		alpnCache.Store(k, alpn)
-	}
-	return alpn
-}
-
-type alpnKey struct {
-	nextProtos string
-	noHTTP2    bool
-}
-
-// maxALPNCached bounds alpnCache; configs name a few protocol lists at most.
-const maxALPNCached = 64
-
-var (
-	alpnCache  sync.Map // alpnKey -> []string
-	alpnCached atomic.Int64
-)
+// noHTTP2 reports whether DISABLE_HTTP2 is set, which client-go reads
+// whenever it builds a transport; an identity keeps what it was when the
+// identity was computed.
+func noHTTP2() bool { return os.Getenv("DISABLE_HTTP2") != "" }
 
 func lengthPrefixed(list []string) string {
 	var b []byte

@@ -226,24 +226,10 @@ func speaksHTTP2(t *http.Transport) bool {
 // settleProtocols has net/http finish configuring t's protocols before t is
 // shared. Where net/http's own HTTP/2 serves t (t.Protocols set), net/http
 // rewrites t.TLSClientConfig.NextProtos once, at first use; settled, the
-// list can be read without racing that write and compares alike with a
-// settled client-go transport's (see settledALPN). t has no connections
-// yet, so closing its idle ones closes nothing.
+// list can be read without racing that write. t has no connections yet, so
+// closing its idle ones closes nothing.
 func settleProtocols(t *http.Transport) {
 	t.CloseIdleConnections()
-}
-
-// settledALPN returns the protocols t offers in its TLS handshakes, as
-// settleProtocols leaves them. A transport of client-go's may be in use by
-// others: Clone settles it without touching its connections.
-func settledALPN(t *http.Transport) []string {
-	if t.Protocols != nil {
-		t = t.Clone()
-	}
-	if t.TLSClientConfig == nil {
-		return nil
-	}
-	return t.TLSClientConfig.NextProtos
 }
 
 // http1Only returns a copy of tlsConfig that offers HTTP/1.1 alone when the
@@ -283,7 +269,7 @@ func (g *generation) newTransport(id *identity, keepAlive bool, tlsConfig *tls.C
 // configureHTTP2 turns HTTP/2 on for t as utilnet.SetTransportDefaults
 // does (not for an ALPN list without h2), with the same health checks and
 // environment variables. DISABLE_HTTP2 is the identity's decision, made
-// once (identity.setHTTP2), so that every generation of an identity speaks
+// once (identityKey.noHTTP2), so that every generation of an identity speaks
 // what its first did.
 func configureHTTP2(t *http.Transport) {
 	if c := t.TLSClientConfig; c != nil && len(c.NextProtos) > 0 && !slices.Contains(c.NextProtos, http2.NextProtoTLS) {
@@ -467,3 +453,5 @@ func (g *generation) closeIdle() {
 		g.http1.CloseIdleConnections()
 	}
 }
+
+var clientGoDialer = &net.Dialer{Timeout: dialTimeout, KeepAlive: tcpKeepAlive}

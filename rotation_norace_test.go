@@ -4,11 +4,11 @@ package sharedtransport
 
 // client-go's certificate-file callback (transport/cert_rotation.go) reads
 // the certificate it cached outside its lock, and its refresher retries at
-// once while a key does not match: under the race detector this test finds
-// that race inside client-go, with or without the pool: a caller that loads
-// the rotated file writes the cache another goroutine read unlocked. The
-// tests here ask that callback across a rotation, and run without -race:
-// in .ci/run's Go 1.27 run and in hack/patched-client-go.sh.
+// once while a key does not match: under the race detector a client-go
+// transport of a files + Proxy config (the controls here) finds that race
+// inside client-go across a rotation, with or without the pool. These tests
+// run without -race: in .ci/run's Go 1.27 run and in
+// hack/patched-client-go.sh.
 
 import (
 	"context"
@@ -22,15 +22,15 @@ import (
 	"github.com/sharedtransport/sharedtransport/internal/testserver"
 )
 
-// TestRotationFilesProxyBadKey: a wrapped config with certificate files and a
-// Proxy function (client-go builds each client a transport of its own) lives
-// through a key that stops matching its certificate and then a rotation: its
-// client's requests keep working with the last good pair, and after the
-// rotation it presents the new certificate. hack/patched-client-go.sh
+// TestRotationFilesProxyBadKey: a client from HTTPClientFor of a config with
+// certificate files and a Proxy function lives through a key that stops
+// matching its certificate and then a rotation: its requests keep working
+// with the last good pair, and after the rotation it presents the new
+// certificate. hack/patched-client-go.sh
 // runs it against a client-go whose unexported structs carry extra fields.
 func TestRotationFilesProxyBadKey(t *testing.T) {
-	rec, f, p, d, cfg := wrappedFilesProxy(t, renameOver)
-	cs := mustClientset(t, cfg)
+	rec, f, p, d, cfg := filesProxy(t, renameOver)
+	cs := mustPooled(t, p, cfg)
 	list := func(c kubernetes.Interface) { t.Helper(); listNodesOf(t, c) }
 	list(cs)
 	// Past client-go's one-second cache of the files, so that what the
@@ -52,39 +52,10 @@ func TestRotationFilesProxyBadKey(t *testing.T) {
 	})
 }
 
-// TestRotationClientCatchesUp: a client of a files + Proxy config built
-// before a rotation keeps client-go's own transport after it (the pool asks
-// client-go's certificate-file callback once per generation): its requests
-// go on as client-go alone sends them. A client built after the rotation
-// rides the pool's transport and presents the new certificate.
-func TestRotationClientCatchesUp(t *testing.T) {
-	rec, f, p, d, cfg := wrappedFilesProxy(t, secretVolume)
-	list := func(cs kubernetes.Interface) { t.Helper(); listNodesOf(t, cs) }
-	cs := mustClientset(t, cfg)
-	list(cs)
-	d.write(t, f.bob, f.ca.CertPEM())
-	waitFor(t, "the pool takes the new files into use", func() bool { return p.Stats().Rotations == 1 })
-	passed := p.Stats().PassThrough
-	list(cs) // client-go's own transport from now on
-	if got := p.Stats().PassThrough; got != passed+1 {
-		t.Errorf("Stats.PassThrough went from %d to %d after the rotation, want the old client counted once", passed, got)
-	}
-	time.Sleep(certSettle + 300*time.Millisecond) // past client-go's cache of the files
-	settled := time.Now()
-	fresh := mustClientset(t, cfg)
-	for range 3 {
-		list(fresh)
-	}
-	seen := rec.cnsSince(settled)
-	if seen["bob"] != 3 || len(seen) != 1 {
-		t.Errorf("a client built after the rotation: the server saw requests from %v, want 3 from bob", seen)
-	}
-}
-
-// wrappedFilesProxy is alice's certificate files written as layout, and a
-// config of them with a Proxy function wrapped by a pool that does not poll;
-// rec records who the server saw.
-func wrappedFilesProxy(t *testing.T, layout string) (*cnRecorder, *fixture, *Pool, *certDir, *rest.Config) {
+// filesProxy is alice's certificate files written as layout, a config of
+// them with a Proxy function, and a pool that does not poll; rec records who
+// the server saw.
+func filesProxy(t *testing.T, layout string) (*cnRecorder, *fixture, *Pool, *certDir, *rest.Config) {
 	t.Helper()
 	rec := &cnRecorder{}
 	f := newFixture(t, testserver.Options{OnRequest: rec.record})
@@ -92,17 +63,7 @@ func wrappedFilesProxy(t *testing.T, layout string) (*cnRecorder, *fixture, *Poo
 	d := newCertDir(t, layout, f.alice, f.ca.CertPEM())
 	cfg := d.config(f.srv.URL())
 	cfg.Proxy = nilProxy
-	if err := p.Wrap(cfg); err != nil {
-		t.Fatal(err)
-	}
 	return rec, f, p, d, cfg
-}
-
-func listNodesOf(t *testing.T, cs kubernetes.Interface) {
-	t.Helper()
-	if _, err := cs.CoreV1().Nodes().List(context.Background(), metav1.ListOptions{}); err != nil {
-		t.Fatal(err)
-	}
 }
 
 // TestRotationFilesProxyNoLostRequest: a files + Proxy client, one request,
@@ -110,13 +71,14 @@ func listNodesOf(t *testing.T, cs kubernetes.Interface) {
 // the client's next request is served, through the pool as through
 // client-go alone (the control, on a twin of the files). Run with -count=5:
 // on 387e204 the pool's question to client-go's certificate-file callback
-// made that callback close the connection the request was about to use.
+// made that callback close the connection the request was about to use;
+// the pool now asks no callback of client-go's.
 func TestRotationFilesProxyNoLostRequest(t *testing.T) {
-	_, f, p, d, cfg := wrappedFilesProxy(t, renameOver)
+	_, f, p, d, cfg := filesProxy(t, renameOver)
 	twin := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
 	control := twin.config(f.srv.URL())
 	control.Proxy = nilProxy
-	clients := map[string]kubernetes.Interface{"through the pool": mustClientset(t, cfg), "client-go alone": mustClientset(t, control)}
+	clients := map[string]kubernetes.Interface{"through the pool": mustPooled(t, p, cfg), "client-go alone": mustClientset(t, control)}
 	for _, cs := range clients {
 		listNodesOf(t, cs)
 	}

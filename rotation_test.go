@@ -695,9 +695,7 @@ func TestRotationHalfFromFiles(t *testing.T) {
 		// clientset, which reads the CA file anew: only the server's count
 		// of connections tells the pool's transport from client-go's.
 		cfg.Proxy = nilProxy
-		if err := p.Wrap(cfg); err != nil {
-			t.Fatal(err)
-		}
+		listNodes := func(ctx context.Context, cfg *rest.Config) error { return listPooled(ctx, p, cfg) }
 		start := time.Now()
 		if err := listNodes(ctx, cfg); err == nil {
 			t.Fatal("a CA that did not issue the server's certificate verified it")
@@ -709,8 +707,7 @@ func TestRotationHalfFromFiles(t *testing.T) {
 		if _, ok := rec.firstSince("carol", start); !ok {
 			t.Error("the server saw no request from carol")
 		}
-		// client-go's own transport may carry the first requests: it
-		// reads the CA file anew, the pool once its watch fired.
+		// The pool's transport reads the CA file once its watch fired.
 		waitFor(t, "the pool reloads the CA file", func() bool { return p.Stats().Rotations == 1 })
 		f.srv.ResetStats()
 		for range 3 {
@@ -754,6 +751,33 @@ func TestRotationPresentsNewCertificateAtOnce(t *testing.T) {
 	seen := rec.cnsSince(rotated)
 	if seen["bob"] != 2 || len(seen) != 1 {
 		t.Errorf("after the rotation the server saw requests from %v, want 2 from bob", seen)
+	}
+}
+
+// listPooled lists nodes through a clientset for cfg over p.HTTPClientFor.
+func listPooled(ctx context.Context, p *Pool, cfg *rest.Config) error {
+	cs, err := pooledClientset(p, cfg)
+	if err != nil {
+		return err
+	}
+	_, err = cs.CoreV1().Nodes().List(ctx, metav1.ListOptions{})
+	return err
+}
+
+// mustPooled is a clientset for cfg over p.HTTPClientFor.
+func mustPooled(t testing.TB, p *Pool, cfg *rest.Config) kubernetes.Interface {
+	t.Helper()
+	cs, err := pooledClientset(p, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return cs
+}
+
+func listNodesOf(t testing.TB, cs kubernetes.Interface) {
+	t.Helper()
+	if _, err := cs.CoreV1().Nodes().List(context.Background(), metav1.ListOptions{}); err != nil {
+		t.Fatal(err)
 	}
 }
 

@@ -20,6 +20,8 @@ import (
 	"testing"
 	"time"
 
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 	"k8s.io/klog/v2"
 
@@ -148,11 +150,11 @@ func TestSecretsStaySecret(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	proxyCfg := sc.proxied(t, proxyPassword, proxyCred)
+	proxied := sc.proxied(t, proxyPassword, proxyCred)
 	sc.rotations(t, paths, fileCfg)
 	sc.badMaterial(t, basicCfg, token)
 	sc.printed(t)
-	runtime.KeepAlive([]*rest.Config{fileCfg, basicCfg, execCfg, proxyCfg}) // their identities were printed above
+	runtime.KeepAlive([]any{fileCfg, basicCfg, execCfg, proxied}) // their identities were printed above
 	if err := sc.p.Close(); err != nil {
 		t.Fatal(err)
 	}
@@ -176,21 +178,23 @@ func (sc *secretsScan) note(what string, v any) {
 	}
 }
 
-// proxied wraps a config with a proxy with a password in its URL and a
-// CONNECT header from a Karmada-style wrapper; the proxy is not there, so
-// its request fails.
-func (sc *secretsScan) proxied(t *testing.T, proxyPassword, proxyCred string) *rest.Config {
+// proxied gives the pool a config with a proxy with a password in its URL
+// and a CONNECT header from a Karmada-style wrapper, and returns the client
+// built; the proxy is not there, so its request fails.
+func (sc *secretsScan) proxied(t *testing.T, proxyPassword, proxyCred string) kubernetes.Interface {
 	t.Helper()
 	proxyCfg := sc.f.srv.RestConfig(sc.f.alice)
 	proxyURL, _ := url.Parse("http://proxyuser:" + proxyPassword + "@127.0.0.1:1")
 	proxyCfg.Proxy = http.ProxyURL(proxyURL)
 	header := http.Header{"Proxy-Authorization": {"Basic " + proxyCred}}
 	proxyCfg.WrapTransport = memberproxy.ProxyHeaderWrapper(nil, header)
-	if err := sc.p.WrapDeclared(proxyCfg, Wrappers{ProxyConnectHeader: header}); err != nil {
+	cs, err := declaredClientset(sc.p, proxyCfg, Wrappers{ProxyConnectHeader: header})
+	if err != nil {
 		t.Fatal(err)
 	}
-	sc.note("request through a proxy that is not there", listNodes(sc.ctx, proxyCfg))
-	return proxyCfg
+	_, err = cs.CoreV1().Nodes().List(sc.ctx, metav1.ListOptions{})
+	sc.note("request through a proxy that is not there", err)
+	return cs
 }
 
 // rotations writes bad files over fileCfg's (rejected and logged), then
@@ -380,10 +384,12 @@ func TestHostPasswordRedacted(t *testing.T) {
 	for _, withProxy := range []bool{false, true} {
 		cfg := &rest.Config{Host: "https://admin:" + password + "@127.0.0.1:6443"}
 		cfg.Insecure = true
+		give := p.Wrap
 		if withProxy {
 			cfg.Proxy = nilProxy
+			give = func(cfg *rest.Config) error { _, err := p.TransportFor(cfg); return err } // Wrap passes it through
 		}
-		err := p.Wrap(cfg)
+		err := give(cfg)
 		if err == nil {
 			t.Fatalf("Proxy %v: Wrap accepted a Host that does not parse", withProxy)
 		}

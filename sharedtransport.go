@@ -31,8 +31,7 @@ var ErrClosed = errors.New("sharedtransport: pool is closed")
 // Locks are taken in this order, never the other way: a hook's mu (wrapper.go),
 // then the pool's mu, then an entry's mu (entry.go), then the watcher's and
 // the file reader's (rotation.go, material.go), then a generation's and a
-// host's (the connection layer). A client's checkMu is held alone, across
-// its own certificate callback only.
+// host's (the connection layer).
 type Pool struct {
 	opts   options
 	group  singleflight.Group // one build per identity under concurrent first use
@@ -47,7 +46,14 @@ type Pool struct {
 	closeOnce sync.Once
 	closeErr  error // what the first Close returned
 
+	// given holds client-go's cached transports that a wrapper above a hook
+	// was handed (clientTransport.WrappedRoundTripper); givenAny says
+	// whether there is any, so that requests need not look.
+	given    sync.Map // http.RoundTripper -> struct{}
+	givenAny atomic.Bool
+
 	undeclaredOnce sync.Once // logs the first config passed through for undeclared wrappers
+	functionsOnce  sync.Once // logs the first config Wrap passes through for its Proxy or Dial
 }
 
 // New returns a pool configured by opts.
@@ -92,12 +98,17 @@ func (p *Pool) BuildConfigFromFlags(masterURL, kubeconfigPath string) (*rest.Con
 // hook as the innermost of cfg.WrapTransport, so wrappers set before or after
 // Wrap still see every request, and it never sets cfg.Transport.
 //
-// Configs the pool cannot share pass through untouched and are counted in
-// [Stats].PassThrough: a config with its own Transport, a config client-go
-// would send through [http.DefaultTransport] anyway, a custom Dial without
-// [WithDialIdentity], and a Proxy function that fails.
+// Configs the pool cannot share this way pass through untouched and are
+// counted in [Stats].PassThrough: a config with its own Transport, a config
+// client-go would send through [http.DefaultTransport] anyway, undeclared
+// wrappers (see [Pool.WrapDeclared]), and a config with a Proxy or Dial
+// function. The hook sees only the transport client-go built for a client,
+// and for such a config client-go builds one per client whose functions
+// cannot be compared with the wrapped config's: share those with
+// [Pool.HTTPClientFor] or [Pool.TransportFor], which are given the config.
 //
-// Wrap reads the certificate, key and CA files cfg names, and returns an
+// For a config it shares, Wrap reads the certificate, key and CA files cfg
+// names, and returns an
 // error naming the file when one is missing, unreadable or invalid.
 func (p *Pool) Wrap(cfg *rest.Config) error { return p.wrap(cfg, given{}) }
 
@@ -108,6 +119,10 @@ func (p *Pool) WrapDeclared(cfg *rest.Config, w Wrappers) error { return p.wrap(
 func (p *Pool) wrap(cfg *rest.Config, g given) error {
 	if p.isClosed() {
 		return ErrClosed
+	}
+	if cfg != nil && cfg.Transport == nil && (cfg.Proxy != nil || cfg.Dial != nil) {
+		p.functionsPassThrough(cfg)
+		return nil
 	}
 	s, share, err := p.sharingFor(cfg, g)
 	if err != nil {
@@ -121,7 +136,7 @@ func (p *Pool) wrap(cfg *rest.Config, g given) error {
 	if err != nil {
 		return err
 	}
-	h, err := p.newHook(s, cfg, l.e.current.Load())
+	h, err := p.newHook(s)
 	if err != nil {
 		return err
 	}

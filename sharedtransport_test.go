@@ -104,24 +104,62 @@ func listNodes(ctx context.Context, cfg *rest.Config) error {
 func nilProxy(*http.Request) (*url.URL, error) { return nil, nil }
 
 // seedLoad is the seed's load: workers x requests, each request through a
-// fresh rest.Config (from the kubeconfig file) and a fresh clientset.
-func seedLoad(t testing.TB, workers, requests int, newConfig func() (*rest.Config, error)) {
+// fresh rest.Config (from the kubeconfig file) and a fresh clientset, which
+// newClient builds.
+func seedLoad(t testing.TB, workers, requests int, newClient func() (kubernetes.Interface, error)) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	requireNoErrors(t, runClients(workers, requests, func(int, int) error {
-		cfg, err := newConfig()
+		cs, err := newClient()
 		if err != nil {
 			return err
 		}
-		return listNodes(ctx, cfg)
+		_, err = cs.CoreV1().Nodes().List(ctx, metav1.ListOptions{})
+		return err
 	}))
+}
+
+// wrapped returns a clientset for cfg after wrap(cfg).
+func wrapped(cfg *rest.Config, wrap func(*rest.Config) error) (kubernetes.Interface, error) {
+	if err := wrap(cfg); err != nil {
+		return nil, err
+	}
+	return kubernetes.NewForConfig(cfg)
+}
+
+// pooledClientset returns a clientset for cfg over p.HTTPClientFor, the
+// entry point for a config with a Proxy or Dial function.
+func pooledClientset(p *Pool, cfg *rest.Config) (kubernetes.Interface, error) {
+	hc, err := p.HTTPClientFor(cfg)
+	if err != nil {
+		return nil, err
+	}
+	return kubernetes.NewForConfigAndClient(cfg, hc)
+}
+
+// declaredClientset hands cfg to p as a caller would, its wrappers declared
+// by w: through HTTPClientForDeclared for a config with a Proxy or Dial
+// (Wrap passes those through), through WrapDeclared otherwise.
+func declaredClientset(p *Pool, cfg *rest.Config, w Wrappers) (*kubernetes.Clientset, error) {
+	if cfg.Proxy != nil || cfg.Dial != nil {
+		hc, err := p.HTTPClientForDeclared(cfg, w)
+		if err != nil {
+			return nil, err
+		}
+		return kubernetes.NewForConfigAndClient(cfg, hc)
+	}
+	if err := p.WrapDeclared(cfg, w); err != nil {
+		return nil, err
+	}
+	return kubernetes.NewForConfig(cfg)
 }
 
 // TestSeedLoad: the seed's load, 100 workers x 20 requests, each through a
 // fresh config and clientset from one kubeconfig. With the pool the server
-// accepts exactly one connection, with Proxy set (Karmada's member configs)
-// or not; client-go alone with Proxy set, the control, one per request.
+// accepts exactly one connection, with Proxy set (Karmada's member configs,
+// through HTTPClientFor) or not (through Wrap); client-go alone with Proxy
+// set, the control, one per request.
 func TestSeedLoad(t *testing.T) {
 	const workers, requests = 100, 20
 	f := newFixture(t, testserver.Options{})
@@ -135,15 +173,16 @@ func TestSeedLoad(t *testing.T) {
 			f.srv.CloseClientConnections()
 			f.srv.ResetStats()
 			p := newPool(t)
-			seedLoad(t, workers, requests, func() (*rest.Config, error) {
+			seedLoad(t, workers, requests, func() (kubernetes.Interface, error) {
 				cfg, err := clientcmd.BuildConfigFromFlags("", kubeconfig)
 				if err != nil {
 					return nil, err
 				}
 				if tc.withProxy {
 					cfg.Proxy = nilProxy
+					return pooledClientset(p, cfg)
 				}
-				return cfg, p.Wrap(cfg)
+				return wrapped(cfg, p.Wrap)
 			})
 			st := f.srv.Stats()
 			t.Logf("with the pool: %d requests, server accepted %d connections, %d full handshakes; pool %+v",
@@ -162,13 +201,13 @@ func TestSeedLoad(t *testing.T) {
 	t.Run("without the pool, proxy set", func(t *testing.T) {
 		f.srv.CloseClientConnections()
 		f.srv.ResetStats()
-		seedLoad(t, workers, requests, func() (*rest.Config, error) {
+		seedLoad(t, workers, requests, func() (kubernetes.Interface, error) {
 			cfg, err := clientcmd.BuildConfigFromFlags("", kubeconfig)
 			if err != nil {
 				return nil, err
 			}
 			cfg.Proxy = nilProxy
-			return cfg, nil
+			return kubernetes.NewForConfig(cfg)
 		})
 		st := f.srv.Stats()
 		t.Logf("client-go alone: %d requests, server accepted %d connections", workers*requests, st.Accepted)
@@ -500,9 +539,9 @@ func TestLifetime(t *testing.T) {
 	const n = 1000
 	live := make([]*rest.Config, 0, n)
 	for i := range n {
-		// Distinct proxies make distinct identities over one server.
+		// Distinct server names make distinct identities over one server.
 		cfg := f.srv.RestConfig(nil)
-		cfg.Proxy = http.ProxyURL(&url.URL{Scheme: "http", Host: fmt.Sprintf("127.0.0.1:%d", 10000+i)})
+		cfg.ServerName = fmt.Sprintf("n%d.example", i)
 		if err := p.Wrap(cfg); err != nil {
 			t.Fatal(err)
 		}
@@ -619,12 +658,11 @@ func TestCloseRaced(t *testing.T) {
 		}
 		return &heldOnClose{Conn: c, closing: func() { signal.Do(func() { close(closing) }) }, release: release}, nil
 	}
-	if err := p.Wrap(cfg); err != nil {
+	cs, err := pooledClientset(p, cfg)
+	if err != nil {
 		t.Fatal(err)
 	}
-	if err := listNodes(context.Background(), cfg); err != nil {
-		t.Fatal(err)
-	}
+	listNodesOf(t, cs)
 
 	first := make(chan error, 1)
 	go func() { first <- p.Close() }()
@@ -646,7 +684,7 @@ func TestCloseRaced(t *testing.T) {
 	if st := p.Stats(); st.OpenConns != 0 {
 		t.Errorf("the pool counts %d open connections once both Closes returned", st.OpenConns)
 	}
-	runtime.KeepAlive(cfg)
+	runtime.KeepAlive(cs)
 }
 
 // heldOnClose is a connection whose Close waits until release is closed.

@@ -13,6 +13,7 @@ import (
 	"fmt"
 	"net/http"
 	"net/url"
+	"reflect"
 	"runtime"
 	"slices"
 	"sync"
@@ -90,7 +91,7 @@ func tlsIdentity(c TLSTransportConfig) (*identity, error) {
 		connectHeader: c.ProxyConnectHeader.Clone(),
 		tlsConfig:     tlsConfig,
 	}
-	id.setHTTP2(true)
+	id.key.noHTTP2 = noHTTP2()
 	proxy := ""
 	if c.Proxy != nil {
 		u := *c.Proxy
@@ -181,4 +182,17 @@ func subjectsDigest(roots *x509.CertPool) [sha256.Size]byte {
 		h.Write(s)
 	}
 	return [sha256.Size]byte(h.Sum(nil))
+}
+
+// tlsFieldBeyond returns the name of the first exported field of c that is
+// set and not in allowed, or "".
+func tlsFieldBeyond(c *tls.Config, allowed []string) string {
+	v := reflect.ValueOf(c).Elem()
+	t := v.Type()
+	for i := range t.NumField() {
+		if f := t.Field(i); f.IsExported() && !slices.Contains(allowed, f.Name) && !v.Field(i).IsZero() {
+			return f.Name
+		}
+	}
+	return ""
 }

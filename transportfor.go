@@ -202,3 +202,32 @@ func (l *clientGoLater) CloseIdleConnections() {
 func (c *configTransport) WrappedRoundTripper() http.RoundTripper { return c.lease }
 
 var _ utilnet.RoundTripperWrapper = &configTransport{}
+
+// sameProxy reports whether two proxy functions send req the same way.
+func sameProxy(got, want func(*http.Request) (*url.URL, error), req *http.Request) bool {
+	if got == nil || want == nil {
+		return (got == nil) == (want == nil)
+	}
+	g, err1 := got(req)
+	w, err2 := want(req)
+	return err1 == nil && err2 == nil && sameURL(g, w)
+}
+
+// sameURL compares two proxy URLs field by field: it runs per request, and
+// String would build two strings each time.
+func sameURL(a, b *url.URL) bool {
+	if a == nil || b == nil || a == b {
+		return a == b
+	}
+	return a.Scheme == b.Scheme && a.Host == b.Host && a.Opaque == b.Opaque && a.Path == b.Path &&
+		a.RawQuery == b.RawQuery && sameUser(a.User, b.User)
+}
+
+func sameUser(a, b *url.Userinfo) bool {
+	if a == nil || b == nil {
+		return a == b
+	}
+	pa, oka := a.Password()
+	pb, okb := b.Password()
+	return a.Username() == b.Username() && pa == pb && oka == okb
+}

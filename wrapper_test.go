@@ -27,6 +27,7 @@ import (
 	"k8s.io/client-go/rest"
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 	"k8s.io/client-go/transport"
+	"k8s.io/klog/v2"
 
 	"github.com/sharedtransport/sharedtransport/internal/memberproxy"
 	"github.com/sharedtransport/sharedtransport/internal/testserver"
@@ -101,10 +102,15 @@ type rigClient struct {
 
 // client builds a clientset from cfg (a copy of it, tagged; cfg is unchanged).
 func (r *copyRig) client(cfg *rest.Config) *rigClient {
+	return r.clientBy(cfg, kubernetes.NewForConfig)
+}
+
+// clientBy is client, with the clientset built by build.
+func (r *copyRig) clientBy(cfg *rest.Config, build func(*rest.Config) (*kubernetes.Clientset, error)) *rigClient {
 	c := &rigClient{r: r, tag: fmt.Sprint("c", r.n.Add(1))}
 	cfg = rest.CopyConfig(cfg)
 	tag(cfg, c.tag, "")
-	c.cs, c.err = kubernetes.NewForConfig(cfg)
+	c.cs, c.err = build(cfg)
 	return c
 }
 
@@ -641,12 +647,18 @@ func (m *copyMaterial) checkCopy(t *testing.T, s copySpec) {
 	if got, control := early[0].observe(), early[1].observe(); got != control {
 		t.Errorf("%s: through the pool %+v, through client-go alone %+v", what, got, control)
 	}
+	functions := pair.wrapped.Proxy != nil || pair.wrapped.Dial != nil
+	if st := p.Stats(); functions && (st.Identities != 0 || st.PassThrough == 0) {
+		t.Errorf("%s: pool %+v, want the original with a Proxy or Dial passed through by Wrap", what, st)
+	}
 	if !s.rotate || d == nil {
 		return
 	}
 	rotations := p.Stats().Rotations
 	d.write(t, m.f.bob, m.f.ca.CertPEM())
-	waitFor(t, "rotation", func() bool { return p.Stats().Rotations > rotations })
+	if !functions {
+		waitFor(t, "rotation", func() bool { return p.Stats().Rotations > rotations })
+	}
 	time.Sleep(certSettle) // past client-go's own certificate cache, so the controls are settled too
 	if got, control := early[0].observe(), early[1].observe(); got != control {
 		t.Errorf("%s, client built before the rotation: through the pool %+v, through client-go alone %+v", what, got, control)
@@ -714,7 +726,6 @@ func TestProxyConnectHeader(t *testing.T) {
 	t.Run("one tunnel for many configs of one identity and header", func(t *testing.T) { proxyHeaderOneTunnel(t, r) })
 	t.Run("client-go alone: a tunnel per config, each with the header", func(t *testing.T) { proxyHeaderClientGoAlone(t, r) })
 	t.Run("other headers, other tunnels", func(t *testing.T) { proxyHeaderOtherHeaders(t, r) })
-	t.Run("a copy for another host keeps the header on client-go's transport", func(t *testing.T) { proxyHeaderCopyOtherHost(t, r) })
 	t.Run("a wrapper that changes more than CONNECT headers passes the config through", func(t *testing.T) { proxyHeaderOwnDialer(t, r) })
 	t.Run("undeclared, the config passes through: a tunnel per config, none refused", func(t *testing.T) { proxyHeaderUndeclared(t, r) })
 	t.Run("declared for TransportFor and HTTPClientFor", func(t *testing.T) { proxyHeaderPerRequest(t, r) })
@@ -818,7 +829,19 @@ func (r *proxyHeaderRig) member(proxy *connectProxy, token string, h http.Header
 // say where requests went.)
 func (r *proxyHeaderRig) mustObserve(t *testing.T, cfg *rest.Config) observation {
 	t.Helper()
-	o := r.observe(cfg)
+	return mustSucceed(t, r.observe(cfg))
+}
+
+// mustObserveDeclared is mustObserve with cfg given to p, h declared.
+func (r *proxyHeaderRig) mustObserveDeclared(t *testing.T, p *Pool, cfg *rest.Config, h http.Header) observation {
+	t.Helper()
+	return mustSucceed(t, r.clientBy(cfg, func(cfg *rest.Config) (*kubernetes.Clientset, error) {
+		return declaredClientset(p, cfg, Wrappers{ProxyConnectHeader: h})
+	}).observe())
+}
+
+func mustSucceed(t *testing.T, o observation) observation {
+	t.Helper()
 	if o.Err != "" {
 		t.Fatalf("%+v", o)
 	}
@@ -841,10 +864,7 @@ func proxyHeaderOneTunnel(t *testing.T, r *proxyHeaderRig) {
 	p := newPool(t)
 	for i := range reconciles {
 		cfg := r.member(proxy, "token-x", proxyCredA)
-		if err := p.WrapDeclared(cfg, Wrappers{ProxyConnectHeader: proxyCredA}); err != nil {
-			t.Fatal(err)
-		}
-		if o := r.mustObserve(t, cfg); o.Token != "token-x" {
+		if o := r.mustObserveDeclared(t, p, cfg, proxyCredA); o.Token != "token-x" {
 			t.Fatalf("reconcile %d: %+v", i, o)
 		}
 	}
@@ -871,16 +891,9 @@ func proxyHeaderClientGoAlone(t *testing.T, r *proxyHeaderRig) {
 func proxyHeaderOtherHeaders(t *testing.T, r *proxyHeaderRig) {
 	proxy := r.newProxy(t)
 	p := newPool(t)
-	a, b := r.member(proxy, "token-x", proxyCredA), r.member(proxy, "token-x", proxyCredB)
-	if err := p.WrapDeclared(a, Wrappers{ProxyConnectHeader: proxyCredA}); err != nil {
-		t.Fatal(err)
-	}
-	if err := p.WrapDeclared(b, Wrappers{ProxyConnectHeader: proxyCredB}); err != nil {
-		t.Fatal(err)
-	}
 	for range 3 {
-		for _, cfg := range []*rest.Config{a, b} {
-			r.mustObserve(t, cfg)
+		for _, h := range []http.Header{proxyCredA, proxyCredB} {
+			r.mustObserveDeclared(t, p, r.member(proxy, "token-x", h), h)
 		}
 	}
 	if n := proxy.Stats().Tunnels; n != 2 {
@@ -896,21 +909,6 @@ func proxyHeaderOtherHeaders(t *testing.T, r *proxyHeaderRig) {
 	if !seen["Basic a"] || !seen["Basic b"] {
 		t.Errorf("tunnels carried %v, want both credentials", seen)
 	}
-}
-
-// proxyHeaderCopyOtherHost is TestProxyConnectHeader's "a copy for another
-// host keeps the header on client-go's transport" case.
-func proxyHeaderCopyOtherHost(t *testing.T, r *proxyHeaderRig) {
-	proxy := r.newProxy(t)
-	p := newPool(t)
-	cfg := r.member(proxy, "token-x", proxyCredA)
-	if err := p.WrapDeclared(cfg, Wrappers{ProxyConnectHeader: proxyCredA}); err != nil {
-		t.Fatal(err)
-	}
-	cp := rest.CopyConfig(cfg)
-	cp.Host = strings.Replace(cp.Host, "127.0.0.1", "localhost", 1)
-	r.mustObserve(t, cp)
-	wantTunnels(t, proxy, 1, "a copy for another host")
 }
 
 // proxyHeaderOwnDialer is TestProxyConnectHeader's "a wrapper that changes
@@ -942,62 +940,54 @@ func proxyHeaderOwnDialer(t *testing.T, r *proxyHeaderRig) {
 	}
 }
 
-// TestWrapProxyOtherHosts: a wrapped config with Proxy shares the pool's
-// connection for its own host only; requests its clients send to another
-// host stay on client-go's transport of each client, as they would without
-// the pool, even where the Proxy sends that host the way the pool's
-// transport would. Counted on both servers.
-func TestWrapProxyOtherHosts(t *testing.T) {
+// TestWrapPassesFunctionsThrough: Wrap leaves a config with a Proxy or Dial
+// function untouched, counts it and logs once how to share it; its clients
+// connect as client-go alone connects (one connection per client, counted by
+// the server), and HTTPClientFor shares them.
+func TestWrapPassesFunctionsThrough(t *testing.T) {
+	logs := captureKlog(t, 2)
 	f := newFixture(t, testserver.Options{})
-	second := f.startServer(t, testserver.Options{})
-	p := newPool(t)
-	const clients = 2
-	for range clients {
-		cfg := f.srv.RestConfig(f.alice)
-		// Direct everywhere, as the environment sends loopback hosts.
-		cfg.Proxy = func(*http.Request) (*url.URL, error) { return nil, nil }
-		if err := p.Wrap(cfg); err != nil {
-			t.Fatal(err)
-		}
-		hc, err := rest.HTTPClientFor(cfg)
-		if err != nil {
-			t.Fatal(err)
-		}
-		for _, u := range []string{f.srv.URL(), second.URL()} {
-			if code, err := getVia(hc.Transport, u+"/version"); err != nil || code != http.StatusOK {
-				t.Fatalf("GET %s/version: %d %v", u, code, err)
+	const clients = 3
+	configs := map[string]func(*rest.Config){
+		"Proxy": func(c *rest.Config) { c.Proxy = nilProxy },
+		"Dial":  func(c *rest.Config) { c.Dial = (&net.Dialer{}).DialContext },
+	}
+	for name, set := range configs {
+		t.Run(name, func(t *testing.T) {
+			p := newPool(t, WithDialIdentity(func(*rest.Config) string { return "plain" }))
+			accepted := func(give func(*rest.Config) kubernetes.Interface) uint64 {
+				f.srv.CloseClientConnections()
+				f.srv.ResetStats()
+				for range clients {
+					cfg := f.srv.RestConfig(f.alice)
+					set(cfg)
+					listNodesOf(t, give(cfg))
+				}
+				return f.srv.Stats().Accepted
 			}
-		}
+			alone := accepted(func(cfg *rest.Config) kubernetes.Interface { return mustClientset(t, cfg) })
+			through := accepted(func(cfg *rest.Config) kubernetes.Interface {
+				if err := p.Wrap(cfg); err != nil {
+					t.Fatal(err)
+				}
+				if cfg.WrapTransport != nil {
+					t.Error("Wrap set WrapTransport on a config with a function")
+				}
+				return mustClientset(t, cfg)
+			})
+			if st := p.Stats(); st.PassThrough != clients || st.Identities != 0 {
+				t.Errorf("pool %+v, want %d configs passed through", st, clients)
+			}
+			shared := accepted(func(cfg *rest.Config) kubernetes.Interface { return mustPooled(t, p, cfg) })
+			if alone != clients || through != alone || shared != 1 {
+				t.Errorf("server accepted %d connections for %d clients through Wrap, %d with client-go alone, %d through HTTPClientFor; want %d, %d, 1",
+					through, clients, alone, shared, clients, clients)
+			}
+		})
 	}
-	if n := f.srv.Stats().Accepted; n != 1 {
-		t.Errorf("the config's host accepted %d connections from %d clients of one identity, want 1", n, clients)
-	}
-	if n := second.Stats().Accepted; n != clients {
-		t.Errorf("the other host accepted %d connections from %d clients, want %d: one per client's own client-go transport", n, clients, clients)
-	}
-}
-
-// TestCopyResentAfterRotation: a request of a copy that matched the old
-// material by content, held until a rotation closed that material's
-// connections, is not resent with the new material: it is checked again, and
-// goes as the copy's own certificate says.
-func TestCopyResentAfterRotation(t *testing.T) {
-	h := newHeldDialRotation(t)
-	if err := h.p.Wrap(h.cfg); err != nil {
-		t.Fatal(err)
-	}
-	// The copy holds alice's bytes inline: the same as the files now.
-	cp := rest.CopyConfig(h.cfg)
-	cp.CertFile, cp.KeyFile, cp.CertData, cp.KeyData = "", "", h.f.alice.CertPEM, h.f.alice.KeyPEM
-	result := make(chan error, 1)
-	go func() { result <- listNodes(context.Background(), cp) }()
-	h.rotateDuringDial(t, "the copy's first dial starts")
-	close(h.release)
-	if err := <-result; err != nil {
-		t.Fatal(err)
-	}
-	if got := h.rec.cns(); got["dave"] != 0 || got["alice"] != 1 {
-		t.Errorf("the server saw %v for the copy, want its request once, as alice (client-go alone)", got)
+	klog.Flush()
+	if n := strings.Count(logs.String(), "build its clients with HTTPClientFor"); n != len(configs) {
+		t.Errorf("logged %d times how to share a config with a function, want once per pool (%d):\n%s", n, len(configs), logs)
 	}
 }
 
@@ -1043,15 +1033,20 @@ func TestWrapperChangingTransportInPlace(t *testing.T) {
 			cfg := r.srv.RestConfig(f.alice)
 			cfg.Proxy = proxyTo(proxy)
 			cfg.WrapTransport = inPlace(func(t *http.Transport) { t.ProxyConnectHeader = header })
-			wrap, want := p.Wrap, Stats{PassThrough: 1}
+			var o observation
+			want := Stats{PassThrough: 1}
 			if declare {
-				wrap = func(cfg *rest.Config) error { return p.WrapDeclared(cfg, Wrappers{ProxyConnectHeader: header}) }
 				want = Stats{Identities: 1}
+				o = r.clientBy(cfg, func(cfg *rest.Config) (*kubernetes.Clientset, error) {
+					return declaredClientset(p, cfg, Wrappers{ProxyConnectHeader: header})
+				}).observe()
+			} else {
+				if err := p.Wrap(cfg); err != nil {
+					t.Fatal(err)
+				}
+				o = r.observe(cfg)
 			}
-			if err := wrap(cfg); err != nil {
-				t.Fatal(err)
-			}
-			if o := r.observe(cfg); o.Err != "" || o.CN != "alice" {
+			if o.Err != "" || o.CN != "alice" {
 				t.Fatalf("declared %v: %+v", declare, o)
 			}
 			if st := p.Stats(); st.PassThrough != want.PassThrough || st.Identities != want.Identities || proxy.Stats().Rejected != 0 {

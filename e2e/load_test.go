@@ -10,7 +10,6 @@ import (
 
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
-	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/sharedtransport/sharedtransport"
@@ -37,15 +36,11 @@ func (r loadResult) String() string {
 // seedLoad runs the seed's load: loadWorkers workers, each request through a
 // fresh config built by newConfig for the given server URL (a relay in front
 // of kube-apiserver, which counts the connections) and a fresh clientset.
-func seedLoad(t *testing.T, newConfig func(server string) (*rest.Config, error), keep func(*kubernetes.Clientset)) loadResult {
+func seedLoad(t *testing.T, newClient func(server string) (*kubernetes.Clientset, error), keep func(*kubernetes.Clientset)) loadResult {
 	relay := startTLSRelay(t, cl(t).port)
 	start := time.Now()
 	errs, first := runWorkers(loadWorkers, loadPerWorker, func(_, _ int) error {
-		cfg, err := newConfig(relay.url())
-		if err != nil {
-			return err
-		}
-		cs, err := kubernetes.NewForConfig(cfg)
+		cs, err := newClient(relay.url())
 		if err != nil {
 			return err
 		}
@@ -65,7 +60,8 @@ func seedLoad(t *testing.T, newConfig func(server string) (*rest.Config, error),
 }
 
 // TestSeedLoad: the seed's load against kube-apiserver. With the pool, with
-// Proxy set (Karmada's member configs) or not, the server accepts exactly one
+// Proxy set (Karmada's member configs, through HTTPClientFor) or not
+// (through Wrap), the server accepts exactly one
 // connection (100 requests in flight fit in its 100 streams, and the pool's
 // first request leads); client-go alone with Proxy set, one per request.
 func TestSeedLoad(t *testing.T) {
@@ -79,16 +75,24 @@ func TestSeedLoad(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			// With the library.
 			p := sharedtransport.New()
-			pooled := seedLoad(t, func(server string) (*rest.Config, error) {
+			pooled := seedLoad(t, func(server string) (*kubernetes.Clientset, error) {
 				if !withProxy {
-					return p.BuildConfigFromFlags(server, kubeconfig)
+					cfg, err := p.BuildConfigFromFlags(server, kubeconfig)
+					if err != nil {
+						return nil, err
+					}
+					return kubernetes.NewForConfig(cfg)
 				}
 				cfg, err := clientcmd.BuildConfigFromFlags(server, kubeconfig)
 				if err != nil {
 					return nil, err
 				}
-				cfg.Proxy = nilProxy
-				return cfg, p.Wrap(cfg)
+				cfg.Proxy = nilProxy // Wrap passes it through: HTTPClientFor
+				hc, err := p.HTTPClientFor(cfg)
+				if err != nil {
+					return nil, err
+				}
+				return kubernetes.NewForConfigAndClient(cfg, hc)
 			}, nil)
 			stats := logStats(t, "pool", p)
 			closePool(t, p)
@@ -99,7 +103,7 @@ func TestSeedLoad(t *testing.T) {
 				mu      sync.Mutex
 				clients []*http.Client
 			)
-			plain := seedLoad(t, func(server string) (*rest.Config, error) {
+			plain := seedLoad(t, func(server string) (*kubernetes.Clientset, error) {
 				cfg, err := clientcmd.BuildConfigFromFlags(server, kubeconfig)
 				if err != nil {
 					return nil, err
@@ -107,7 +111,7 @@ func TestSeedLoad(t *testing.T) {
 				if withProxy {
 					cfg.Proxy = nilProxy
 				}
-				return cfg, nil
+				return kubernetes.NewForConfig(cfg)
 			}, func(cs *kubernetes.Clientset) {
 				mu.Lock()
 				clients = append(clients, httpClientOf(cs))

@@ -3,6 +3,7 @@ package karmada
 import (
 	"context"
 	"fmt"
+	"net/http"
 	"testing"
 
 	authenticationv1 "k8s.io/api/authentication/v1"
@@ -66,7 +67,7 @@ type wrapMode int
 const (
 	clientGoAlone  wrapMode = iota // no pool
 	wrapUndeclared                 // pool.Wrap: Karmada's ProxyHeader wrapper is not declared
-	wrapDeclared                   // pool.WrapDeclared with the cluster's ProxyHeader: the patched BuildClusterConfig
+	clientDeclared                 // pool.HTTPClientForDeclared with the cluster's ProxyHeader: the patched client sets
 )
 
 // reconcile is what a controller does per reconcile: a config from
@@ -76,19 +77,25 @@ func reconcile(ctx context.Context, m controllerMembers, name string, pool *shar
 	if err != nil {
 		return err
 	}
+	var cs *kubernetes.Clientset
 	switch mode {
+	case clientGoAlone:
+		cs, err = kubernetes.NewForConfig(rest.CopyConfig(cfg))
 	case wrapUndeclared:
-		err = pool.Wrap(cfg)
-	case wrapDeclared:
-		// The lines BuildClusterConfig gains in Karmada (there with its own
-		// parseProxyHeaders, which also canonicalises the keys).
+		if err = pool.Wrap(cfg); err == nil {
+			cs, err = kubernetes.NewForConfig(rest.CopyConfig(cfg))
+		}
+	case clientDeclared:
+		// The lines a cluster client set gains in Karmada (there with its
+		// own parseProxyHeaders, which also canonicalises the keys): the
+		// config has a Proxy, so its client comes from HTTPClientFor.
 		cl, _ := m.cluster(name)
-		err = pool.WrapDeclared(cfg, sharedtransport.Wrappers{ProxyConnectHeader: proxy.ParseProxyHeaders(cl.Spec.ProxyHeader)})
+		var hc *http.Client
+		hc, err = pool.HTTPClientForDeclared(cfg, sharedtransport.Wrappers{ProxyConnectHeader: proxy.ParseProxyHeaders(cl.Spec.ProxyHeader)})
+		if err == nil {
+			cs, err = kubernetes.NewForConfigAndClient(cfg, hc)
+		}
 	}
-	if err != nil {
-		return err
-	}
-	cs, err := kubernetes.NewForConfig(rest.CopyConfig(cfg))
 	if err != nil {
 		return err
 	}
@@ -103,11 +110,11 @@ func reconcile(ctx context.Context, m controllerMembers, name string, pool *shar
 }
 
 // TestBuildClusterConfigProxyHeader: Karmada's BuildClusterConfig with
-// Spec.ProxyHeader. Wrapped with the header declared: one tunnel per member
-// and header for many reconciles, none refused, each tunnel with its
-// member's header. Wrapped without the declaration, the pool cannot read
-// Karmada's wrapper and the config passes through: what client-go alone
-// does, a tunnel per reconcile, none refused.
+// Spec.ProxyHeader. Clients from HTTPClientForDeclared with the header
+// declared: one tunnel per member and header for many reconciles, none
+// refused, each tunnel with its member's header. Wrap passes the config
+// through (it has a Proxy, and Karmada's wrapper is not declared): what
+// client-go alone does, a tunnel per reconcile, none refused.
 func TestBuildClusterConfigProxyHeader(t *testing.T) {
 	const reconciles = 50
 	ctx := context.Background()
@@ -118,7 +125,7 @@ func TestBuildClusterConfigProxyHeader(t *testing.T) {
 		defer pool.Close()
 		for i := range 2 * reconciles {
 			for _, c := range creds {
-				if err := reconcile(ctx, m, c, pool, wrapDeclared); err != nil {
+				if err := reconcile(ctx, m, c, pool, clientDeclared); err != nil {
 					t.Fatalf("reconcile %d of %s: %v", i, c, err)
 				}
 			}
@@ -136,7 +143,7 @@ func TestBuildClusterConfigProxyHeader(t *testing.T) {
 				t.Errorf("tunnels by header %v, want one for each member", seen)
 			}
 		}
-		t.Logf("BuildClusterConfig + ProxyHeader, WrapDeclared: %d reconciles of each of 2 members, %d tunnels, %d refused (407)", 2*reconciles, st.Tunnels, st.Rejected)
+		t.Logf("BuildClusterConfig + ProxyHeader, HTTPClientForDeclared: %d reconciles of each of 2 members, %d tunnels, %d refused (407)", 2*reconciles, st.Tunnels, st.Rejected)
 	})
 	for _, mode := range []wrapMode{wrapUndeclared, clientGoAlone} {
 		name := map[wrapMode]string{wrapUndeclared: "pool, undeclared: passes through", clientGoAlone: "client-go alone"}[mode]

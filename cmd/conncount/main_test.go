@@ -138,15 +138,14 @@ func TestEmbeddedModes(t *testing.T) {
 	}
 	// Keep-alive on, one identity: at most 2 connections (HTTP/2 carries 100
 	// streams; 20 workers need one).
-	if st := modes["sharedtransport"]; st.Accepted > 2 || st.PeakOpen > 2 || st.Pool == nil || st.Pool.Identities != 1 {
-		t.Errorf("sharedtransport: accepted %d, peak %d, pool %+v; want at most 2 connections, 1 identity", st.Accepted, st.PeakOpen, st.Pool)
-	}
-	// The pool's HTTPClientFor: one identity, one connection, every config
-	// a hit but the first.
-	if hc := modes["sharedtransport-httpclientfor"]; hc.Accepted > 2 || hc.PeakOpen > 2 || hc.Pool == nil ||
-		hc.Pool.Identities != 1 || hc.Pool.Misses != 1 || hc.Pool.Hits != requests-1 || hc.Pool.PassThrough != 0 {
-		t.Errorf("sharedtransport-httpclientfor: accepted %d, peak %d, pool %+v; want at most 2 connections, 1 identity, %d hits",
-			hc.Accepted, hc.PeakOpen, hc.Pool, requests-1)
+	// The pool's HTTPClientFor and Wrap: one identity, every config a hit
+	// but the first.
+	for _, mode := range []string{"sharedtransport", "sharedtransport-wrap"} {
+		if st := modes[mode]; st.Accepted > 2 || st.PeakOpen > 2 || st.Pool == nil ||
+			st.Pool.Identities != 1 || st.Pool.Misses != 1 || st.Pool.Hits != requests-1 || st.Pool.PassThrough != 0 {
+			t.Errorf("%s: accepted %d, peak %d, pool %+v; want at most 2 connections, 1 identity, %d hits",
+				mode, st.Accepted, st.PeakOpen, st.Pool, requests-1)
+		}
 	}
 	// Proxy set: client-go builds a transport, so a connection, per request.
 	if cp := modes["client-go-proxy"]; cp.Accepted < requests || cp.FullHandshakes < requests {

@@ -87,6 +87,10 @@ func karmadaKeepAliveOff(*clientSpec) *modeState {
 	}
 }
 
+// sharedTransportMode is the pool per request's config: with Proxy set
+// (Karmada's member-cluster shape), through the pool's HTTPClientFor and
+// kubernetes.NewForConfigAndClient, so client-go builds no transport of its
+// own (Wrap passes a config with a Proxy through); without, through Wrap.
 func sharedTransportMode(keepAlive, resumption, withProxy bool) func(*clientSpec) *modeState {
 	return func(o *clientSpec) *modeState {
 		opts := []sharedtransport.Option{
@@ -97,40 +101,29 @@ func sharedTransportMode(keepAlive, resumption, withProxy bool) func(*clientSpec
 			opts = append(opts, sharedtransport.WithMaxConnsPerHost(o.MaxConnsPerHost))
 		}
 		pool := sharedtransport.New(opts...)
-		return &modeState{
-			prepare: func(cfg *rest.Config) error {
-				if withProxy {
-					cfg.Proxy = noProxy // Karmada's member-cluster shape
+		st := &modeState{
+			prepare: func(cfg *rest.Config) error { return pool.Wrap(cfg) },
+			finish:  func() { _ = pool.Close() },
+			pool:    pool,
+		}
+		if withProxy {
+			st.prepare = func(cfg *rest.Config) error {
+				cfg.Proxy = noProxy
+				if cfg.UserAgent == "" {
+					cfg.UserAgent = rest.DefaultKubernetesUserAgent() // what kubernetes.NewForConfig sends
 				}
-				return pool.Wrap(cfg)
-			},
-			finish: func() { _ = pool.Close() },
-			pool:   pool,
+				return nil
+			}
+			st.clientset = func(cfg *rest.Config) (kubernetes.Interface, error) {
+				hc, err := pool.HTTPClientFor(cfg)
+				if err != nil {
+					return nil, err
+				}
+				return kubernetes.NewForConfigAndClient(cfg, hc)
+			}
 		}
+		return st
 	}
-}
-
-// sharedTransportClientMode is the pool's entry point for a config per
-// request: the pool's HTTPClientFor and kubernetes.NewForConfigAndClient, so
-// client-go builds no transport of its own. Proxy set as in Karmada.
-func sharedTransportClientMode(o *clientSpec) *modeState {
-	st := sharedTransportMode(true, true, true)(o)
-	pool := st.pool
-	st.prepare = func(cfg *rest.Config) error {
-		cfg.Proxy = noProxy
-		if cfg.UserAgent == "" {
-			cfg.UserAgent = rest.DefaultKubernetesUserAgent() // what kubernetes.NewForConfig sends
-		}
-		return nil
-	}
-	st.clientset = func(cfg *rest.Config) (kubernetes.Interface, error) {
-		hc, err := pool.HTTPClientFor(cfg)
-		if err != nil {
-			return nil, err
-		}
-		return kubernetes.NewForConfigAndClient(cfg, hc)
-	}
-	return st
 }
 
 // allModes are the main command's modes. A new mode is one more entry: its
@@ -141,14 +134,13 @@ var allModes = []modeDef{
 	{"client-go", "client-go as is: fresh rest.Config + clientset per request (client-go's transport cache applies)", clientGoMode(false)},
 	{"client-go-proxy", "the same with rest.Config.Proxy set (Karmada's member-cluster configs): client-go cannot cache the transport", clientGoMode(true)},
 	{"client-go-keepalive-off", "Karmada's fix: a new transport per request with DisableKeepAlives, built before HTTP/2 is configured", karmadaKeepAliveOff},
-	{"sharedtransport", "this library, keep-alive on, Proxy set as in Karmada", sharedTransportMode(true, true, true)},
-	{"sharedtransport-keepalive-off", "this library, keep-alive off (TLS session resumption on), Proxy set", sharedTransportMode(false, true, true)},
-	{"sharedtransport-httpclientfor", "this library's HTTPClientFor + kubernetes.NewForConfigAndClient per request: client-go builds no transport; Proxy set", sharedTransportClientMode},
-	{"sharedtransport-no-proxy", "this library, keep-alive on, no Proxy: client-go's own transport cache hits too (compare with client-go)", sharedTransportMode(true, true, false)},
-	{"sharedtransport-keepalive-off-no-resumption", "this library, keep-alive off and TLS session resumption off, Proxy set", sharedTransportMode(false, false, true)},
+	{"sharedtransport", "this library's HTTPClientFor + kubernetes.NewForConfigAndClient per request, Proxy set as in Karmada: client-go builds no transport", sharedTransportMode(true, true, true)},
+	{"sharedtransport-keepalive-off", "the same, keep-alive off (TLS session resumption on)", sharedTransportMode(false, true, true)},
+	{"sharedtransport-wrap", "this library's Wrap, no Proxy (Wrap passes a config with a Proxy through): client-go's own transport cache hits too (compare with client-go)", sharedTransportMode(true, true, false)},
+	{"sharedtransport-keepalive-off-no-resumption", "HTTPClientFor, keep-alive off and TLS session resumption off, Proxy set", sharedTransportMode(false, false, true)},
 }
 
-var defaultModes = []string{"client-go", "client-go-proxy", "client-go-keepalive-off", "sharedtransport", "sharedtransport-httpclientfor", "sharedtransport-keepalive-off"}
+var defaultModes = []string{"client-go", "client-go-proxy", "client-go-keepalive-off", "sharedtransport", "sharedtransport-keepalive-off", "sharedtransport-wrap"}
 
 func modeNames() []string {
 	var out []string

@@ -41,10 +41,9 @@ type proxyModeDef struct {
 	newFront func(clusters *memberproxy.Clusters) (*memberproxy.Front, *sharedtransport.Pool)
 }
 
-// frontWith is a front in mode m, through a pool with opts when opts is
-// not nil: the pool's TransportFor, or with wrap, the pool's Wrap and then
-// rest.TransportFor.
-func frontWith(m memberproxy.Mode, opts []sharedtransport.Option, wrap bool) func(*memberproxy.Clusters) (*memberproxy.Front, *sharedtransport.Pool) {
+// frontWith is a front in mode m, through the pool's TransportFor with opts
+// when opts is not nil.
+func frontWith(m memberproxy.Mode, opts []sharedtransport.Option) func(*memberproxy.Clusters) (*memberproxy.Front, *sharedtransport.Pool) {
 	return func(clusters *memberproxy.Clusters) (*memberproxy.Front, *sharedtransport.Pool) {
 		f := &memberproxy.Front{Clusters: clusters, Mode: m}
 		if opts == nil {
@@ -55,14 +54,6 @@ func frontWith(m memberproxy.Mode, opts []sharedtransport.Option, wrap bool) fun
 		f.TransportFor = func(cfg *rest.Config, h http.Header) (http.RoundTripper, error) {
 			return pool.TransportForDeclared(cfg, sharedtransport.Wrappers{ProxyConnectHeader: h})
 		}
-		if wrap {
-			f.TransportFor = func(cfg *rest.Config, h http.Header) (http.RoundTripper, error) {
-				if err := pool.WrapDeclared(cfg, sharedtransport.Wrappers{ProxyConnectHeader: h}); err != nil {
-					return nil, err
-				}
-				return rest.TransportFor(cfg)
-			}
-		}
 		return f, pool
 	}
 }
@@ -70,11 +61,10 @@ func frontWith(m memberproxy.Mode, opts []sharedtransport.Option, wrap bool) fun
 // proxyModes are the proxy subcommand's modes; a new way for the front to
 // get its round tripper is one more entry with a newFront of its own.
 var proxyModes = []proxyModeDef{
-	{"new-transport", "Karmada before PR 5610: a new transport per request (issue 5574)", frontWith(memberproxy.NewTransport, nil, false)},
-	{"new-transport-keepalive-off", "Karmada since PR 5610: a new transport per request, keep-alive off", frontWith(memberproxy.NewTransportNoKeepAlive, nil, false)},
-	{"sharedtransport", "the pool's TransportFor in place of rest.TransportFor (one line in the front)", frontWith(memberproxy.TransportFor, []sharedtransport.Option{}, false)},
-	{"sharedtransport-keepalive-off", "the same, the pool with keep-alive off (TLS session resumption on)", frontWith(memberproxy.TransportFor, []sharedtransport.Option{sharedtransport.WithKeepAlive(false)}, false)},
-	{"sharedtransport-wrap", "the pool's Wrap, then rest.TransportFor: client-go builds a transport per request before the hook", frontWith(memberproxy.TransportFor, []sharedtransport.Option{}, true)},
+	{"new-transport", "Karmada before PR 5610: a new transport per request (issue 5574)", frontWith(memberproxy.NewTransport, nil)},
+	{"new-transport-keepalive-off", "Karmada since PR 5610: a new transport per request, keep-alive off", frontWith(memberproxy.NewTransportNoKeepAlive, nil)},
+	{"sharedtransport", "the pool's TransportFor in place of rest.TransportFor (one line in the front)", frontWith(memberproxy.TransportFor, []sharedtransport.Option{})},
+	{"sharedtransport-keepalive-off", "the same, the pool with keep-alive off (TLS session resumption on)", frontWith(memberproxy.TransportFor, []sharedtransport.Option{sharedtransport.WithKeepAlive(false)})},
 }
 
 var defaultProxyModes = []string{"new-transport", "new-transport-keepalive-off", "sharedtransport"}

@@ -98,7 +98,7 @@ func TestProxyModes(t *testing.T) {
 // resumed handshakes alike.
 func TestProxyPoolView(t *testing.T) {
 	var out, errb bytes.Buffer
-	modes := []string{"new-transport", "sharedtransport", "sharedtransport-keepalive-off", "sharedtransport-wrap"}
+	modes := []string{"new-transport", "sharedtransport", "sharedtransport-keepalive-off"}
 	args := []string{"proxy", "--json", "--progress=false", "--scrape", "--members", "3", "--workers", "10", "--requests", "6", "--repeat", "1",
 		"--modes", strings.Join(modes, ",")}
 	if err := run(context.Background(), args, &out, &errb); err != nil {
@@ -146,7 +146,7 @@ func TestProxyPoolView(t *testing.T) {
 	rep.writeTable(&table)
 	for _, want := range []string{"proxy tunnels", "proxy 407s", "through a CONNECT proxy that requires Proxy-Authorization",
 		"The pool's own view", "member accepted", "sharedtransport-keepalive-off 1 of 1",
-		"Scrape of the pool's collector (metrics/prometheus), sharedtransport-wrap", "sharedtransport_identity_dials_total{"} {
+		"Scrape of the pool's collector (metrics/prometheus), sharedtransport-keepalive-off", "sharedtransport_identity_dials_total{"} {
 		if !strings.Contains(table.String(), want) {
 			t.Errorf("table lacks %q:\n%s", want, table.String())
 		}
