@@ -1196,9 +1196,17 @@ func TestAdversaryRejectedCAFile(t *testing.T) {
 			waitFor(t, "the CA file rejected", func() bool { return p.Stats().RotationErrors > 0 })
 			// client-go before v0.36 reads the file for every new client
 			// and fails; later versions re-read it on their own schedule.
+			passed := p.Stats().PassThrough
 			got, control := r.observe(pair.wrapped), r.observe(pair.control)
 			if got != control {
 				t.Errorf("a client built now: through the pool %+v, through client-go alone %+v", got, control)
+			}
+			// In every client-go version the client keeps client-go's
+			// transport, even where client-go's cache hands the hook the
+			// transport it holds for the wrapped config (v0.36 and later
+			// key the cache by the file's path).
+			if n := p.Stats().PassThrough - passed; n != 1 {
+				t.Errorf("a client built while the pool rejects the CA file: %d passed through, want 1", n)
 			}
 		})
 	}

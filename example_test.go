@@ -2,6 +2,8 @@ package sharedtransport_test
 
 import (
 	"context"
+	"crypto/tls"
+	"crypto/x509"
 	"fmt"
 	"log"
 	"net/http"
@@ -128,4 +130,48 @@ func ExamplePool_WrapConfigFn() {
 	fmt.Printf("connections: %d, wrap errors: %d\n", srv.Stats().Accepted, pool.Stats().WrapErrors)
 	// Output:
 	// connections: 1, wrap errors: 0
+}
+
+// A cluster proxy that builds a TLS configuration per request from a
+// member's CA bundle, as Karmada's does, and hands it to the pool instead of
+// building an *http.Transport: equal settings share one connection, and the
+// per-request credentials (here a bearer token) ride above it.
+func ExamplePool_TLSTransport() {
+	srv, err := testserver.Start(testserver.Options{
+		ClientAuth: testserver.VerifyClientCertIfGiven,
+		Tokens:     map[string]string{"front-token": "karmada-front"},
+	})
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer srv.Close()
+
+	pool := sharedtransport.New()
+	defer pool.Close()
+	for range 20 {
+		roots := x509.NewCertPool()
+		roots.AppendCertsFromPEM(srv.CA().CertPEM()) // the member's caBundle
+		rt, err := pool.TLSTransport(sharedtransport.TLSTransportConfig{
+			TLS: &tls.Config{RootCAs: roots, MinVersion: tls.VersionTLS12},
+		})
+		if err != nil {
+			log.Fatal(err)
+		}
+		req, err := http.NewRequest(http.MethodGet, srv.URL()+"/api/v1/nodes", nil)
+		if err != nil {
+			log.Fatal(err)
+		}
+		req.Header.Set("Authorization", "Bearer front-token")
+		resp, err := rt.RoundTrip(req)
+		if err != nil {
+			log.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusOK {
+			log.Fatal(resp.Status)
+		}
+	}
+	fmt.Printf("requests: 20, connections the server accepted: %d\n", srv.Stats().Accepted)
+	// Output:
+	// requests: 20, connections the server accepted: 1
 }

@@ -46,9 +46,10 @@ func TLSTransport(c TLSTransportConfig) (http.RoundTripper, error) {
 // shared transport for c. Calls with equal settings share connections: roots
 // are compared with (*x509.CertPool).Equal, headers by value, the proxy by
 // URL. Equal does not see constraints added with AddCertWithConstraint:
-// pass no pool that has them: the pool cannot tell such pools apart. A call with other roots (a new caBundle) is another identity from
-// that call on; the old one is released when no round tripper of it is left
-// and its idle grace has passed ([WithIdleTimeout]). The dialer is the
+// pass no pool that has them, since the pool cannot tell such pools apart.
+// A call with other roots (a new caBundle) is another identity from that
+// call on; the old one is released when no round tripper of it is left and
+// its idle grace has passed ([WithIdleTimeout]). The dialer is the
 // pool's: code that needs a dialer of its own keeps its own transport.
 //
 // Keep-alive, session resumption and the connection cap are the pool's

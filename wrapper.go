@@ -113,6 +113,12 @@ func (h *hook) wrap(rt http.RoundTripper) http.RoundTripper {
 // agrees reports whether rt is the transport client-go's cache holds for the
 // wrapped config now.
 func (h *hook) agrees(rt http.RoundTripper, e *entry) bool {
+	if e.filesBad.Load() {
+		// While the pool rejects the files, a client built now does not
+		// ride the material the pool kept: it keeps client-go's transport,
+		// and meets the files as it would without the pool.
+		return false
+	}
 	g := e.current.Load()
 	h.mu.Lock()
 	cached, asked := h.cached, h.cachedFor == g
@@ -120,10 +126,7 @@ func (h *hook) agrees(rt http.RoundTripper, e *entry) bool {
 	if rt == cached {
 		return true
 	}
-	if asked || e.filesBad.Load() {
-		// While the pool rejects the files, client-go's answer for them is
-		// not the material the pool serves: the client keeps client-go's
-		// transport, and meets the files as it would without the pool.
+	if asked {
 		return false
 	}
 	// A rotation may have changed the key client-go computes from the files

@@ -56,7 +56,9 @@ type CertSpec struct {
 	Server, Client, CA bool
 	DNSNames           []string
 	IPAddresses        []net.IP
-	// NotBefore and NotAfter default to now-1h and now+24h.
+	// NotBefore and NotAfter default to now-1h and now+30 days: past the
+	// pool's 24-hour expiry warning, so fixtures log no warning about
+	// themselves.
 	NotBefore, NotAfter time.Time
 	// Key is the certificate's key; by default a new one. A certificate
 	// issued over an existing key lets a test vary the certificate while
@@ -122,7 +124,7 @@ func issue(spec CertSpec, parent *x509.Certificate, parentKey *ecdsa.PrivateKey)
 		spec.NotBefore = now.Add(-time.Hour)
 	}
 	if spec.NotAfter.IsZero() {
-		spec.NotAfter = now.Add(24 * time.Hour)
+		spec.NotAfter = now.Add(30 * 24 * time.Hour)
 	}
 	tmpl := &x509.Certificate{
 		SerialNumber:          serial,
