@@ -87,22 +87,21 @@ func BenchmarkRoundTrip(b *testing.B) {
 		send(b, rt)
 		runtime.KeepAlive(wrapped)
 	})
-	// A config with a Proxy: the client's certificate verdict and its
-	// proxy are looked at per request.
-	for _, wrap := range []bool{false, true} {
+	// A config with a Proxy, asked per request where the request goes;
+	// over the pool through TransportFor (Wrap passes it through).
+	for _, pooled := range []bool{false, true} {
 		name := "client-go stack, Proxy"
-		if wrap {
+		if pooled {
 			name += ", over the pool"
 		}
 		b.Run(name, func(b *testing.B) {
 			c := rest.CopyConfig(cfg)
 			c.Proxy = http.ProxyURL(nil)
-			if wrap {
-				if err := newPool(b).Wrap(c); err != nil {
-					b.Fatal(err)
-				}
+			transportFor := rest.TransportFor
+			if pooled {
+				transportFor = newPool(b).TransportFor
 			}
-			rt, err := rest.TransportFor(c)
+			rt, err := transportFor(c)
 			if err != nil {
 				b.Fatal(err)
 			}
@@ -215,8 +214,8 @@ func benchConfigs(b *testing.B, f *fixture) []benchConfig {
 }
 
 // BenchmarkWrap: the cost of Wrap per config, on a hit (the identity
-// exists), for inline material (with a declared wrapper too), file material
-// and a sampled Proxy.
+// exists), for inline material (with a declared wrapper too) and file
+// material, and for a config with a Proxy, which Wrap passes through.
 func BenchmarkWrap(b *testing.B) {
 	f := newFixture(b, testserver.Options{})
 	for _, tc := range benchConfigs(b, f) {
@@ -276,8 +275,9 @@ func BenchmarkTransportFor(b *testing.B) {
 // BenchmarkSeedLoad is the seed's load at small scale, side by side in one
 // run: every operation is one request through a fresh rest.Config (from a
 // kubeconfig file, Proxy set as in Karmada's member configs) and a fresh
-// clientset, from parallel goroutines. Reported beside time: connections the
-// server accepted and full TLS handshakes, per request.
+// clientset (over the pool from HTTPClientFor), from parallel goroutines.
+// Reported beside time: connections the server accepted and full TLS
+// handshakes, per request.
 func BenchmarkSeedLoad(b *testing.B) {
 	f := newFixture(b, testserver.Options{})
 	kubeconfig := f.kubeconfig(b, "alice", f.alice).Kubeconfig
@@ -289,27 +289,33 @@ func BenchmarkSeedLoad(b *testing.B) {
 		cfg.Proxy = nilProxy
 		return cfg
 	}
+	type clientsetFor func(*rest.Config) (kubernetes.Interface, error)
+	pooled := func(p *Pool) clientsetFor {
+		return func(cfg *rest.Config) (kubernetes.Interface, error) { return pooledClientset(p, cfg) }
+	}
 	for _, mode := range []struct {
 		name    string
-		prepare func(b *testing.B) func(*rest.Config) error
+		prepare func(b *testing.B) clientsetFor
 	}{
-		{"client-go", func(*testing.B) func(*rest.Config) error { return func(*rest.Config) error { return nil } }},
-		{"client-go keep-alive off (Karmada)", func(*testing.B) func(*rest.Config) error {
-			return func(cfg *rest.Config) error {
+		{"client-go", func(*testing.B) clientsetFor {
+			return func(cfg *rest.Config) (kubernetes.Interface, error) { return kubernetes.NewForConfig(cfg) }
+		}},
+		{"client-go keep-alive off (Karmada)", func(*testing.B) clientsetFor {
+			return func(cfg *rest.Config) (kubernetes.Interface, error) {
 				tlsConfig, err := rest.TLSConfigFor(cfg)
 				if err != nil {
-					return err
+					return nil, err
 				}
 				cfg.WrapTransport = func(http.RoundTripper) http.RoundTripper {
 					return utilnet.SetTransportDefaults(&http.Transport{TLSClientConfig: tlsConfig, DisableKeepAlives: true})
 				}
-				return nil
+				return kubernetes.NewForConfig(cfg)
 			}
 		}},
-		{"pool", func(b *testing.B) func(*rest.Config) error { return newPool(b).Wrap }},
-		{"pool keep-alive off", func(b *testing.B) func(*rest.Config) error { return newPool(b, WithKeepAlive(false)).Wrap }},
-		{"pool keep-alive off, no resumption", func(b *testing.B) func(*rest.Config) error {
-			return newPool(b, WithKeepAlive(false), WithSessionResumption(false)).Wrap
+		{"pool", func(b *testing.B) clientsetFor { return pooled(newPool(b)) }},
+		{"pool keep-alive off", func(b *testing.B) clientsetFor { return pooled(newPool(b, WithKeepAlive(false))) }},
+		{"pool keep-alive off, no resumption", func(b *testing.B) clientsetFor {
+			return pooled(newPool(b, WithKeepAlive(false), WithSessionResumption(false)))
 		}},
 	} {
 		b.Run(strings.ReplaceAll(mode.name, " ", "_"), func(b *testing.B) {
@@ -322,12 +328,12 @@ func BenchmarkSeedLoad(b *testing.B) {
 			b.ResetTimer()
 			b.RunParallel(func(pb *testing.PB) {
 				for pb.Next() {
-					cfg := newConfig()
-					if err := prepare(cfg); err != nil {
+					cs, err := prepare(newConfig())
+					if err != nil {
 						b.Error(err)
 						return
 					}
-					if err := listNodes(context.Background(), cfg); err != nil {
+					if _, err := cs.CoreV1().Nodes().List(context.Background(), metav1.ListOptions{}); err != nil {
 						failed.Add(1)
 					}
 				}
@@ -440,12 +446,12 @@ func BenchmarkColdStartBurst(b *testing.B) {
 				cfg := f.srv.RestConfig(f.alice)
 				cfg.QPS = -1
 				cfg.Proxy = nilProxy // client-go: a transport of its own, cold
+				clientset := func(cfg *rest.Config) (kubernetes.Interface, error) { return kubernetes.NewForConfig(cfg) }
 				if mode != "client-go" {
-					if err := newPool(b).Wrap(cfg); err != nil {
-						b.Fatal(err)
-					}
+					p := newPool(b)
+					clientset = func(cfg *rest.Config) (kubernetes.Interface, error) { return pooledClientset(p, cfg) }
 				}
-				cs, err := kubernetes.NewForConfig(cfg)
+				cs, err := clientset(cfg)
 				if err != nil {
 					b.Fatal(err)
 				}
@@ -453,7 +459,7 @@ func BenchmarkColdStartBurst(b *testing.B) {
 				if mode == "pool, first list slow" {
 					slowCfg := rest.CopyConfig(cfg) // same identity, its own user agent
 					slowCfg.UserAgent = "slow"
-					slowCS, err := kubernetes.NewForConfig(slowCfg)
+					slowCS, err := clientset(slowCfg)
 					if err != nil {
 						b.Fatal(err)
 					}
