@@ -728,10 +728,9 @@ func (h *heldDialRotation) rotateDuringDial(t testing.TB, what string) {
 func TestRetiredGenerationRetried(t *testing.T) {
 	h := newHeldDialRotation(t)
 	f, rec, p, cfg := h.f, h.rec, h.p, h.cfg
-	// HTTPClientFor: the identity is the config's own, so the request is the
-	// pool's to send on the new generation. A client Wrap gave keeps
-	// client-go's transport after a rotation of its files (see
-	// clientTransport.sameCert), which does what client-go alone does.
+	// HTTPClientFor: the identity is the config's own (it has a Dial, which
+	// Wrap passes through), so the request is the pool's to send on the new
+	// generation.
 	client, err := p.HTTPClientFor(cfg)
 	if err != nil {
 		t.Fatal(err)

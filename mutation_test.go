@@ -8,10 +8,10 @@ package sharedtransport
 // secrets. hack/mutation.sh runs them for each mutant.
 func init() {
 	focusedTests = `^(TestIsolation|TestIdentities|TestIdentityProperty|TestCopySafety|TestCopyCrossings|TestCopyProperty|` +
-		`TestAdversary.*|TestProxyConnectHeader|TestWrapProxyOtherHosts|TestHookComposition|TestClients|` +
+		`TestAdversary.*|TestProxyConnectHeader|TestWrapPassesFunctionsThrough|TestAboveTheHookDecorators|TestHookComposition|TestClients|` +
 		`TestColdStartBurst|TestConnectionCap|TestConnectionCapPerHost|TestGateWaitsForConnection|` +
 		`TestFailedFirstRequestHandsLead|TestProtocolPerHost|TestSlotReleasedAtEOF|TestHTTP1OnlyOneConnection|` +
 		`TestCloseIdleConnectionsFor|TestRetiredGenerationRetried|TestRotationClosesOldConnsWhenIdle|` +
 		`TestRotationClosesIdleAtOnce|TestKeepAliveOff|TestRotationHalfFromFiles|TestRotationPresentsNewCertificateAtOnce|` +
-		`TestRotationClientCatchesUp|TestLifetime|TestSessionResumption|TestUpgrades|TestFullConnectionGrows|TestConnectionCapFewerStreams|TestConnectionCapHTTP1|TestProtocolSwitch|TestConnectionCapAfterClose|TestHostPasswordRedacted|TestSecretsStaySecret|TestIdentityNamesResistGuessing)$`
+		`TestLifetime|TestSessionResumption|TestUpgrades|TestFullConnectionGrows|TestConnectionCapFewerStreams|TestConnectionCapHTTP1|TestProtocolSwitch|TestConnectionCapAfterClose|TestHostPasswordRedacted|TestSecretsStaySecret|TestIdentityNamesResistGuessing)$`
 }
