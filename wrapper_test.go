@@ -278,8 +278,19 @@ func (r *copyRig) hold(t *testing.T, pair copyPair, want *observation) heldClien
 			t.Fatalf("client %d before the change: %+v, want %+v", i, o, *want)
 		}
 	}
+	settleClientGoReloaders()
 	return h
 }
+
+// settleClientGoReloaders waits for the certificate reloaders of client-go
+// transports just built to do their first load. client-go's reloader
+// (transport/cert_rotation.go) reads the certificate it cached outside its
+// lock: when its first load, which runs on a goroutine of its own as the
+// transport is built, meets a file change and a handshake, the race
+// detector reports that race inside client-go, with or without the pool.
+// Tests that change certificate files under client-go transports they built
+// a moment before wait here first.
+func settleClientGoReloaders() { time.Sleep(300 * time.Millisecond) }
 
 // agree asserts that after the change the far side sees the held client
 // through the pool exactly as the one through client-go alone, and, when
@@ -383,6 +394,7 @@ func copyCrossingsRotatedCert(t *testing.T, f *fixture, r *copyRig) {
 	d := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
 	pair := wrapPair(t, p, func() *rest.Config { return d.config(r.srv.URL()) })
 	r.check(t, pair, &observation{CN: "alice", Proto: h2, Gzip: true, Via: "direct"})
+	settleClientGoReloaders()
 	d.write(t, f.bob, f.ca.CertPEM())
 	waitFor(t, "rotation to bob", func() bool { return p.Stats().Rotations == 1 })
 	waitFor(t, "the original presents bob", func() bool { return r.observe(pair.wrapped).CN == "bob" })
@@ -655,6 +667,7 @@ func (m *copyMaterial) checkCopy(t *testing.T, s copySpec) {
 		return
 	}
 	rotations := p.Stats().Rotations
+	settleClientGoReloaders()
 	d.write(t, m.f.bob, m.f.ca.CertPEM())
 	if !functions {
 		waitFor(t, "rotation", func() bool { return p.Stats().Rotations > rotations })

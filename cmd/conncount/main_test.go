@@ -147,6 +147,10 @@ func TestEmbeddedModes(t *testing.T) {
 				mode, st.Accepted, st.PeakOpen, st.Pool, requests-1)
 		}
 	}
+	// The measuring stick: one client for every config, one connection.
+	if fl := modes["floor"]; fl.Accepted > 2 || fl.Pool != nil {
+		t.Errorf("floor: accepted %d, pool %+v; want at most 2 connections and no pool", fl.Accepted, fl.Pool)
+	}
 	// Proxy set: client-go builds a transport, so a connection, per request.
 	if cp := modes["client-go-proxy"]; cp.Accepted < requests || cp.FullHandshakes < requests {
 		t.Errorf("client-go-proxy: accepted %d, full handshakes %d; want at least %d", cp.Accepted, cp.FullHandshakes, requests)

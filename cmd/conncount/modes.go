@@ -126,6 +126,34 @@ func sharedTransportMode(keepAlive, resumption, withProxy bool) func(*clientSpec
 	}
 }
 
+// floorMode is a measuring stick, unsafe in general: one *http.Client,
+// client-go's for the first config, shared by every config whatever its
+// identity. No per-config entry point can cost less; the pool's
+// HTTPClientFor is measured against it.
+func floorMode(*clientSpec) *modeState {
+	var (
+		once sync.Once
+		hc   *http.Client
+		err  error
+	)
+	return &modeState{
+		prepare: func(cfg *rest.Config) error {
+			cfg.Proxy = noProxy
+			if cfg.UserAgent == "" {
+				cfg.UserAgent = rest.DefaultKubernetesUserAgent()
+			}
+			return nil
+		},
+		clientset: func(cfg *rest.Config) (kubernetes.Interface, error) {
+			once.Do(func() { hc, err = rest.HTTPClientFor(cfg) })
+			if err != nil {
+				return nil, err
+			}
+			return kubernetes.NewForConfigAndClient(cfg, hc)
+		},
+	}
+}
+
 // allModes are the main command's modes. A new mode is one more entry: its
 // start builds what the mode keeps (a pool), its modeState says how a
 // request's config and clientset are made. Every column, the server's CPU
@@ -138,9 +166,10 @@ var allModes = []modeDef{
 	{"sharedtransport-keepalive-off", "the same, keep-alive off (TLS session resumption on)", sharedTransportMode(false, true, true)},
 	{"sharedtransport-wrap", "this library's Wrap, no Proxy (Wrap passes a config with a Proxy through): client-go's own transport cache hits too (compare with client-go)", sharedTransportMode(true, true, false)},
 	{"sharedtransport-keepalive-off-no-resumption", "HTTPClientFor, keep-alive off and TLS session resumption off, Proxy set", sharedTransportMode(false, false, true)},
+	{"floor", "a measuring stick, unsafe in general: one http.Client built once and shared by every config whatever its identity (no per-config entry point can cost less); Proxy set", floorMode},
 }
 
-var defaultModes = []string{"client-go", "client-go-proxy", "client-go-keepalive-off", "sharedtransport", "sharedtransport-keepalive-off", "sharedtransport-wrap"}
+var defaultModes = []string{"client-go", "client-go-proxy", "client-go-keepalive-off", "sharedtransport", "sharedtransport-keepalive-off", "sharedtransport-wrap", "floor"}
 
 func modeNames() []string {
 	var out []string
