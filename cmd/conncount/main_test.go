@@ -148,8 +148,8 @@ func TestEmbeddedModes(t *testing.T) {
 		}
 	}
 	// The measuring stick: one client for every config, one connection.
-	if fl := modes["floor"]; fl.Accepted > 2 || fl.Pool != nil {
-		t.Errorf("floor: accepted %d, pool %+v; want at most 2 connections and no pool", fl.Accepted, fl.Pool)
+	if fl := modes["floor"]; fl.Accepted > 2 || fl.Pool == nil || fl.Pool.Misses != 1 || fl.Pool.Hits != 0 {
+		t.Errorf("floor: accepted %d, pool %+v; want at most 2 connections and one HTTPClientFor", fl.Accepted, fl.Pool)
 	}
 	// Proxy set: client-go builds a transport, so a connection, per request.
 	if cp := modes["client-go-proxy"]; cp.Accepted < requests || cp.FullHandshakes < requests {
