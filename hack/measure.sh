@@ -22,8 +22,8 @@ else
 	bt_n=5000x bt_seed=1000x bt_burst=10x bt_count=5
 fi
 # TODO(lead): add the Karmada mode of conncount proxy (issue 26) to this list.
-proxy_modes=new-transport,new-transport-keepalive-off,sharedtransport-wrap,sharedtransport,sharedtransport-keepalive-off
-second_modes=client-go,sharedtransport-no-proxy,client-go-keepalive-off,sharedtransport-keepalive-off,sharedtransport-keepalive-off-no-resumption
+proxy_modes=new-transport,new-transport-keepalive-off,sharedtransport,sharedtransport-keepalive-off
+second_modes=client-go,sharedtransport-wrap,client-go-keepalive-off,sharedtransport-keepalive-off,sharedtransport-keepalive-off-no-resumption
 
 work=$(mktemp -d)
 log="$work/log"
@@ -189,8 +189,9 @@ client-certificate auth) in a process of its own, fresh for every run; every
 run of a mode has a fresh client process. Each figure is the median of the
 rounds, with its range. Modes: client-go as is (configs it can cache: its
 best case), with \`Proxy\` set (as Karmada's member configs), Karmada's fix
-(keep-alive off), and the pool through \`Wrap\`, through \`HTTPClientFor\`, and
-with keep-alive off. Wall time: $(cat "$work/cc-default.time").
+(keep-alive off), the pool through \`HTTPClientFor\` with \`Proxy\` set, with keep-alive
+off, and through \`Wrap\` without \`Proxy\` (\`Wrap\` passes a config with one through),
+and the floor: one \`http.Client\` for every config, a measuring stick. Wall time: $(cat "$work/cc-default.time").
 
 \`\`\`sh
 go -C cmd/conncount run . ${cc_size[*]}
