@@ -1211,3 +1211,33 @@ func TestAdversaryRejectedCAFile(t *testing.T) {
 		})
 	}
 }
+
+// TestAdversaryCopyOldCAAfterRotation: a config client-go caches, its CA from
+// a file, wrapped; the file moves to a new CA. The first client built after
+// that is a copy that keeps the file's path and sets the old CA's bytes
+// inline. client-go (before v0.36) keys its cache by the CA's bytes and the
+// path, so it hands the hook the very transport it held for the wrapped
+// config before the rotation; the copy trusts the old CA, as the control
+// shows, and must not ride the pool's new one.
+func TestAdversaryCopyOldCAAfterRotation(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	newCA, err := testserver.NewCA("new-ca")
+	if err != nil {
+		t.Fatal(err)
+	}
+	serving, err := newCA.IssueServer()
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Served from the new CA; client certificates still from the old.
+	moved := newCopyRig(t, testserver.Options{CA: newCA, ServerCert: serving, ClientCAs: f.ca.Pool()})
+	p := newPool(t, WithPollInterval(0))
+	d := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
+	pair := wrapPair(t, p, func() *rest.Config { return d.config(moved.srv.URL()) })
+	moved.check(t, pair, &observation{Err: "unknown authority"})
+	settleClientGoReloaders()
+	d.write(t, f.alice, newCA.CertPEM())
+	waitFor(t, "the new CA is taken", func() bool { return p.Stats().Rotations == 1 })
+	oldInline := pair.copies(func(c *rest.Config) { c.CAData = f.ca.CertPEM() })
+	moved.check(t, oldInline, &observation{Err: "unknown authority"})
+}

@@ -391,12 +391,6 @@ func (r *raceRound) end(start int32, what, loop string, call raceCall, err error
 	}
 }
 
-func (r *raceRound) fail(what string, err error) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	r.unexpected[fmt.Sprintf("%s: %v", what, reason(err))]++
-}
-
 func (r *raceRound) count(fn func(*raceTally)) {
 	r.mu.Lock()
 	defer r.mu.Unlock()

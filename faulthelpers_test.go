@@ -115,8 +115,6 @@ func startForwarder(t testing.TB, f *forwarder) *forwarder {
 
 func (f *forwarder) addr() string { return f.ln.Addr().String() }
 
-func (f *forwarder) url() string { return "http://" + f.addr() }
-
 func (f *forwarder) serve() {
 	defer f.wg.Done()
 	for {

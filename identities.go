@@ -156,7 +156,7 @@ func (e *entry) info(watch *identityWatch) IdentityInfo {
 		info.Auth = "insecure"
 	case id.key.getCert != nil:
 		info.Auth = "exec plugin"
-	case g.chain != nil:
+	case g.material.cert != nil:
 		info.Auth = "client certificate"
 	default:
 		info.Auth = "none"

@@ -144,9 +144,6 @@ type sharing struct {
 	// function was asked about: only requests to it ride the shared
 	// transport.
 	onlyHost string
-	// host is a request to the config's host, built once: what its Proxy
-	// function and the shared transport's proxy are asked about.
-	host *http.Request
 }
 
 // sharingFor computes what the pool makes of cfg. share is false for configs
@@ -164,7 +161,6 @@ func (p *Pool) sharingFor(cfg *rest.Config, g given) (s sharing, share bool, err
 	if err != nil {
 		return s, false, err
 	}
-	s.host = req
 	if s.tc, err = cfg.TransportConfig(); err != nil {
 		return s, false, fmt.Errorf("sharedtransport: %w", err)
 	}
@@ -346,9 +342,10 @@ type route struct {
 
 // proxyRoute samples cfg.Proxy for cfg's host. Proxy functions cannot be
 // compared, so two configs are taken to agree when their functions give the
-// same answer for the host they talk to. Only requests to that host ever use
-// the shared transport (see hook.onlyHost); a config whose Proxy gives what
-// the environment would shares the environment's transport.
+// same answer for the host they talk to. Only requests to that host, sent
+// the same way, ever use the shared transport (see configTransport.pick); a
+// config whose Proxy gives what the environment would shares the
+// environment's transport.
 func proxyRoute(cfg *rest.Config, req *http.Request) (route, error) {
 	got, err := cfg.Proxy(req)
 	if err != nil {

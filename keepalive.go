@@ -10,7 +10,6 @@ package sharedtransport
 import (
 	"context"
 	"crypto/tls"
-	"crypto/x509"
 	"errors"
 	"fmt"
 	"net"
@@ -80,12 +79,6 @@ type generation struct {
 	material *material
 	stats    *counters
 
-	// What the generation authenticates with, for comparing with the
-	// transports client-go hands the hook: the roots it trusts, and the
-	// client certificate it presents (nil when none, or when it comes from
-	// an exec plugin and is asked for at handshake time).
-	roots *x509.CertPool
-	chain [][]byte
 	// The client certificate's subject and expiry, for Identities and the
 	// expiry warning; warned says the warning for it was logged.
 	certCN       string
@@ -165,9 +158,8 @@ func (p *Pool) newGeneration(e *entry, m *material) (*generation, error) {
 // configuration: handshakes are counted, and resumed from a session cache of
 // g's own when the pool resumes sessions.
 func (p *Pool) setTLS(g *generation, id *identity, tlsConfig *tls.Config) {
-	g.roots = tlsConfig.RootCAs
 	if c := g.material.cert; c != nil {
-		g.chain, g.certCN, g.certNotAfter = c.Certificate, c.Leaf.Subject.CommonName, c.Leaf.NotAfter
+		g.certCN, g.certNotAfter = c.Leaf.Subject.CommonName, c.Leaf.NotAfter
 	}
 	if p.opts.sessionResumption && id.key.getCert == nil {
 		// One cache per generation: a resumed session carries the client

@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"slices"
 	"sort"
 	"strings"
 	"sync"
@@ -615,12 +614,6 @@ func (l *logLines) has(parts ...string) bool {
 		}
 	}
 	return false
-}
-
-func (l *logLines) all() []string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return slices.Clone(l.lines)
 }
 
 // TestWatcherSetsNoWatchAfterClose: a config wrapped while the pool closes

@@ -108,8 +108,8 @@ func (p *Pool) BuildConfigFromFlags(masterURL, kubeconfigPath string) (*rest.Con
 // [Pool.HTTPClientFor] or [Pool.TransportFor], which are given the config.
 //
 // For a config it shares, Wrap reads the certificate, key and CA files cfg
-// names, and returns an
-// error naming the file when one is missing, unreadable or invalid.
+// names, and returns an error naming the file when one is missing,
+// unreadable or invalid.
 func (p *Pool) Wrap(cfg *rest.Config) error { return p.wrap(cfg, given{}) }
 
 // WrapDeclared is [Pool.Wrap] for a config whose WrapTransport already holds
@@ -138,7 +138,9 @@ func (p *Pool) wrap(cfg *rest.Config, g given) error {
 	if err != nil {
 		return err
 	}
-	h, err := p.newHook(s)
+	// The generation first, then client-go's transport: a rotation between
+	// the two makes the hook ask client-go again at the first client.
+	h, err := p.newHook(s, l.e.current.Load())
 	if err != nil {
 		return err
 	}

@@ -551,6 +551,7 @@ func TestLifetime(t *testing.T) {
 	if got := p.Stats().Identities; got != n {
 		t.Fatalf("%d identities while %d distinct wrapped configs are live", got, n)
 	}
+	runtime.KeepAlive(live)
 	live = nil
 	waitFor(t, "identities released after GC", func() bool {
 		runtime.GC()

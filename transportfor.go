@@ -118,7 +118,7 @@ func (p *Pool) httpClientFor(cfg *rest.Config, g given) (*http.Client, error) {
 type configTransport struct {
 	lease *lease
 	// onlyHost, set when the config has a Proxy function, is the host that
-	// function was asked about (see hook.onlyHost).
+	// function was asked about when the identity was computed.
 	onlyHost string
 	// proxy is the config's Proxy function: asked again for every request
 	// to onlyHost, since it may send another path or scheme elsewhere than

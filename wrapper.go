@@ -1,8 +1,7 @@
 // The hook Wrap installs in a config's WrapTransport, and the rule it applies
 // to every client built from the config or a copy of it: a client rides the
-// shared transport only when data the pool was given, or objects it created
-// itself, show that client-go's transport for it authenticates, trusts,
-// dials, routes, negotiates and compresses as the shared one does.
+// shared transport only when client-go hands the hook the transport its own
+// cache holds for the wrapped config.
 
 package sharedtransport
 
@@ -12,17 +11,11 @@ import (
 	"net/http"
 	"sync"
 	"sync/atomic"
-	"time"
 	"weak"
 
 	utilnet "k8s.io/apimachinery/pkg/util/net"
 	"k8s.io/client-go/transport"
 )
-
-// certRecheck is how long a client's certificate, once found to be the
-// identity's, is taken to stay so: client-go re-reads certificate files as
-// often.
-const certRecheck = 5 * time.Minute
 
 // hook is what Wrap installs as the innermost rest.Config.WrapTransport of a
 // config client-go caches (no Proxy, no Dial). client-go calls it with the
@@ -48,20 +41,23 @@ type hook struct {
 	// config's key.
 	base *transport.Config
 
-	mu        sync.Mutex // guards lease, cached and cachedFor
-	lease     weak.Pointer[lease]
-	cached    http.RoundTripper // client-go's cached transport for base
-	cachedFor *generation       // the generation current when cached was asked for
+	mu     sync.Mutex // guards lease, cached and cachedFor
+	lease  weak.Pointer[lease]
+	cached http.RoundTripper // client-go's cached transport for base
+	// cachedFor is the generation current when cached was asked for; weak,
+	// so the hook, which client-go may keep for good, keeps no generation.
+	cachedFor weak.Pointer[generation]
 }
 
 // newHook prepares the hook for a config whose identity and transport config
-// are s.id and s.tc.
-func (p *Pool) newHook(s sharing) (*hook, error) {
+// are s.id and s.tc, and asks client-go for its transport as g, the
+// identity's generation now, holds.
+func (p *Pool) newHook(s sharing, g *generation) (*hook, error) {
 	rt, err := clientGoTransport(s.tc)
 	if err != nil {
 		return nil, fmt.Errorf("sharedtransport: %w", err)
 	}
-	return &hook{pool: p, id: s.id, base: s.tc, cached: rt}, nil
+	return &hook{pool: p, id: s.id, base: s.tc, cached: rt, cachedFor: weak.Make(g)}, nil
 }
 
 // clientGoTransport returns the transport client-go builds (or takes from
@@ -111,7 +107,11 @@ func (h *hook) wrap(rt http.RoundTripper) http.RoundTripper {
 }
 
 // agrees reports whether rt is the transport client-go's cache holds for the
-// wrapped config now.
+// wrapped config now. What client-go was asked holds for the generation
+// current when it was asked: after a rotation it is asked again before any
+// client is compared with it, since client-go (before v0.36) keys its cache
+// by the CA's bytes, and a copy with the old bytes inline would otherwise
+// match the transport it held for the files before.
 func (h *hook) agrees(rt http.RoundTripper, e *entry) bool {
 	if e.filesBad.Load() {
 		// While the pool rejects the files, a client built now does not
@@ -119,26 +119,21 @@ func (h *hook) agrees(rt http.RoundTripper, e *entry) bool {
 		// and meets the files as it would without the pool.
 		return false
 	}
-	g := e.current.Load()
+	g := weak.Make(e.current.Load())
 	h.mu.Lock()
-	cached, asked := h.cached, h.cachedFor == g
+	cached, current := h.cached, h.cachedFor == g
 	h.mu.Unlock()
-	if rt == cached {
-		return true
+	if current {
+		return rt == cached
 	}
-	if asked {
-		return false
-	}
-	// A rotation may have changed the key client-go computes from the files
-	// (client-go before v0.36 keys its cache by the CA's bytes): ask again
-	// once per generation, without the lock (client-go reads the files).
+	// Asked without the lock: client-go reads the files.
 	now, err := clientGoTransport(h.base)
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	if h.cachedFor != g {
-		h.cachedFor = g
-		if err == nil {
-			h.cached = now
+		h.cachedFor, h.cached = g, now
+		if err != nil {
+			h.cached = nil
 		}
 	}
 	return rt == h.cached
