@@ -70,9 +70,7 @@ func watchesLeft(p *Pool) int {
 	if w == nil {
 		return 0
 	}
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	return len(w.watches)
+	return len(w.all())
 }
 
 // TestChurnMemory: 10,000 identities created, used to build clients and

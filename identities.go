@@ -176,7 +176,7 @@ func (e *entry) info(watch *identityWatch) IdentityInfo {
 // mode says how iw's files are watched; see IdentityInfo.Watch.
 func (iw *identityWatch) mode() string {
 	w := iw.w
-	events := !w.notifyOff
+	events := !w.pool.opts.disableNotify
 	w.mu.Lock()
 	for _, d := range iw.dirs {
 		if wd := w.dirs[d]; wd == nil || !wd.watched {
@@ -187,7 +187,7 @@ func (iw *identityWatch) mode() string {
 	switch {
 	case events:
 		return "file events"
-	case w.notifyOff && w.pool.opts.pollInterval == 0:
+	case w.pool.opts.disableNotify && w.pool.opts.pollInterval == 0:
 		return "none"
 	default:
 		return "polling"

@@ -78,7 +78,7 @@ func (p *Pool) checkRead(id *identity, m *material, now time.Time, done <-chan s
 }
 
 // readMaterial reads id's files, without validating them, and takes its
-// inline data as it is. The read is bounded: see fileReader.
+// inline data as it is. The read is bounded: see stuckReads.
 func (p *Pool) readMaterial(id *identity, done <-chan struct{}) (*material, error) {
 	m := &material{caPEM: id.caData, certPEM: id.certData, keyPEM: id.keyData}
 	files := make([]fileToRead, 0, 3)
@@ -91,7 +91,7 @@ func (p *Pool) readMaterial(id *identity, done <-chan struct{}) (*material, erro
 	if len(files) == 0 {
 		return m, nil
 	}
-	if err := p.reader.read(p.opts.readTimeout, done, files); err != nil {
+	if err := p.reads.read(p.opts.readTimeout, done, files); err != nil {
 		return nil, err
 	}
 	return m, nil
@@ -101,16 +101,6 @@ func (p *Pool) readMaterial(id *identity, done <-chan struct{}) (*material, erro
 type pairError struct{ msg string }
 
 func (e *pairError) Error() string { return e.msg }
-
-// notYetValidError is material that becomes valid later, at from.
-type notYetValidError struct {
-	err  error
-	from time.Time
-}
-
-func (e *notYetValidError) Error() string { return e.err.Error() }
-
-func (e *notYetValidError) Unwrap() error { return e.err }
 
 // checkMaterial validates m, id's material, at now: a CA bundle that can
 // verify a server, and a certificate that matches its key and is valid now.
@@ -136,12 +126,7 @@ func checkMaterial(id *identity, m *material, now time.Time) error {
 		}
 	}
 	if err := checkValidity(leaf, now); err != nil {
-		err2 := fmt.Errorf("sharedtransport: client certificate %s %w", describe(id.key.certFile, "(inline data)"), err)
-		var nyv *notYetValidError
-		if errors.As(err, &nyv) {
-			return &notYetValidError{err2, nyv.from}
-		}
-		return err2
+		return fmt.Errorf("sharedtransport: client certificate %s %w", describe(id.key.certFile, "(inline data)"), err)
 	}
 	cert.Leaf = leaf
 	m.cert = &cert
@@ -156,10 +141,7 @@ func checkValidity(c *x509.Certificate, now time.Time) error {
 	case now.After(c.NotAfter):
 		return fmt.Errorf("has expired (%s; it is %s here): write a current certificate", window, stamp(now))
 	case now.Add(clockSkew).Before(c.NotBefore):
-		return &notYetValidError{
-			err:  fmt.Errorf("is not valid yet (%s; it is %s here, more than the %v of clock skew allowed): check the clocks of this machine and of the signer", window, stamp(now), clockSkew),
-			from: c.NotBefore.Add(-clockSkew),
-		}
+		return fmt.Errorf("is not valid yet (%s; it is %s here, more than the %v of clock skew allowed): check the clocks of this machine and of the signer", window, stamp(now), clockSkew)
 	}
 	return nil
 }
@@ -187,11 +169,8 @@ func checkCABundle(b []byte, now time.Time) error {
 	case s.valid == 0 && s.firstStart.IsZero():
 		return fmt.Errorf("holds no CA certificate valid now: every one has expired, the last at %s (it is %s here): write the current CA", stamp(s.lastExpiry), stamp(now))
 	case s.valid == 0:
-		return &notYetValidError{
-			err: fmt.Errorf("holds no CA certificate valid now: the first becomes valid at %s (it is %s here, more than the %v of clock skew allowed)",
-				stamp(s.firstStart), stamp(now), clockSkew),
-			from: s.firstStart.Add(-clockSkew),
-		}
+		return fmt.Errorf("holds no CA certificate valid now: the first becomes valid at %s (it is %s here, more than the %v of clock skew allowed)",
+			stamp(s.firstStart), stamp(now), clockSkew)
 	}
 	return nil
 }
@@ -362,19 +341,14 @@ func fileKind(m fs.FileMode) string {
 	}
 }
 
-// fileReader reads TLS material for one pool. A read that does not return
-// (a hung network mount, a FUSE daemon that does not answer) cannot be
-// cancelled: it is left to finish on a goroutine of its own while its caller
-// moves on, and its file is not read again until it has, so a hung file costs
-// one goroutine and one thread, however often it is asked for.
-type fileReader struct {
-	mu    sync.Mutex            // guards stuck and every readCall's current and abandoned
-	stuck map[string]*stuckRead // files whose read outlived its wait
-}
-
-type stuckRead struct {
-	since time.Time
-	reads int // abandoned reads of the file not returned yet
+// stuckReads bounds the reads of one pool's certificate files in time. A
+// read that does not return (a hung network mount, a FUSE daemon that does not
+// answer) cannot be cancelled: it is left to finish on its goroutine while its
+// caller moves on, and its file is refused until it has, so a hung file holds
+// one goroutine and one thread however often it is asked for.
+type stuckReads struct {
+	mu    sync.Mutex
+	since map[string]time.Time // files whose read outlived its wait, and since when
 }
 
 // fileToRead is one file of a read, and where its content goes.
@@ -383,109 +357,61 @@ type fileToRead struct {
 	into       *[]byte
 }
 
-// readCall is the state one read shares with the goroutine doing it.
-type readCall struct {
-	current   int           // index of the file being read, -1 before the first; guarded by fileReader.mu
-	abandoned bool          // the caller stopped waiting; guarded by fileReader.mu
-	err       error         // set before done is closed
-	done      chan struct{} // closed when the read returns
-}
-
 // read reads files in order. It returns when they are read, when timeout has
 // passed, or when done is closed (with ErrClosed), whichever comes first.
-func (r *fileReader) read(timeout time.Duration, done <-chan struct{}, files []fileToRead) error {
-	r.mu.Lock()
+func (s *stuckReads) read(timeout time.Duration, done <-chan struct{}, files []fileToRead) error {
+	deadline := time.NewTimer(timeout)
+	defer deadline.Stop()
 	for _, f := range files {
-		if s, ok := r.stuck[f.path]; ok {
-			r.mu.Unlock()
+		s.mu.Lock()
+		since, stuck := s.since[f.path]
+		s.mu.Unlock()
+		if stuck {
 			return fmt.Errorf("sharedtransport: read %s file %q: an earlier read has not returned for %v (a hung network file system?)",
-				f.what, f.path, time.Since(s.since).Round(time.Second))
+				f.what, f.path, time.Since(since).Round(time.Second))
 		}
-	}
-	r.mu.Unlock()
-
-	call := &readCall{current: -1, done: make(chan struct{})}
-	go r.readAll(call, files)
-	timer := time.NewTimer(timeout)
-	defer timer.Stop()
-	select {
-	case <-call.done:
-		return call.err
-	case <-done:
-		r.abandon(call, files)
-		return ErrClosed
-	case <-timer.C:
-		i, finished := r.abandon(call, files)
-		switch {
-		case finished:
-			return call.err
-		case i < 0:
-			return fmt.Errorf("sharedtransport: read %s file %q: not started after %v", files[0].what, files[0].path, timeout)
-		}
-		return fmt.Errorf("sharedtransport: read %s file %q: no answer after %v (a hung network file system?)", files[i].what, files[i].path, timeout)
-	}
-}
-
-// abandon gives up waiting for call and marks the file it is reading as
-// stuck. It returns that file's index, or finished if the read finished
-// meanwhile.
-func (r *fileReader) abandon(call *readCall, files []fileToRead) (i int, finished bool) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	select {
-	case <-call.done:
-		return -1, true
-	default:
-	}
-	call.abandoned = true
-	if call.current < 0 {
-		return -1, false
-	}
-	path := files[call.current].path
-	if r.stuck == nil {
-		r.stuck = map[string]*stuckRead{}
-	}
-	s := r.stuck[path]
-	if s == nil {
-		s = &stuckRead{since: time.Now()}
-		r.stuck[path] = s
-	}
-	s.reads++
-	return call.current, false
-}
-
-func (r *fileReader) readAll(call *readCall, files []fileToRead) {
-	defer close(call.done)
-	for i, f := range files {
-		r.mu.Lock()
-		if call.abandoned {
-			r.mu.Unlock()
-			return
-		}
-		call.current = i
-		r.mu.Unlock()
-
-		b, err := readFile(f.path, f.what)
-
-		r.mu.Lock()
-		abandoned := call.abandoned
-		if abandoned {
-			// It returned: the file may be read again.
-			if s := r.stuck[f.path]; s != nil {
-				if s.reads--; s.reads <= 0 {
-					delete(r.stuck, f.path)
-				}
+		var b []byte
+		got := make(chan error, 1)
+		go func() {
+			var err error
+			b, err = readFile(f.path, f.what)
+			got <- err
+			s.mark(f.path, false)
+		}()
+		var err error
+		select {
+		case err = <-got:
+			if err != nil {
+				return err
 			}
+			*f.into = b
+			continue
+		case <-done:
+			err = ErrClosed
+		case <-deadline.C:
+			err = fmt.Errorf("sharedtransport: read %s file %q: no answer after %v (a hung network file system?)", f.what, f.path, timeout)
 		}
-		call.current = -1
-		r.mu.Unlock()
-		if abandoned {
-			return
+		s.mark(f.path, true)
+		select {
+		case <-got: // it returned after all
+			s.mark(f.path, false)
+		default:
 		}
-		if err != nil {
-			call.err = err
-			return
+		return err
+	}
+	return nil
+}
+
+func (s *stuckReads) mark(path string, stuck bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	switch _, ok := s.since[path]; {
+	case stuck && !ok:
+		if s.since == nil {
+			s.since = map[string]time.Time{}
 		}
-		*f.into = b
+		s.since[path] = time.Now()
+	case !stuck:
+		delete(s.since, path)
 	}
 }

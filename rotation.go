@@ -22,25 +22,20 @@ type filesState struct {
 	readAt   time.Time // when the files were last read (options.now)
 	err      error     // why that read was rejected; nil: the files hold the material in use
 	badSince time.Time // when the reads began to be rejected
-	rejected *material // the last material rejected, so unchanged bad files are not parsed again
-	retryAt  time.Time // when rejected becomes valid; zero: never
+	rejected *material // the material rejected last, so unchanged bad files are counted once
 }
 
-// reload re-reads the identity's files for the watcher; resolve asks it to
-// look up again where they lie. Every poll and event also looks at the
-// expiry of the certificate in use: when no newer file arrives, that is the
-// certificate that expires.
-func (iw *identityWatch) reload(resolve bool) {
+// reload re-reads the identity's files for the watcher. Every poll and event
+// also looks at the expiry of the certificate in use: when no newer file
+// arrives, that is the certificate that expires.
+func (iw *identityWatch) reload() {
 	e := iw.e
 	if e.closed.Load() {
 		return
 	}
 	e.files.mu.Lock()
-	news := e.refreshLocked(iw.w.done)
+	e.refreshLocked(iw.w.done)
 	e.files.mu.Unlock()
-	if resolve || news {
-		iw.relook() // new content: the files may lie elsewhere now
-	}
 	e.checkExpiry()
 }
 
@@ -79,52 +74,41 @@ func (e *entry) fresh() error {
 
 // refreshLocked reads e's files and takes valid new material into use.
 // Unchanged bytes are no reload, and cost a read and a comparison. Invalid
-// material keeps the last good one and is counted once. It reports whether
-// the files held bytes neither in use nor rejected before.
-func (e *entry) refreshLocked(done <-chan struct{}) (news bool) {
-	p, st := e.pool, &e.files
+// material keeps the last good one and is counted once.
+func (e *entry) refreshLocked(done <-chan struct{}) {
+	p := e.pool
 	m, err := p.readMaterial(e.id, done)
-	if errors.Is(err, ErrClosed) {
-		return false
-	}
 	now := p.opts.now()
 	switch {
-	case err != nil:
-		e.rejectLocked(err, now)
-		return false
-	case m.equal(e.current.Load().material):
+	case err == nil && m.equal(e.current.Load().material):
 		e.goodLocked(now)
-		return false
-	case st.rejected != nil && m.equal(st.rejected) && (st.retryAt.IsZero() || now.Before(st.retryAt)):
-		st.readAt = now // rejected already, and counted
-		return false
+		return
+	case err == nil:
+		// Checked again even when these bytes were rejected before: a
+		// certificate not valid yet becomes valid.
+		m, err = p.checkRead(e.id, m, now, done)
 	}
-	if m, err = p.checkRead(e.id, m, now, done); errors.Is(err, ErrClosed) {
-		return true
-	}
-	if err != nil {
-		st.rejected, st.retryAt = m, time.Time{}
-		if nyv := new(notYetValidError); errors.As(err, &nyv) {
-			st.retryAt = nyv.from
-		}
-		e.rejectLocked(err, now)
-		return true
+	switch {
+	case errors.Is(err, ErrClosed):
+		return
+	case err != nil:
+		e.rejectLocked(err, m, now)
+		return
 	}
 	if !m.equal(e.current.Load().material) {
 		g, err := p.newGeneration(e, m)
 		if err != nil {
-			e.rejectLocked(err, now)
-			return true
+			e.rejectLocked(err, m, now)
+			return
 		}
 		if !e.rotate(g, p.opts.drainTimeout) {
-			return true
+			return
 		}
 		p.stats.rotations.Add(1)
 		e.stats.rotations.Add(1)
 		p.opts.logger.V(2).Info("Rotated TLS material", "identity", e.id.key, "files", []string{e.id.key.caFile, e.id.key.certFile, e.id.key.keyFile})
 	}
 	e.goodLocked(now)
-	return true
 }
 
 func (e *entry) goodLocked(now time.Time) {
@@ -133,15 +117,20 @@ func (e *entry) goodLocked(now time.Time) {
 	e.filesBad.Store(false)
 }
 
-// rejectLocked counts and logs a rejected read; the last good material
-// stays.
-func (e *entry) rejectLocked(err error, now time.Time) {
+// rejectLocked counts and logs a rejected read, m the material rejected (nil
+// if the files could not be read), unless the same bytes were rejected last;
+// the last good material stays.
+func (e *entry) rejectLocked(err error, m *material, now time.Time) {
 	st := &e.files
+	again := st.err != nil && m != nil && st.rejected != nil && m.equal(st.rejected)
 	if st.err == nil {
 		st.badSince = now
 	}
-	st.readAt, st.err = now, err
+	st.readAt, st.err, st.rejected = now, err, m
 	e.filesBad.Store(true)
+	if again {
+		return
+	}
 	p := e.pool
 	p.stats.rotationErrors.Add(1)
 	msg := e.recordReloadError(err, now)

@@ -278,7 +278,7 @@ func TestRotationSharedWatch(t *testing.T) {
 		t.Errorf("fsnotify watches %v, want only %s", got, dir)
 	}
 	w.mu.Lock()
-	refs := w.dirs[dir].refs
+	refs := len(w.dirs[dir].identities)
 	w.mu.Unlock()
 	if refs != 2 {
 		t.Errorf("directory used by %d identities, want 2", refs)

@@ -30,13 +30,13 @@ var ErrClosed = errors.New("sharedtransport: pool is closed")
 //
 // Locks are taken in this order, never the other way: a hook's mu (wrapper.go),
 // then the pool's mu, then an entry's mu (entry.go), then the watcher's and
-// the file reader's (rotation.go, material.go), then a generation's and a
+// the file reads' (rotation.go, material.go), then a generation's and a
 // host's (the connection layer).
 type Pool struct {
-	opts   options
-	group  singleflight.Group // one build per identity under concurrent first use
-	reader fileReader         // bounds reads of certificate files
-	stats  counters
+	opts  options
+	group singleflight.Group // one build per identity under concurrent first use
+	reads stuckReads         // bounds reads of certificate files
+	stats counters
 
 	mu      sync.Mutex // guards entries, closed, watcher, and every entry's refs and idleTimer
 	entries map[identityKey]*entry

@@ -1,83 +1,74 @@
-// Watching an identity's files: the pool watches the directories of its
-// identities' files (fsnotify) and turns their events and polls into
-// debounced reloads, at most maxLoads at once. Where the files lie is in
-// watchpaths.go, polling what the kernel will not watch in watchpoll.go,
-// what a reload does in rotation.go, reading and validating material in
-// material.go.
+// Watching an identity's files: the pool watches the directory of every file
+// its identities read (fsnotify), and turns events, polls and the fallback for
+// directories the kernel will not watch into reloads, run by a few workers
+// from one workqueue. What a reload does is in rotation.go; reading and
+// validating material in material.go.
 
 package sharedtransport
 
 import (
+	"errors"
 	"fmt"
 	"maps"
+	"path/filepath"
 	"slices"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/fsnotify/fsnotify"
+	"k8s.io/client-go/util/workqueue"
 )
 
-// maxLoads bounds the reloads in flight at once: a poll of thousands of
-// identities does not start thousands of reads, and a few identities on a
-// hung file system leave slots for the others.
+// maxLoads is the number of workers running reloads: a poll of thousands of
+// identities does not start thousands of reads, and an identity on a hung
+// file system leaves the others workers to run on.
 const maxLoads = 4
 
-// maxEventWait bounds how long events that keep coming put a reload off: a
-// file written to without pause is still read.
-const maxEventWait = 500 * time.Millisecond
-
-// fileWatcher watches the directories of every file the pool's identities
+// fileWatcher watches the directories of the files the pool's identities
 // read, with one fsnotify watcher and one goroutine per pool. Directories,
-// not files, are watched: kubelet updates secret volumes by swapping the
-// "..data" symlink, and editors and cert managers rename over files, and a
-// watch on the old file would see neither. Events for other files in those
-// directories are ignored.
+// not files, are watched: kubelet updates a secret volume by swapping the
+// "..data" symlink beside the file names a config holds, and editors and
+// certificate managers rename new files over old ones; a watch on the file
+// would see neither. Any event in a directory reloads, after the debounce,
+// every identity with a file there: files that did not change cost a read and
+// a comparison. A file that is a link into another directory is followed by
+// the poll.
 type fileWatcher struct {
-	pool      *Pool
-	notifyOff bool           // test seam: no file events at all, and no fallback
-	done      chan struct{}  // closed by close: the run goroutine and reloads stop
-	exited    chan struct{}  // closed when the run goroutine has exited
-	wake      chan struct{}  // look again: a directory may miss its watch, or file events became available
-	slots     chan struct{}  // one per reload reading files; at most maxLoads
-	loads     sync.WaitGroup // reloads in flight or waiting for a slot
+	pool *Pool
+	// queue holds the identities due a reload. An identity is in it once
+	// however often it is added, and a reload asked for while one runs
+	// follows it, so reloads of one identity never race each other.
+	queue   *workqueue.Typed[*identityWatch]
+	done    chan struct{}  // closed by close: the goroutines and reads stop
+	running sync.WaitGroup // the run goroutine and the workers
 
 	closeOnce sync.Once
-	closeErr  error // what closing notify returned; set once, by close
+	closeErr  error // what closing notify returned
 
-	// mu guards the fields below, and the paths, dirs and stopped of every
-	// identityWatch.
-	mu         sync.Mutex
-	notify     *fsnotify.Watcher // nil while the kernel refuses an inotify instance, or when notifyOff
-	dirs       map[string]*watchedDir
-	byPath     map[string][]*identityWatch // the identities that read through a path
-	watches    map[*identityWatch]struct{}
-	unwatched  int  // dirs without a watch
-	refusalLog bool // the refusal of a watch was logged; cleared when every directory has its watch again
-
-	pending map[*identityWatch]struct{} // events seen, reload not yet due; owned by the run goroutine
+	// mu guards the fields below and every identityWatch's stopped.
+	mu            sync.Mutex
+	notify        *fsnotify.Watcher // nil while the kernel refuses an inotify instance, or with disableNotify
+	notifyChanged chan struct{}     // the run goroutine takes a new notify's events
+	dirs          map[string]*watchedDir
+	unwatched     int  // dirs without their watch, polled every fallbackPoll
+	refusalLogged bool // cleared when every directory has its watch again
 }
 
-// watchedDir is one watched directory.
+// watchedDir is a directory holding files of the identities in it.
 type watchedDir struct {
-	refs    int  // identities with a path in it
-	watched bool // its inotify watch is in place
+	identities map[*identityWatch]struct{}
+	watched    bool // its inotify watch is in place
 }
 
 // identityWatch is one entry's interest in its files.
 type identityWatch struct {
-	w *fileWatcher
-	e *entry
-
-	// Guarded by w.mu.
-	paths, dirs []string
-	stopped     bool
-
-	lookingUp atomic.Bool // a relook is running
-	queued    atomic.Bool // a reload is due and has not started
-	resolve   atomic.Bool // the next reload follows an event: look up the paths again
-
-	first, last time.Time // first and latest event of a pending reload; owned by the run goroutine
+	w       *fileWatcher
+	e       *entry
+	dirs    []string    // the directories of the entry's files
+	stopped bool        // guarded by w.mu
+	due     atomic.Bool // a debounced reload is on its way to the queue
 }
 
 func (p *Pool) fileWatcher() (*fileWatcher, error) {
@@ -90,38 +81,47 @@ func (p *Pool) fileWatcher() (*fileWatcher, error) {
 		return p.watcher, nil
 	}
 	w := &fileWatcher{
-		pool:      p,
-		done:      make(chan struct{}),
-		exited:    make(chan struct{}),
-		wake:      make(chan struct{}, 1),
-		slots:     make(chan struct{}, maxLoads),
-		notifyOff: p.opts.disableNotify,
-		dirs:      map[string]*watchedDir{},
-		byPath:    map[string][]*identityWatch{},
-		watches:   map[*identityWatch]struct{}{},
-		pending:   map[*identityWatch]struct{}{},
+		pool:          p,
+		queue:         workqueue.NewTyped[*identityWatch](),
+		done:          make(chan struct{}),
+		notifyChanged: make(chan struct{}, 1),
+		dirs:          map[string]*watchedDir{},
 	}
-	if !w.notifyOff {
+	if !p.opts.disableNotify {
 		// A refusal (fs.inotify.max_user_instances) is logged when the first
-		// directory goes without its watch, and tried again from the poll.
+		// directory goes without its watch, and tried again by the fallback.
 		w.notify, _ = fsnotify.NewWatcher()
 	}
 	p.watcher = w
+	w.running.Add(1 + maxLoads)
 	go w.run()
+	for range maxLoads {
+		go w.work()
+	}
 	return w, nil
 }
 
 // add starts watching e's files.
 func (w *fileWatcher) add(e *entry) *identityWatch {
 	iw := &identityWatch{w: w, e: e}
-	paths := identityPaths(e.id)
+	for _, f := range []string{e.id.key.caFile, e.id.key.certFile, e.id.key.keyFile} {
+		if d := filepath.Dir(f); f != "" && !slices.Contains(iw.dirs, d) {
+			iw.dirs = append(iw.dirs, d)
+		}
+	}
 	w.mu.Lock()
-	w.watches[iw] = struct{}{}
-	w.setPathsLocked(iw, paths)
-	missing := w.unwatched > 0
-	w.mu.Unlock()
-	if missing {
-		w.poke()
+	defer w.mu.Unlock()
+	for _, d := range iw.dirs {
+		wd := w.dirs[d]
+		if wd == nil {
+			wd = &watchedDir{identities: map[*identityWatch]struct{}{}}
+			w.dirs[d] = wd
+			if !w.pool.opts.disableNotify {
+				w.unwatched++
+				w.watchLocked(d, wd)
+			}
+		}
+		wd.identities[iw] = struct{}{}
 	}
 	return iw
 }
@@ -136,27 +136,42 @@ func (iw *identityWatch) stop() {
 		return
 	}
 	iw.stopped = true
-	delete(w.watches, iw)
-	w.setPathsLocked(iw, nil)
+	for _, d := range iw.dirs {
+		wd := w.dirs[d]
+		if delete(wd.identities, iw); len(wd.identities) > 0 {
+			continue
+		}
+		delete(w.dirs, d)
+		switch {
+		case wd.watched:
+			_ = w.notify.Remove(d) // the kernel drops the watch of a removed directory itself
+		case !w.pool.opts.disableNotify:
+			w.unwatched--
+		}
+	}
+	w.logRecoveryLocked()
 }
 
-// watchLocked asks the kernel to watch d, which has no watch yet.
-// After close began it sets none: close closes notify under w.mu once the
-// run goroutine has exited, so a watcher made later would never be closed.
+// watchLocked asks the kernel to watch d, which has no watch yet. After close
+// began it sets none: close closes notify once the run goroutine has exited,
+// so a watcher made later would never be closed.
 func (w *fileWatcher) watchLocked(d string, wd *watchedDir) {
 	if w.closing() {
 		return
 	}
-	var err error
 	if w.notify == nil {
-		if w.notify, err = fsnotify.NewWatcher(); err != nil {
-			w.notify = nil
+		n, err := fsnotify.NewWatcher()
+		if err != nil {
 			w.logRefusalLocked(d, fmt.Errorf("no inotify instance: %w", err))
 			return
 		}
-		w.poke() // the run goroutine takes the new watcher's events
+		w.notify = n
+		select {
+		case w.notifyChanged <- struct{}{}:
+		default:
+		}
 	}
-	if err = w.notify.Add(d); err != nil {
+	if err := w.notify.Add(d); err != nil {
 		w.logRefusalLocked(d, err)
 		return
 	}
@@ -165,21 +180,37 @@ func (w *fileWatcher) watchLocked(d string, wd *watchedDir) {
 	w.logRecoveryLocked()
 }
 
-func (w *fileWatcher) poke() {
-	select {
-	case w.wake <- struct{}{}:
-	default:
+func (w *fileWatcher) logRefusalLocked(d string, err error) {
+	if w.refusalLogged {
+		return
+	}
+	w.refusalLogged = true
+	hint := ""
+	switch {
+	case errors.Is(err, syscall.EMFILE):
+		hint = "raise fs.inotify.max_user_instances, or use fewer pools and inotify users"
+	case errors.Is(err, syscall.ENOSPC):
+		hint = "raise fs.inotify.max_user_watches"
+	}
+	w.pool.opts.logger.Info("File events unavailable for a watched directory; polling it instead until its watch can be set",
+		"dir", d, "err", err.Error(), "pollInterval", w.pool.opts.fallbackPoll, "hint", hint)
+}
+
+func (w *fileWatcher) logRecoveryLocked() {
+	if w.unwatched == 0 && w.refusalLogged {
+		w.refusalLogged = false
+		w.pool.opts.logger.Info("File events available again for every watched directory")
 	}
 }
 
-// close stops the watcher and waits for its goroutine and its reloads. A read
-// stuck in the kernel is not waited for (see fileReader). Every call, the
-// first and any later or concurrent one, returns once the watcher has
-// stopped, with what closing its fsnotify watcher returned.
+// close stops the watcher and waits for its goroutines. A read stuck in the
+// kernel is not waited for (see stuckReads). Every call returns once the
+// watcher has stopped, with what closing its fsnotify watcher returned.
 func (w *fileWatcher) close() error {
 	w.closeOnce.Do(func() {
 		close(w.done)
-		<-w.exited
+		w.queue.ShutDown()
+		w.running.Wait()
 		w.mu.Lock()
 		defer w.mu.Unlock()
 		if w.notify != nil {
@@ -189,7 +220,7 @@ func (w *fileWatcher) close() error {
 	return w.closeErr
 }
 
-// closing reports whether close has begun: no new watch is set from then on.
+// closing reports whether close has begun.
 func (w *fileWatcher) closing() bool {
 	select {
 	case <-w.done:
@@ -199,13 +230,9 @@ func (w *fileWatcher) closing() bool {
 	}
 }
 
-// run is the watcher's one goroutine: it turns file events into debounced
-// reloads and polls, and hands them to at most maxLoads reload goroutines,
-// one at a time per identity, so rotations of one identity never race each
-// other and a slow one holds up no other.
+// run turns file events, polls and fallback polls into reloads.
 func (w *fileWatcher) run() {
-	defer close(w.exited)
-	defer w.loads.Wait()
+	defer w.running.Done()
 	opts := &w.pool.opts
 	var poll <-chan time.Time
 	if opts.pollInterval > 0 {
@@ -213,178 +240,133 @@ func (w *fileWatcher) run() {
 		defer t.Stop()
 		poll = t.C
 	}
-	debounce := time.NewTimer(time.Hour)
-	debounce.Stop()
-	defer debounce.Stop()
-	fallback := time.NewTimer(time.Hour)
-	fallback.Stop()
+	fallback := time.NewTicker(opts.fallbackPoll)
 	defer fallback.Stop()
-	fallbackArmed := false
-
+	var notify *fsnotify.Watcher
 	var events <-chan fsnotify.Event
 	var errs <-chan error
-	var notify *fsnotify.Watcher
 	for {
 		w.mu.Lock()
 		if w.notify != notify {
 			notify = w.notify
 			events, errs = notify.Events, notify.Errors
 		}
-		if !fallbackArmed && w.unwatched > 0 {
-			fallback.Reset(opts.fallbackPoll)
-			fallbackArmed = true
-		}
 		w.mu.Unlock()
-
 		select {
 		case <-w.done:
 			return
-		case <-w.wake:
+		case <-w.notifyChanged:
 		case ev, ok := <-events:
 			if !ok {
 				events = nil
 				continue
 			}
 			w.onEvent(ev)
-			w.armDebounce(debounce)
 		case err, ok := <-errs:
 			if !ok {
 				errs = nil
 				continue
 			}
-			w.onWatchError(err)
-		case <-debounce.C:
-			w.onDebounce()
-			w.armDebounce(debounce)
+			// Typically a queue overflow: events were lost.
+			opts.logger.Info("File watch error; re-reading every watched file", "err", err)
+			w.reloadAll(w.all())
 		case <-poll:
-			w.onPoll()
+			w.reloadAll(w.all())
 		case <-fallback.C:
-			fallbackArmed = false
-			w.onFallback()
+			w.reloadAll(w.retryWatches())
 		}
 	}
 }
 
-// onWatchError queues a reload of every identity after an error from
-// fsnotify: typically a queue overflow, so events were lost.
-func (w *fileWatcher) onWatchError(err error) {
-	w.pool.opts.logger.Info("File watch error; re-reading every watched file", "err", err)
-	w.enqueueAll(true)
-}
-
-// onPoll queues a reload of every identity, and notes the directories whose
-// watch the kernel dropped.
-func (w *fileWatcher) onPoll() {
-	w.mu.Lock()
-	w.checkLocked()
-	w.mu.Unlock()
-	w.enqueueAll(false)
-}
-
-// onDebounce queues the pending reloads that are due.
-func (w *fileWatcher) onDebounce() {
-	now := time.Now()
-	for iw := range w.pending {
-		if !w.due(iw).After(now) {
-			delete(w.pending, iw)
-			iw.first, iw.last = time.Time{}, time.Time{}
-			w.enqueue(iw, true)
-		}
-	}
-}
-
-// onEvent marks the identities that read through the event's path (or whose
-// directory it is) for a reload, debounced: a burst of writes settles into
-// one reload.
+// onEvent reloads, after the debounce, the identities with a file in the
+// event's directory. A watched directory that goes away takes its watch with
+// it: it is polled until it is back.
 func (w *fileWatcher) onEvent(ev fsnotify.Event) {
+	var due []*identityWatch
 	w.mu.Lock()
-	iws := slices.Clone(w.byPath[ev.Name])
-	if wd, ok := w.dirs[ev.Name]; ok {
-		switch {
-		case ev.Has(fsnotify.Remove | fsnotify.Rename):
-			// A watched directory went away, and its watch with it.
-			if wd.watched {
+	if wd := w.dirs[filepath.Dir(ev.Name)]; wd != nil {
+		due = slices.Collect(maps.Keys(wd.identities))
+	}
+	if wd := w.dirs[ev.Name]; wd != nil && wd.watched && ev.Has(fsnotify.Remove|fsnotify.Rename) {
+		wd.watched = false
+		w.unwatched++
+		due = append(due, slices.Collect(maps.Keys(wd.identities))...)
+	}
+	w.mu.Unlock()
+	for _, iw := range due {
+		// A burst of writes (a pair written file after file) settles into one
+		// reload a debounce after its first event.
+		if iw.due.CompareAndSwap(false, true) {
+			time.AfterFunc(w.pool.opts.debounce, func() {
+				iw.due.Store(false)
+				w.queue.Add(iw)
+			})
+		}
+	}
+}
+
+// retryWatches notes the directories whose watch the kernel dropped without
+// an event (an unmount), tries again to watch every directory without its
+// watch, and returns the identities with files in those: the fallback poll
+// reloads them.
+func (w *fileWatcher) retryWatches() []*identityWatch {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.notify != nil && len(w.notify.WatchList()) != len(w.dirs)-w.unwatched {
+		list := w.notify.WatchList()
+		for d, wd := range w.dirs {
+			if wd.watched && !slices.Contains(list, d) {
 				wd.watched = false
 				w.unwatched++
 			}
-		case ev.Has(fsnotify.Create) && !wd.watched:
-			w.watchLocked(ev.Name, wd) // back: watch it at once
-		}
-		for iw := range w.watches {
-			if slices.Contains(iw.dirs, ev.Name) {
-				iws = append(iws, iw)
-			}
 		}
 	}
-	w.mu.Unlock()
-	now := time.Now()
+	var missed []*identityWatch
+	for d, wd := range w.dirs {
+		if w.unwatched == 0 {
+			break
+		}
+		if !wd.watched {
+			w.watchLocked(d, wd)
+			missed = append(missed, slices.Collect(maps.Keys(wd.identities))...)
+		}
+	}
+	return missed
+}
+
+// work runs reloads until the queue shuts down.
+func (w *fileWatcher) work() {
+	defer w.running.Done()
+	for {
+		iw, shutdown := w.queue.Get()
+		if shutdown {
+			return
+		}
+		iw.reload()
+		w.queue.Done(iw)
+	}
+}
+
+func (w *fileWatcher) reloadAll(iws []*identityWatch) {
 	for _, iw := range iws {
-		if iw.first.IsZero() {
-			iw.first = now
-			w.pending[iw] = struct{}{}
-		}
-		iw.last = now
+		w.queue.Add(iw)
 	}
 }
 
-// due is when a pending reload starts: when events have been quiet for the
-// debounce, or when the first event is maxEventWait old, whichever comes first,
-// so a file written to without pause is still read.
-func (w *fileWatcher) due(iw *identityWatch) time.Time {
-	opts := &w.pool.opts
-	quiet, latest := iw.last.Add(opts.debounce), iw.first.Add(maxEventWait)
-	if latest.Before(quiet) {
-		return latest
-	}
-	return quiet
-}
-
-func (w *fileWatcher) armDebounce(t *time.Timer) {
-	var next time.Time
-	for iw := range w.pending {
-		if d := w.due(iw); next.IsZero() || d.Before(next) {
-			next = d
-		}
-	}
-	if next.IsZero() {
-		t.Stop()
-		return
-	}
-	t.Reset(time.Until(next))
-}
-
+// all returns every identity watched.
 func (w *fileWatcher) all() []*identityWatch {
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	return slices.Collect(maps.Keys(w.watches))
+	all := map[*identityWatch]struct{}{}
+	for _, wd := range w.dirs {
+		maps.Copy(all, wd.identities)
+	}
+	return slices.Collect(maps.Keys(all))
 }
 
-func (w *fileWatcher) enqueueAll(resolve bool) {
-	for _, iw := range w.all() {
-		w.enqueue(iw, resolve)
-	}
-}
-
-// enqueue asks for a reload of iw; resolve asks it to look up its paths
-// again. A reload asked for while one is due is that one; one asked for
-// while one runs follows it (entry.files serializes them).
-func (w *fileWatcher) enqueue(iw *identityWatch, resolve bool) {
-	if resolve {
-		iw.resolve.Store(true)
-	}
-	if !iw.queued.CompareAndSwap(false, true) {
-		return
-	}
-	w.loads.Add(1)
-	go func() {
-		defer w.loads.Done()
-		select {
-		case w.slots <- struct{}{}:
-		case <-w.done:
-			return
-		}
-		defer func() { <-w.slots }()
-		iw.queued.Store(false)
-		iw.reload(iw.resolve.Swap(false))
-	}()
+// unwatchedDirs is the number of directories watched by polling alone.
+func (w *fileWatcher) unwatchedDirs() int {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.unwatched
 }
