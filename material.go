@@ -52,13 +52,10 @@ func (m *material) equal(o *material) bool {
 // holds.
 func (p *Pool) loadMaterial(id *identity) (*material, error) {
 	m, err := p.readMaterial(id, nil)
-	if err != nil {
-		return nil, err
+	if err == nil {
+		m, err = p.checkRead(id, m, p.opts.now(), nil)
 	}
-	if m, err = p.checkRead(id, m, p.opts.now(), nil); err != nil {
-		return nil, err
-	}
-	return m, nil
+	return m, err
 }
 
 // checkRead checks m, read from id's files, at now. The reads of a
@@ -81,15 +78,12 @@ func (p *Pool) checkRead(id *identity, m *material, now time.Time, done <-chan s
 // inline data as it is. The read is bounded: see stuckReads.
 func (p *Pool) readMaterial(id *identity, done <-chan struct{}) (*material, error) {
 	m := &material{caPEM: id.caData, certPEM: id.certData, keyPEM: id.keyData}
-	files := make([]fileToRead, 0, 3)
+	var files []fileToRead
 	if id.key.caFile != "" {
 		files = append(files, fileToRead{id.key.caFile, "CA", &m.caPEM})
 	}
 	if id.key.certFile != "" {
 		files = append(files, fileToRead{id.key.certFile, "client certificate", &m.certPEM}, fileToRead{id.key.keyFile, "client key", &m.keyPEM})
-	}
-	if len(files) == 0 {
-		return m, nil
 	}
 	if err := p.reads.read(p.opts.readTimeout, done, files); err != nil {
 		return nil, err
@@ -119,16 +113,14 @@ func checkMaterial(id *identity, m *material, now time.Time) error {
 		return &pairError{fmt.Sprintf("sharedtransport: %s and %s do not form a valid pair (%v): check that the key belongs to the certificate and that neither is half-written",
 			describe(id.key.certFile, "inline client certificate data"), describe(id.key.keyFile, "inline client key data"), err)}
 	}
-	leaf := cert.Leaf
-	if leaf == nil {
-		if leaf, err = x509.ParseCertificate(cert.Certificate[0]); err != nil {
+	if cert.Leaf == nil { // GODEBUG x509keypairleaf=0: a main module older than Go 1.23
+		if cert.Leaf, err = x509.ParseCertificate(cert.Certificate[0]); err != nil {
 			return fmt.Errorf("sharedtransport: %s: %w", describe(id.key.certFile, "inline client certificate data"), err)
 		}
 	}
-	if err := checkValidity(leaf, now); err != nil {
+	if err := checkValidity(cert.Leaf, now); err != nil {
 		return fmt.Errorf("sharedtransport: client certificate %s %w", describe(id.key.certFile, "(inline data)"), err)
 	}
-	cert.Leaf = leaf
 	m.cert = &cert
 	return nil
 }
@@ -153,103 +145,55 @@ func checkValidity(c *x509.Certificate, now time.Time) error {
 // block, a "-----BEGIN" without its "-----END": a CA file caught mid-write
 // must not replace a good one.
 func checkCABundle(b []byte, now time.Time) error {
-	if line := tornBlock(b); line > 0 {
-		return fmt.Errorf("holds an incomplete PEM block: the -----BEGIN on line %d has no -----END (a write in progress?)", line)
+	if tornBlock(b) {
+		return errors.New("holds an incomplete PEM block, a -----BEGIN without its -----END (a write in progress?)")
 	}
-	s := scanBundle(b, now)
-	switch {
-	case s.certs == 0 && s.parseErr != nil:
-		return fmt.Errorf("holds no certificate that parses: %w", s.parseErr)
-	case s.certs == 0 && s.other != "":
-		return fmt.Errorf("holds a %q PEM block where CA certificates are expected", s.other)
-	case s.certs == 0:
-		return errors.New("holds no PEM certificate")
-	case s.verifiers == 0:
-		return errors.New("holds no CA certificate for servers: none of its certificates allows server authentication, so it can verify no server (a client certificate, or a CA for clients only, in the CA file?)")
-	case s.valid == 0 && s.firstStart.IsZero():
-		return fmt.Errorf("holds no CA certificate valid now: every one has expired, the last at %s (it is %s here): write the current CA", stamp(s.lastExpiry), stamp(now))
-	case s.valid == 0:
-		return fmt.Errorf("holds no CA certificate valid now: the first becomes valid at %s (it is %s here, more than the %v of clock skew allowed)",
-			stamp(s.firstStart), stamp(now), clockSkew)
+	// why is the most telling reason why no block so far verifies a server now.
+	why, rank := errors.New("holds no PEM certificate"), 0
+	worse := func(r int, err error) {
+		if r >= rank {
+			why, rank = err, r
+		}
 	}
-	return nil
-}
-
-// bundleScan is what a CA bundle holds, as checkCABundle judges it.
-type bundleScan struct {
-	certs     int    // certificates that parse
-	verifiers int    // of which can verify a server (canVerifyServers)
-	valid     int    // of which are valid now
-	other     string // the type of a PEM block that is not a certificate
-	parseErr  error  // why a certificate block did not parse
-	// lastExpiry is when the last expired verifier expired; firstStart when
-	// the first verifier not valid yet becomes valid.
-	lastExpiry, firstStart time.Time
-}
-
-func scanBundle(b []byte, now time.Time) bundleScan {
-	var s bundleScan
 	for rest := b; ; {
 		var block *pem.Block
-		block, rest = pem.Decode(rest)
-		if block == nil {
-			return s
+		if block, rest = pem.Decode(rest); block == nil {
+			return why
 		}
 		if block.Type != "CERTIFICATE" || len(block.Headers) != 0 {
-			s.other = block.Type
+			worse(1, fmt.Errorf("holds a %q PEM block where CA certificates are expected", block.Type))
 			continue
 		}
 		cert, err := x509.ParseCertificate(block.Bytes)
 		if err != nil {
-			s.parseErr = err
+			worse(2, fmt.Errorf("holds no certificate that parses: %w", err))
 			continue
 		}
-		s.certs++
 		if !canVerifyServers(cert) {
+			worse(3, errors.New("holds no CA certificate for servers: none of its certificates allows server authentication, so it can verify no server (a client certificate, or a CA for clients only, in the CA file?)"))
 			continue
 		}
-		s.verifiers++
-		switch {
-		case now.After(cert.NotAfter):
-			if cert.NotAfter.After(s.lastExpiry) {
-				s.lastExpiry = cert.NotAfter
-			}
-		case now.Add(clockSkew).Before(cert.NotBefore):
-			if s.firstStart.IsZero() || cert.NotBefore.Before(s.firstStart) {
-				s.firstStart = cert.NotBefore
-			}
-		default:
-			s.valid++
+		if err := checkValidity(cert, now); err != nil {
+			worse(4, fmt.Errorf("holds no CA certificate valid now, every one has expired or is not valid yet: CA %q %w", cert.Subject.CommonName, err))
+			continue
 		}
+		return nil
 	}
 }
 
-// tornBlock returns the line of the first "-----BEGIN" in b that has no
-// "-----END" before the next "-----BEGIN", or of a last block that the end of
-// b cuts short (within its "-----END" line); 0 if there is none. A write in
-// progress cuts a file at its end.
-func tornBlock(b []byte) int {
-	begin, end := []byte("-----BEGIN"), []byte("-----END")
-	for off := 0; ; {
-		i := bytes.Index(b[off:], begin)
-		if i < 0 {
-			return 0
-		}
-		start := off + i
-		off = start + len(begin)
-		stop := len(b)
-		if next := bytes.Index(b[off:], begin); next >= 0 {
-			stop = off + next
-		}
-		torn := !bytes.Contains(b[off:stop], end)
-		if !torn && stop == len(b) {
-			block, _ := pem.Decode(b[start:])
-			torn = block == nil
-		}
-		if torn {
-			return 1 + bytes.Count(b[:start], []byte("\n"))
+// tornBlock reports a "-----BEGIN" without an "-----END" before the next
+// one, or a last block that the end of b cuts short: a write in progress cuts
+// a file at its end.
+func tornBlock(b []byte) bool {
+	begin := []byte("-----BEGIN")
+	blocks := bytes.Split(b, begin)
+	for _, block := range blocks[1:] {
+		if !bytes.Contains(block, []byte("-----END")) {
+			return true
 		}
 	}
+	last, _ := pem.Decode(b[max(bytes.LastIndex(b, begin), 0):])
+	return len(blocks) > 1 && last == nil
 }
 
 // canVerifyServers reports whether cert can end a server's chain: as a CA or
@@ -311,10 +255,7 @@ func readFile(path, what string) ([]byte, error) {
 		return nil, fmt.Errorf("sharedtransport: read %s file %q: is a directory", what, path)
 	case !mode.IsRegular():
 		return nil, fmt.Errorf("sharedtransport: %s file %q is %s, not a regular file: point the config at the file itself", what, path, fileKind(mode))
-	case fi.Size() > maxMaterialFile:
-		return nil, fmt.Errorf("sharedtransport: %s file %q holds %d bytes, more than the %d a certificate file may hold", what, path, fi.Size(), maxMaterialFile)
 	}
-	// The file may have grown since the stat: the limit holds for the read too.
 	b, err := io.ReadAll(io.LimitReader(f, maxMaterialFile+1))
 	if err != nil {
 		return nil, fmt.Errorf("sharedtransport: read %s file %q: %w", what, path, err)

@@ -1,8 +1,7 @@
-// Watching an identity's files: the pool watches the directory of every file
-// its identities read (fsnotify), and turns events, polls and the fallback for
-// directories the kernel will not watch into reloads, run by a few workers
-// from one workqueue. What a reload does is in rotation.go; reading and
-// validating material in material.go.
+// Watching an identity's files: one fsnotify watcher per pool watches the
+// directories the configs name their files in, and events, polls and the
+// fallback for directories the kernel will not watch become reloads, run by a
+// few workers from one workqueue. What a reload does is in rotation.go.
 
 package sharedtransport
 
@@ -22,53 +21,45 @@ import (
 )
 
 // maxLoads is the number of workers running reloads: a poll of thousands of
-// identities does not start thousands of reads, and an identity on a hung
-// file system leaves the others workers to run on.
+// identities does not start thousands of reads, and a hung file system holds
+// one worker for at most the read timeout.
 const maxLoads = 4
 
-// fileWatcher watches the directories of the files the pool's identities
-// read, with one fsnotify watcher and one goroutine per pool. Directories,
-// not files, are watched: kubelet updates a secret volume by swapping the
-// "..data" symlink beside the file names a config holds, and editors and
-// certificate managers rename new files over old ones; a watch on the file
-// would see neither. Any event in a directory reloads, after the debounce,
-// every identity with a file there: files that did not change cost a read and
-// a comparison. A file that is a link into another directory is followed by
-// the poll.
+// fileWatcher watches directories, not files: kubelet updates a secret
+// volume by swapping the "..data" symlink beside the names a config holds,
+// and certificate managers rename new files over old ones; a watch on the
+// file would see neither. Any event in a directory reloads, a debounce after
+// the first, every identity with a file there; files that did not change cost
+// a read and a comparison. A file that is a link into another directory is
+// seen by the poll.
 type fileWatcher struct {
 	pool *Pool
-	// queue holds the identities due a reload. An identity is in it once
-	// however often it is added, and a reload asked for while one runs
-	// follows it, so reloads of one identity never race each other.
+	// queue holds the identities due a reload: each once however often it
+	// is added, and one asked for while its reload runs follows it, so
+	// reloads of one identity never race each other.
 	queue   *workqueue.Typed[*identityWatch]
-	done    chan struct{}  // closed by close: the goroutines and reads stop
+	done    chan struct{}  // closed by close: goroutines and reads stop
 	running sync.WaitGroup // the run goroutine and the workers
 
-	closeOnce sync.Once
-	closeErr  error // what closing notify returned
-
-	// mu guards the fields below and every identityWatch's stopped.
-	mu            sync.Mutex
+	mu            sync.Mutex        // guards the fields below
 	notify        *fsnotify.Watcher // nil while the kernel refuses an inotify instance, or with disableNotify
 	notifyChanged chan struct{}     // the run goroutine takes a new notify's events
 	dirs          map[string]*watchedDir
-	unwatched     int  // dirs without their watch, polled every fallbackPoll
+	unwatched     int  // dirs without their watch: polled every fallbackPoll
 	refusalLogged bool // cleared when every directory has its watch again
 }
 
-// watchedDir is a directory holding files of the identities in it.
 type watchedDir struct {
-	identities map[*identityWatch]struct{}
-	watched    bool // its inotify watch is in place
+	identities map[*identityWatch]struct{} // with a file in it
+	watched    bool                        // its inotify watch is in place
 }
 
 // identityWatch is one entry's interest in its files.
 type identityWatch struct {
-	w       *fileWatcher
-	e       *entry
-	dirs    []string    // the directories of the entry's files
-	stopped bool        // guarded by w.mu
-	due     atomic.Bool // a debounced reload is on its way to the queue
+	w    *fileWatcher
+	e    *entry
+	dirs []string    // the directories of the entry's files
+	due  atomic.Bool // a debounced reload is on its way to the queue
 }
 
 func (p *Pool) fileWatcher() (*fileWatcher, error) {
@@ -126,16 +117,12 @@ func (w *fileWatcher) add(e *entry) *identityWatch {
 	return iw
 }
 
-// stop stops watching iw's files; a directory no identity needs any more is
-// unwatched.
+// stop stops watching iw's files (entry.close calls it once); a directory no
+// identity needs any more is unwatched.
 func (iw *identityWatch) stop() {
 	w := iw.w
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	if iw.stopped {
-		return
-	}
-	iw.stopped = true
 	for _, d := range iw.dirs {
 		wd := w.dirs[d]
 		if delete(wd.identities, iw); len(wd.identities) > 0 {
@@ -152,12 +139,13 @@ func (iw *identityWatch) stop() {
 	w.logRecoveryLocked()
 }
 
-// watchLocked asks the kernel to watch d, which has no watch yet. After close
-// began it sets none: close closes notify once the run goroutine has exited,
-// so a watcher made later would never be closed.
+// watchLocked asks the kernel to watch d. Once close has begun it sets none:
+// a watcher made then would never be closed.
 func (w *fileWatcher) watchLocked(d string, wd *watchedDir) {
-	if w.closing() {
+	select {
+	case <-w.done:
 		return
+	default:
 	}
 	if w.notify == nil {
 		n, err := fsnotify.NewWatcher()
@@ -203,31 +191,18 @@ func (w *fileWatcher) logRecoveryLocked() {
 	}
 }
 
-// close stops the watcher and waits for its goroutines. A read stuck in the
-// kernel is not waited for (see stuckReads). Every call returns once the
-// watcher has stopped, with what closing its fsnotify watcher returned.
+// close stops the watcher and waits for its goroutines, not for a read stuck
+// in the kernel (see stuckReads). Pool.Close calls it once.
 func (w *fileWatcher) close() error {
-	w.closeOnce.Do(func() {
-		close(w.done)
-		w.queue.ShutDown()
-		w.running.Wait()
-		w.mu.Lock()
-		defer w.mu.Unlock()
-		if w.notify != nil {
-			w.closeErr = w.notify.Close()
-		}
-	})
-	return w.closeErr
-}
-
-// closing reports whether close has begun.
-func (w *fileWatcher) closing() bool {
-	select {
-	case <-w.done:
-		return true
-	default:
-		return false
+	close(w.done)
+	w.queue.ShutDown()
+	w.running.Wait()
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.notify != nil {
+		return w.notify.Close()
 	}
+	return nil
 }
 
 // run turns file events, polls and fallback polls into reloads.
@@ -258,29 +233,30 @@ func (w *fileWatcher) run() {
 		case <-w.notifyChanged:
 		case ev, ok := <-events:
 			if !ok {
-				events = nil
+				events, errs = nil, nil // fsnotify stopped: the fallback polls
 				continue
 			}
 			w.onEvent(ev)
 		case err, ok := <-errs:
 			if !ok {
-				errs = nil
+				events, errs = nil, nil
 				continue
 			}
 			// Typically a queue overflow: events were lost.
 			opts.logger.Info("File watch error; re-reading every watched file", "err", err)
-			w.reloadAll(w.all())
+			w.reload(w.all())
 		case <-poll:
-			w.reloadAll(w.all())
+			w.reload(w.all())
 		case <-fallback.C:
-			w.reloadAll(w.retryWatches())
+			w.reload(w.retryWatches())
 		}
 	}
 }
 
-// onEvent reloads, after the debounce, the identities with a file in the
-// event's directory. A watched directory that goes away takes its watch with
-// it: it is polled until it is back.
+// onEvent reloads, a debounce after the first event of a burst (a pair
+// written file after file), the identities with a file in the event's
+// directory. A watched directory that goes away takes its watch with it: it
+// is polled until it is back.
 func (w *fileWatcher) onEvent(ev fsnotify.Event) {
 	var due []*identityWatch
 	w.mu.Lock()
@@ -290,12 +266,10 @@ func (w *fileWatcher) onEvent(ev fsnotify.Event) {
 	if wd := w.dirs[ev.Name]; wd != nil && wd.watched && ev.Has(fsnotify.Remove|fsnotify.Rename) {
 		wd.watched = false
 		w.unwatched++
-		due = append(due, slices.Collect(maps.Keys(wd.identities))...)
+		due = slices.AppendSeq(due, maps.Keys(wd.identities))
 	}
 	w.mu.Unlock()
 	for _, iw := range due {
-		// A burst of writes (a pair written file after file) settles into one
-		// reload a debounce after its first event.
 		if iw.due.CompareAndSwap(false, true) {
 			time.AfterFunc(w.pool.opts.debounce, func() {
 				iw.due.Store(false)
@@ -306,9 +280,9 @@ func (w *fileWatcher) onEvent(ev fsnotify.Event) {
 }
 
 // retryWatches notes the directories whose watch the kernel dropped without
-// an event (an unmount), tries again to watch every directory without its
-// watch, and returns the identities with files in those: the fallback poll
-// reloads them.
+// an event fsnotify passes on (an unmount), tries again to watch every
+// directory without its watch, and returns the identities with files in
+// those, for the fallback poll.
 func (w *fileWatcher) retryWatches() []*identityWatch {
 	w.mu.Lock()
 	defer w.mu.Unlock()
@@ -323,12 +297,9 @@ func (w *fileWatcher) retryWatches() []*identityWatch {
 	}
 	var missed []*identityWatch
 	for d, wd := range w.dirs {
-		if w.unwatched == 0 {
-			break
-		}
-		if !wd.watched {
+		if w.unwatched > 0 && !wd.watched {
 			w.watchLocked(d, wd)
-			missed = append(missed, slices.Collect(maps.Keys(wd.identities))...)
+			missed = slices.AppendSeq(missed, maps.Keys(wd.identities))
 		}
 	}
 	return missed
@@ -347,7 +318,7 @@ func (w *fileWatcher) work() {
 	}
 }
 
-func (w *fileWatcher) reloadAll(iws []*identityWatch) {
+func (w *fileWatcher) reload(iws []*identityWatch) {
 	for _, iw := range iws {
 		w.queue.Add(iw)
 	}
