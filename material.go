@@ -35,11 +35,7 @@ const clockSkew = 5 * time.Minute
 // of its transport hands out in handshakes.
 type material struct {
 	caPEM, certPEM, keyPEM []byte
-	// cert is certPEM and keyPEM parsed, Leaf included, once checkMaterial
-	// accepted them; nil without a client certificate. The generation built
-	// from the material presents it as it is, so a pair is parsed once per
-	// load.
-	cert *tls.Certificate
+	cert                   *tls.Certificate // the pair as checkMaterial parsed it; nil without one
 }
 
 func (m *material) equal(o *material) bool {
@@ -47,8 +43,7 @@ func (m *material) equal(o *material) bool {
 }
 
 // loadMaterial reads an identity's files and validates everything, inline
-// data included, so that a handshake never sees a torn, mismatched or
-// out-of-date pair. Errors name the file and say what is wrong, never what it
+// data included. Errors name the file and say what is wrong, never what it
 // holds.
 func (p *Pool) loadMaterial(id *identity) (*material, error) {
 	m, err := p.readMaterial(id, nil)
@@ -236,11 +231,9 @@ func dataOrFile(data []byte, file, what string) ([]byte, error) {
 }
 
 // readFile reads a regular file of at most maxMaterialFile bytes. Anything
-// else is refused before it is read: a named pipe would wait for a writer, a
-// device such as /dev/zero would never end.
+// else is refused before it is read: a named pipe would wait for a writer
+// (O_NONBLOCK keeps its open from waiting), /dev/zero would never end.
 func readFile(path, what string) ([]byte, error) {
-	// O_NONBLOCK: opening a named pipe waits for a writer without it. It does
-	// not change reads of regular files.
 	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NONBLOCK, 0)
 	if err != nil {
 		return nil, fmt.Errorf("sharedtransport: read %s file %q: %w", what, path, err)
@@ -298,8 +291,8 @@ type fileToRead struct {
 	into       *[]byte
 }
 
-// read reads files in order. It returns when they are read, when timeout has
-// passed, or when done is closed (with ErrClosed), whichever comes first.
+// read reads files in order until they are read, timeout has passed, or done
+// is closed (ErrClosed).
 func (s *stuckReads) read(timeout time.Duration, done <-chan struct{}, files []fileToRead) error {
 	deadline := time.NewTimer(timeout)
 	defer deadline.Stop()

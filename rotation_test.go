@@ -211,6 +211,64 @@ func TestRotationByPollOnly(t *testing.T) {
 	}
 }
 
+// TestRotationLinkElsewhere: a configured file that is a link into another
+// directory, whose target a certificate manager renames new files over, is
+// not in a watched directory: the poll finds the change, and a config built
+// before the poll reads the files as they are then.
+func TestRotationLinkElsewhere(t *testing.T) {
+	rec := &cnRecorder{}
+	f := newFixture(t, testserver.Options{OnRequest: rec.record})
+	dave, err := f.ca.IssueClient("dave")
+	if err != nil {
+		t.Fatal(err)
+	}
+	target := writeCredFiles(t, filepath.Join(f.dir, "managed"), f.ca.CertPEM(), f.alice)
+	dir := filepath.Join(f.dir, "config")
+	if err := os.Mkdir(dir, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	links := &rest.Config{Host: f.srv.URL()}
+	for _, l := range []struct {
+		to   string
+		into *string
+	}{{target.ca, &links.CAFile}, {target.cert, &links.CertFile}, {target.key, &links.KeyFile}} {
+		*l.into = filepath.Join(dir, filepath.Base(l.to))
+		if err := os.Symlink(l.to, *l.into); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, poll := range []time.Duration{0, 300 * time.Millisecond} {
+		t.Run(fmt.Sprintf("poll %v", poll), func(t *testing.T) {
+			p := newPool(t, WithPollInterval(poll))
+			cfg := rest.CopyConfig(links)
+			if err := p.Wrap(cfg); err != nil {
+				t.Fatal(err)
+			}
+			kp := dave
+			if poll > 0 {
+				kp = f.carol
+			}
+			target.write(t, kp, f.ca.CertPEM())
+			written := time.Now()
+			if poll > 0 {
+				waitFor(t, "the poll finds the change", func() bool { return p.Stats().Rotations == 1 })
+			} else {
+				time.Sleep(300 * time.Millisecond) // no event, no poll: no reload; a new config reads the files
+				cfg = rest.CopyConfig(links)
+				if err := p.Wrap(cfg); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if err := listNodes(context.Background(), cfg); err != nil {
+				t.Fatal(err)
+			}
+			if _, ok := rec.firstSince(kp.Cert.Subject.CommonName, written); !ok {
+				t.Errorf("the server did not see %s", kp.Cert.Subject.CommonName)
+			}
+		})
+	}
+}
+
 // TestRotationRejectedOnce: files that stay bad are rejected and counted
 // once, however often the poll reads them (unchanged bytes are compared, not
 // parsed again); the same bad files written again after good ones count
