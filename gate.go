@@ -7,9 +7,9 @@
 package sharedtransport
 
 import (
+	"bytes"
 	"context"
 	"crypto/tls"
-	"errors"
 	"fmt"
 	"io"
 	"net/http"
@@ -160,19 +160,10 @@ func (hc *hostConns) protocol() int32 {
 
 // admit returns where req goes, waiting (bounded by its context) while it
 // must. It returns errRetired when the generation was closed meanwhile.
-// A request that bounced (errNoDial) goes to get a connection itself if it
-// may, and otherwise waits for the next connection or stream before it is
-// admitted again.
-func (hc *hostConns) admit(ctx context.Context, bounced bool) (admission, error) {
+func (hc *hostConns) admit(ctx context.Context) (admission, error) {
 	hc.mu.Lock()
 	for {
-		if bounced {
-			bounced = false
-			if a, ok := hc.tryLeadLocked(); ok {
-				hc.mu.Unlock()
-				return a, nil
-			}
-		} else if a, ok := hc.tryAdmitLocked(); ok {
+		if a, ok := hc.tryAdmitLocked(); ok {
 			hc.mu.Unlock()
 			return a, nil
 		}
@@ -300,17 +291,6 @@ func (hc *hostConns) tryAdmitHTTP1Locked() (admission, bool) {
 	return admission{rt: g.transport, slot: true, lead: lead, look: true}, true
 }
 
-// tryLeadLocked admits a request that found no free stream as the one that
-// gets the next connection, when no other is getting one and the cap allows
-// another.
-func (hc *hostConns) tryLeadLocked() (admission, bool) {
-	g := hc.g
-	if g.shut.Load() || hc.leading || hc.protocol() != protoHTTP2 || g.maxConns > 0 && hc.conns >= g.maxConns {
-		return admission{}, false
-	}
-	return hc.leadLocked(), true
-}
-
 // leadLocked admits a request as the one that gets the connection the
 // waiters wait for.
 func (hc *hostConns) leadLocked() admission {
@@ -374,13 +354,8 @@ type look struct {
 	got  atomic.Bool // it got one
 }
 
-// lookKey marks the context of a request sent to get a connection: the
-// HTTP/2 transport dials for no other.
-type lookKey struct{}
-
 func (l *look) trace(req *http.Request) *http.Request {
-	ctx := context.WithValue(req.Context(), lookKey{}, l)
-	return req.WithContext(httptrace.WithClientTrace(ctx, &httptrace.ClientTrace{GotConn: l.gotConn}))
+	return req.WithContext(httptrace.WithClientTrace(req.Context(), &httptrace.ClientTrace{GotConn: l.gotConn}))
 }
 
 // gotConn learns from conn at the moment the request got it: the protocol
@@ -452,42 +427,58 @@ func (g *generation) roundTrip(l *lease, req *http.Request) (*http.Response, err
 		return resp, nil
 	}
 	hc := g.hostFor(req)
-	bounced := false
-	for {
-		a, err := hc.admit(req.Context(), bounced)
-		if err != nil {
-			return nil, err
-		}
-		sent := req
-		var lk *look
-		if a.look {
-			lk = &look{hc: hc, lead: a.lead}
-			sent = lk.trace(req)
-		}
-		resp, err := a.rt.RoundTrip(sent)
-		if lk != nil {
-			lk.ended(resp)
-		}
-		if err != nil {
-			if a.slot {
-				hc.release()
-			}
-			if !errors.Is(err, errNoDial) {
-				return nil, err
-			}
-			if req, err = resendable(req, err); err != nil {
-				return nil, err
-			}
-			bounced = true
-			continue
-		}
-		resp.Request = req
-		if !a.slot {
-			hc = nil
-		}
-		resp.Body = wrapBody(resp.Body, l, hc)
-		return resp, nil
+	a, err := hc.admit(req.Context())
+	if err != nil {
+		return nil, err
 	}
+	sent := req
+	var lk *look
+	if a.look {
+		lk = &look{hc: hc, lead: a.lead}
+		sent = lk.trace(req)
+	}
+	resp, err := a.rt.RoundTrip(sent)
+	if lk != nil {
+		lk.ended(resp)
+	}
+	if err != nil {
+		if a.slot {
+			hc.release()
+		}
+		return nil, err
+	}
+	resp.Request = req
+	if !a.slot {
+		hc = nil
+	}
+	resp.Body = wrapBody(resp.Body, l, hc)
+	return resp, nil
+}
+
+// maxHeldBody is the largest request body the pool holds so that it can be
+// sent again: a Kubernetes object is far smaller.
+const maxHeldBody = 64 << 10
+
+// replayable gives req a GetBody when its body has a known length of at most
+// maxHeldBody and none: a reverse proxy's POST, say. Without one net/http
+// cannot resend a request whose body it wrote on a connection the server then
+// shut down with GOAWAY without serving it, and the request fails; with one it
+// resends it, as it does client-go's own requests (their bodies are byte
+// readers, which give GetBody). The more requests share a connection, the more
+// one GOAWAY catches.
+func replayable(req *http.Request) (*http.Request, error) {
+	if req.Body == nil || req.Body == http.NoBody || req.GetBody != nil || req.ContentLength <= 0 || req.ContentLength > maxHeldBody || httpstream.IsUpgradeRequest(req) {
+		return req, nil
+	}
+	b, err := io.ReadAll(io.LimitReader(req.Body, req.ContentLength))
+	req.Body.Close()
+	if err != nil {
+		return nil, err
+	}
+	held := req.Clone(req.Context())
+	held.GetBody = func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(b)), nil }
+	held.Body, _ = held.GetBody()
+	return held, nil
 }
 
 // resendable returns req ready to be sent again on a newer generation after

@@ -44,12 +44,6 @@ const retiredSettle = 50 * time.Millisecond
 // keeps: one per server the identity talks to, with room to spare.
 const sessionCacheSize = 64
 
-// errNoDial is what the HTTP/2 transport's dialer answers a request the pool
-// did not send to get a connection: one that found no free stream where the
-// pool counted one (a connection that died or a server allowing fewer
-// streams). Nothing was sent; the request goes back to the pool's gate.
-var errNoDial = errors.New("sharedtransport: no free stream where one was counted")
-
 // errRetired is returned by a generation that a rotation closed (drain
 // timeout over, or zero) before a request was sent on it; the lease sends the
 // request on the current one.
@@ -60,11 +54,9 @@ var errRetired = errors.New("sharedtransport: the TLS material this request was 
 // old one closes its connections as they become idle, and the ones still
 // busy after the drain timeout.
 type generation struct {
-	// transport carries every request but upgrades. When it can speak
-	// HTTP/2 it dials only for the requests hostConns sends to get a
-	// connection: left to itself, Go dials for every request that finds no
-	// free stream, so a burst of N concurrent first requests opens about N
-	// connections instead of ceil(N/streams).
+	// transport carries every request but upgrades; hostConns decides when
+	// a request goes to it, so that a burst of N concurrent first requests
+	// opens about ceil(N/streams) connections instead of N.
 	transport *http.Transport
 	// http1 offers HTTP/1.1 only: upgrades (websocket, SPDY), which Go
 	// sends over HTTP/1.1 on connections of their own and an HTTP/2
@@ -187,15 +179,15 @@ func (g *generation) setTransports(id *identity, keepAlive bool, tlsConfig *tls.
 	// one per request over HTTP/2). Plain http (through a proxy) has no
 	// HTTP/2 to offer either.
 	if keepAlive && tlsConfig != nil {
-		g.transport = g.newTransport(id, keepAlive, tlsConfig, dial, true)
+		g.transport = g.newTransport(id, keepAlive, tlsConfig, dial)
 		// SetTransportDefaults leaves HTTP/2 off under DISABLE_HTTP2 and
 		// for ALPN lists without h2, as client-go does.
 		g.http2 = speaksHTTP2(g.transport)
 	}
 	if g.http2 {
-		g.http1 = g.newTransport(id, keepAlive, http1TLS, dial, false)
+		g.http1 = g.newTransport(id, keepAlive, http1TLS, dial)
 	} else {
-		g.transport = g.newTransport(id, keepAlive, http1TLS, dial, false)
+		g.transport = g.newTransport(id, keepAlive, http1TLS, dial)
 		g.http1 = g.transport
 	}
 }
@@ -240,13 +232,13 @@ func http1Only(tlsConfig *tls.Config, nextProtos []string) *tls.Config {
 
 // newTransport builds one of g's transports as client-go's cache builds
 // its own, dialing through g (see dialer).
-func (g *generation) newTransport(id *identity, keepAlive bool, tlsConfig *tls.Config, dial dialContextFunc, onlyLooked bool) *http.Transport {
+func (g *generation) newTransport(id *identity, keepAlive bool, tlsConfig *tls.Config, dial dialContextFunc) *http.Transport {
 	t := utilnet.SetOldTransportDefaults(&http.Transport{
 		Proxy:               id.proxy, // nil: SetTransportDefaults installs the environment's proxy, like client-go
 		TLSHandshakeTimeout: tlsHandshakeTimeout,
 		TLSClientConfig:     tlsConfig,
 		MaxIdleConnsPerHost: idleConnsPerHost,
-		DialContext:         g.dialer(dial, onlyLooked),
+		DialContext:         g.dialer(dial),
 		DisableCompression:  id.key.disableCompression,
 		DisableKeepAlives:   !keepAlive,
 		ProxyConnectHeader:  id.connectHeader,
@@ -301,18 +293,12 @@ func (g *generation) countHandshake(cs tls.ConnectionState) error {
 
 // dialer wraps dial: it counts dials and open connections, keeps every
 // connection the generation opened so close can close them, and refuses to
-// dial for a generation that was closed. With onlyLooked (the HTTP/2
-// transport) it dials only for a request the pool sent to get a connection
-// (see hostConns): Go would otherwise dial for every request that finds no
-// free stream, and on a server that stopped speaking HTTP/2 queue the others
-// behind the one HTTP/1.1 connection it got.
-func (g *generation) dialer(dial dialContextFunc, onlyLooked bool) dialContextFunc {
+// dial for a generation that was closed. It dials whenever net/http, x/net
+// or apimachinery (an upgrade through the transport's dialer) ask.
+func (g *generation) dialer(dial dialContextFunc) dialContextFunc {
 	return func(ctx context.Context, network, address string) (net.Conn, error) {
 		if g.shut.Load() {
 			return nil, g.refusal(address)
-		}
-		if onlyLooked && ctx.Value(lookKey{}) == nil {
-			return nil, errNoDial
 		}
 		conn, err := dial(ctx, network, address)
 		if err != nil {
