@@ -121,7 +121,14 @@ type hostConns struct {
 	// host's HTTP/2 connections; zero when none waits.
 	fullSince time.Time
 	waiters   []chan struct{}
+	// failed changes when a request that went to get the host's only
+	// connection fails before it has one: the requests waiting for that
+	// connection then go at once, each on a connection of its own, as they
+	// would without the pool, instead of one after the other.
+	failed *leadFailure
 }
+
+type leadFailure struct{}
 
 // admission is where a request goes and what it holds.
 type admission struct {
@@ -162,6 +169,7 @@ func (hc *hostConns) protocol() int32 {
 // must. It returns errRetired when the generation was closed meanwhile.
 func (hc *hostConns) admit(ctx context.Context) (admission, error) {
 	hc.mu.Lock()
+	failed := hc.failed
 	for {
 		if a, ok := hc.tryAdmitLocked(); ok {
 			hc.mu.Unlock()
@@ -197,6 +205,14 @@ func (hc *hostConns) admit(ctx context.Context) (admission, error) {
 		if err != nil {
 			hc.mu.Unlock()
 			return admission{}, err
+		}
+		if hc.failed != failed {
+			// Over http1, which dials for each: the HTTP/2 transport dials
+			// one at a time. Not looked at: an HTTP/1.1 connection offered
+			// nothing else.
+			hc.inflight++
+			hc.mu.Unlock()
+			return admission{rt: hc.g.http1, slot: true}, nil
 		}
 	}
 }
@@ -281,14 +297,21 @@ func (hc *hostConns) tryAdmitHTTP1Locked() (admission, bool) {
 	if hc.leading || g.maxConns > 0 && hc.inflight >= g.maxConns {
 		return admission{}, false
 	}
-	// Each request may get a new connection, which offers HTTP/2: look at
-	// every one. When nothing is in flight (a host back after a failover,
-	// say), the others wait for the first one's connection: if it speaks
-	// HTTP/2 they go there too.
-	lead := hc.inflight == 0
-	hc.leading = lead
+	// When nothing is in flight (a host back after a failover, say), the
+	// first request goes alone over the transport that offers HTTP/2, and
+	// the others wait for its connection: if it speaks HTTP/2 they go there
+	// too. Otherwise, without a cap, requests go over http1, which dials as
+	// many connections as they need (the HTTP/2 transport dials one at a
+	// time); under a cap the HTTP/2 transport dials up to the cap.
 	hc.inflight++
-	return admission{rt: g.transport, slot: true, lead: lead, look: true}, true
+	if hc.inflight > 1 {
+		if g.maxConns == 0 {
+			return admission{rt: g.http1, slot: true}, true
+		}
+		return admission{rt: g.transport, slot: true, look: true}, true
+	}
+	hc.leading = true
+	return admission{rt: g.transport, slot: true, lead: true, look: true}, true
 }
 
 // leadLocked admits a request as the one that gets the connection the
@@ -396,11 +419,16 @@ func (l *look) doneLocked() {
 	l.hc.wakeAllLocked()
 }
 
-// ended is called when the request's round trip returns.
-func (l *look) ended(resp *http.Response) {
+// ended is called when the request's round trip returns with resp or err.
+// A request that went to get the host's only connection and failed before it
+// had one, not for its own context, fails its waiters with it.
+func (l *look) ended(ctx context.Context, resp *http.Response, err error) {
 	hc := l.hc
 	hc.mu.Lock()
 	defer hc.mu.Unlock()
+	if err != nil && l.lead && !l.got.Load() && ctx.Err() == nil && hc.conns == 0 {
+		hc.failed = &leadFailure{}
+	}
 	if !l.got.Load() && resp != nil && hc.proto.Load() == protoUnknown {
 		// A response without a connection seen: a round tripper that
 		// reports none. Its protocol is all there is to go by.
@@ -439,7 +467,7 @@ func (g *generation) roundTrip(l *lease, req *http.Request) (*http.Response, err
 	}
 	resp, err := a.rt.RoundTrip(sent)
 	if lk != nil {
-		lk.ended(resp)
+		lk.ended(req.Context(), resp, err)
 	}
 	if err != nil {
 		if a.slot {

@@ -185,6 +185,16 @@ func (g *generation) setTransports(id *identity, keepAlive bool, tlsConfig *tls.
 		g.http2 = speaksHTTP2(g.transport)
 	}
 	if g.http2 {
+		// One dial at a time per host: a request that finds no stream where
+		// the gate counted one (the connection got GOAWAY, the server allows
+		// fewer streams) makes net/http dial, and the requests behind it
+		// wait for that connection, which net/http hands to all of them,
+		// instead of dialing one each. Over HTTP/2 a connection that cannot
+		// take a stream leaves net/http's count, so the next one can be
+		// dialed while it drains. HTTP/1.1 hosts go over http1.
+		g.transport.MaxConnsPerHost = max(g.maxConns, 1)
+	}
+	if g.http2 {
 		g.http1 = g.newTransport(id, keepAlive, http1TLS, dial)
 	} else {
 		g.transport = g.newTransport(id, keepAlive, http1TLS, dial)
@@ -238,6 +248,7 @@ func (g *generation) newTransport(id *identity, keepAlive bool, tlsConfig *tls.C
 		TLSHandshakeTimeout: tlsHandshakeTimeout,
 		TLSClientConfig:     tlsConfig,
 		MaxIdleConnsPerHost: idleConnsPerHost,
+		MaxConnsPerHost:     g.maxConns,
 		DialContext:         g.dialer(dial),
 		DisableCompression:  id.key.disableCompression,
 		DisableKeepAlives:   !keepAlive,

@@ -9,11 +9,14 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"net/http/httputil"
 	"net/url"
+	"slices"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -184,4 +187,133 @@ func proxyFrontFunc(t testing.TB, target string, rt http.RoundTripper, failed fu
 	})
 	t.Cleanup(front.Close)
 	return front.URL
+}
+
+// TestGoawayUnderCap: under WithMaxConnsPerHost(1), the connection a long
+// request (a watch) runs on gets GOAWAY; it takes no new streams, and the
+// lists sent while the watch runs go out on a new connection at once, as
+// they do through client-go alone, instead of waiting for the watch to end.
+func TestGoawayUnderCap(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		client func(t *testing.T, cfg *rest.Config) *http.Client
+	}{
+		{"client-go alone", func(t *testing.T, cfg *rest.Config) *http.Client {
+			c, err := rest.HTTPClientFor(cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return c
+		}},
+		{"pool, cap 1", func(t *testing.T, cfg *rest.Config) *http.Client {
+			return httpClient(t, newPool(t, WithMaxConnsPerHost(1)), cfg)
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			hold := newRequestHold(t)
+			f := newFixture(t, testserver.Options{OnRequest: hold.onRequest})
+			client := tc.client(t, f.srv.RestConfig(f.alice))
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			release := sendHeld(ctx, t, hold, client, f.srv.URL(), 1)
+			defer release()
+			waitFor(t, "the server holds the long request", func() bool { return hold.held.Load() == 1 })
+			f.srv.SetGoawayChance(1)
+			if _, err := getUA(ctx, client, f.srv.URL(), "goaway"); err != nil {
+				t.Fatal(err)
+			}
+			f.srv.SetGoawayChance(0)
+			lists, cancelLists := context.WithTimeout(ctx, 5*time.Second)
+			defer cancelLists()
+			protos, err := concurrentGets(lists, client, f.srv.URL(), "after goaway", 10)
+			st := f.srv.Stats()
+			t.Logf("10 lists after GOAWAY, the long request still running: %v %v; server: %d GOAWAYs, %d connections accepted", protos, err, st.Goaways, st.Accepted)
+			if err != nil {
+				t.Errorf("lists sent while a GOAWAY'd connection carries a long request: %v", err)
+			}
+		})
+	}
+}
+
+// closingListener accepts connections and closes each one after wait,
+// without a word: a host whose TLS handshakes fail slowly. It records when it
+// accepted each.
+func closingListener(t *testing.T, wait time.Duration) (addr string, accepted func() []time.Time) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	var mu sync.Mutex
+	var at []time.Time
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			mu.Lock()
+			at = append(at, time.Now())
+			mu.Unlock()
+			time.AfterFunc(wait, func() { c.Close() })
+		}
+	}()
+	return ln.Addr().String(), func() []time.Time {
+		mu.Lock()
+		defer mu.Unlock()
+		return slices.Clone(at)
+	}
+}
+
+// TestFailuresFailTogether: four requests at once to a host that closes
+// every connection a second after accepting it. Through client-go alone each
+// dials at once and all four fail a second later. Through the pool the first
+// dials and the other three wait for its connection; when it fails they dial
+// at once, each on its own, as they would have without the pool: no request
+// waits for more than one failure before its own attempt (one after the
+// other, the fourth would dial three seconds after the first).
+func TestFailuresFailTogether(t *testing.T) {
+	const n, wait = 4, time.Second
+	for _, tc := range []struct {
+		name   string
+		client func(t *testing.T, cfg *rest.Config) *http.Client
+	}{
+		{"client-go alone", func(t *testing.T, cfg *rest.Config) *http.Client {
+			c, err := rest.HTTPClientFor(cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return c
+		}},
+		{"pool", func(t *testing.T, cfg *rest.Config) *http.Client { return httpClient(t, newPool(t), cfg) }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			addr, accepted := closingListener(t, wait)
+			cfg := &rest.Config{Host: "https://" + addr, TLSClientConfig: rest.TLSClientConfig{Insecure: true}}
+			client := tc.client(t, cfg)
+			errs := make(chan error, n)
+			for i := range n {
+				go func() {
+					ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+					defer cancel()
+					_, err := getUA(ctx, client, "https://"+addr, fmt.Sprint("request ", i))
+					errs <- err
+				}()
+			}
+			for range n {
+				if err := <-errs; err == nil {
+					t.Error("a request to a host that closes every connection succeeded")
+				}
+			}
+			at := accepted()
+			if len(at) != n {
+				t.Fatalf("%d requests: the host accepted %d connections, want %d: one attempt each", n, len(at), n)
+			}
+			spread := at[n-1].Sub(at[0])
+			t.Logf("%d connections accepted over %v", n, spread.Round(time.Millisecond))
+			if spread >= wait+wait/2 {
+				t.Errorf("the host accepted the %d connections over %v: requests tried one after the other", n, spread.Round(time.Millisecond))
+			}
+		})
+	}
 }
