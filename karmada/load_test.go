@@ -259,7 +259,7 @@ func runSeedMode(t *testing.T, m mode) row {
 		t.Errorf("%s: %d tunnels for %d requests, want one per request", m, st.Tunnels, total)
 	}
 	if w != nil {
-		w.wantEvent(t, fmt.Sprintf("after-the-load-%d", m))
+		w.wantEvent(t, fmt.Sprintf("after-the-load-%d-%d", m, time.Now().UnixNano())) // unique: the test may run with -count above 1
 		if n := proxy.Stats().Tunnels; n > st.Tunnels {
 			t.Errorf("%s: the watch's event came over a new tunnel (%d, %d after the load)", m, n, st.Tunnels)
 		}
