@@ -267,17 +267,17 @@ const maxResends = 3
 // generation retired before req reached the server, through the one p picks
 // then. A nil generation sends req through other instead.
 func (l *lease) roundTrip(req *http.Request, p picker, other http.RoundTripper) (*http.Response, error) {
-	req, err := replayable(req)
-	if err != nil {
-		return nil, err
-	}
 	for resends := 0; ; resends++ {
 		if l.e.closed.Load() {
 			return nil, fmt.Errorf("%w: build the client from a config wrapped by an open pool", ErrClosed)
 		}
 		g := p.pick(req)
 		if g == nil {
-			return other.RoundTrip(req)
+			return other.RoundTrip(req) // not the pool's: as it came
+		}
+		var err error
+		if req, err = replayable(req); err != nil { // once: what it returns has GetBody
+			return nil, err
 		}
 		resp, err := g.roundTrip(l, req)
 		switch {
