@@ -93,18 +93,20 @@ func (t *hostTable) names() []string {
 //
 //   - While the protocol is unknown, one request goes first and the others
 //     wait for its connection (not its response): ALPN tells the protocol
-//     when the handshake ends. If it fails before it has a connection, the
-//     next waiter goes.
+//     when the handshake ends. If it gives up (its context) before it has
+//     a connection, the next waiter goes; if it fails, they all go at once,
+//     each on a connection of its own.
 //   - Over HTTP/2, requests go out while the connections the host is known
 //     to have leave streams free; beyond that one request goes to get the
 //     next connection and the others wait for it, so a burst opens
 //     ceil(N/100) connections. With a cap they wait for a stream instead
 //     once the cap's connections are full.
 //   - Over HTTP/1.1, requests go out at once, as many as the cap allows,
-//     each on an idle connection or a new one, which offers HTTP/2: the
-//     pool sees when the server speaks it again. When none is in flight
-//     (a server back after a failover) the first goes alone until it has
-//     its connection.
+//     each on an idle connection or a new one: without a cap over http1,
+//     under one over the transport that offers HTTP/2, so that the pool
+//     sees when the server speaks it again. When none is in flight (a
+//     server back after a failover) the first goes alone over the latter
+//     until it has its connection.
 //
 // A request holds its place from admission until its response body ends
 // (EOF or Close) or it fails.
