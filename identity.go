@@ -194,7 +194,7 @@ func (p *Pool) identityOf(cfg *rest.Config, tc *transport.Config, g given, req *
 		nextProtos: tc.TLS.NextProtos,
 	}
 	id.key.noHTTP2 = noHTTP2()
-	if err := id.setMaterial(tc); err != nil {
+	if err := p.setMaterial(id, tc); err != nil {
 		return nil, false, err
 	}
 	dialName, share := p.setDialer(id, cfg, tc)
@@ -266,7 +266,7 @@ func (id *identity) completeKey(dialName, route string) {
 // setMaterial records where id's CA and client certificate come from. Like
 // client-go, files are reloaded only when named without inline data (and, for
 // the client certificate, when both halves are files); a mix is read once.
-func (id *identity) setMaterial(tc *transport.Config) error {
+func (p *Pool) setMaterial(id *identity, tc *transport.Config) error {
 	var err error
 	if tc.TLS.CAFile != "" && len(tc.TLS.CAData) == 0 {
 		if id.key.caFile, err = filepath.Abs(tc.TLS.CAFile); err != nil {
@@ -284,10 +284,10 @@ func (id *identity) setMaterial(tc *transport.Config) error {
 		}
 		return nil
 	}
-	if id.certData, err = dataOrFile(tc.TLS.CertData, tc.TLS.CertFile, "client certificate"); err != nil {
+	if id.certData, err = p.dataOrFile(tc.TLS.CertData, tc.TLS.CertFile, "client certificate"); err != nil {
 		return err
 	}
-	if id.keyData, err = dataOrFile(tc.TLS.KeyData, tc.TLS.KeyFile, "client key"); err != nil {
+	if id.keyData, err = p.dataOrFile(tc.TLS.KeyData, tc.TLS.KeyFile, "client key"); err != nil {
 		return err
 	}
 	if len(id.certData) == 0 || len(id.keyData) == 0 {

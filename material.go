@@ -222,12 +222,15 @@ func describe(file, inline string) string {
 }
 
 // dataOrFile returns inline data, or the content of file when there is none:
-// client-go's rule for material it does not reload.
-func dataOrFile(data []byte, file, what string) ([]byte, error) {
+// client-go's rule for material it does not reload. The file is read as every
+// certificate file is, bounded in time (see stuckReads).
+func (p *Pool) dataOrFile(data []byte, file, what string) ([]byte, error) {
 	if len(data) > 0 || file == "" {
 		return data, nil
 	}
-	return readFile(file, what)
+	var b []byte
+	err := p.reads.read(p.opts.readTimeout, nil, []fileToRead{{file, what, &b}})
+	return b, err
 }
 
 // readFile reads a regular file of at most maxMaterialFile bytes. Anything

@@ -133,9 +133,16 @@ func unreadableAtWrap(t *testing.T, p *Pool, f *fixture, h *hangfs.FS) {
 		t.Run(u.name, func(t *testing.T) {
 			c := writeCredFiles(t, filepath.Join(f.dir, "wrap", string(rune('a'+i))), f.ca.CertPEM(), f.alice)
 			u.make(t, c.cert)
-			for attempt := range 2 {
+			// The third attempt names the key inline: client-go reads such a
+			// half-file pair once, and so does the pool, within the same
+			// bound.
+			for attempt := range 3 {
+				cfg := c.config(f.srv.URL())
+				if attempt == 2 {
+					cfg.KeyFile, cfg.KeyData = "", f.alice.KeyPEM
+				}
 				wrapped := make(chan error, 1)
-				go func() { wrapped <- p.Wrap(c.config(f.srv.URL())) }()
+				go func() { wrapped <- p.Wrap(cfg) }()
 				select {
 				case err := <-wrapped:
 					if err == nil {
@@ -154,7 +161,7 @@ func unreadableAtWrap(t *testing.T, p *Pool, f *fixture, h *hangfs.FS) {
 		})
 	}
 	if n := h.HungReads(); n != 1 {
-		t.Errorf("%d reads of the hung file wait in the kernel after two Wraps, want 1", n)
+		t.Errorf("%d reads of the hung file wait in the kernel after three Wraps, want 1", n)
 	}
 }
 
