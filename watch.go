@@ -223,8 +223,10 @@ func (w *fileWatcher) run() {
 	for {
 		w.mu.Lock()
 		if w.notify != notify {
-			notify = w.notify
-			events, errs = notify.Events, notify.Errors
+			notify, events, errs = w.notify, nil, nil
+			if notify != nil {
+				events, errs = notify.Events, notify.Errors
+			}
 		}
 		w.mu.Unlock()
 		select {
