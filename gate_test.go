@@ -6,13 +6,9 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"log"
 	"math"
 	"net"
 	"net/http"
-	"net/http/httptest"
-	"net/http/httputil"
-	"net/url"
 	"runtime"
 	"strings"
 	"sync"
@@ -540,17 +536,7 @@ func upgradeEcho(ctx context.Context, rt http.RoundTripper, url, proto string) e
 // httputil.ReverseProxy to target over rt, upgrades included.
 func reverseProxyFront(t testing.TB, target string, rt http.RoundTripper) string {
 	t.Helper()
-	u, err := url.Parse(target)
-	if err != nil {
-		t.Fatal(err)
-	}
-	front := httptest.NewServer(&httputil.ReverseProxy{
-		Rewrite:   func(r *httputil.ProxyRequest) { r.SetURL(u) },
-		Transport: rt,
-		ErrorLog:  log.New(io.Discard, "", 0),
-	})
-	t.Cleanup(front.Close)
-	return front.URL
+	return proxyFrontFunc(t, target, rt, func(error) {})
 }
 
 // TestUpgrades: websocket and SPDY upgrades through a transport from a

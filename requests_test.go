@@ -198,13 +198,7 @@ func TestGoawayUnderCap(t *testing.T) {
 		name   string
 		client func(t *testing.T, cfg *rest.Config) *http.Client
 	}{
-		{"client-go alone", func(t *testing.T, cfg *rest.Config) *http.Client {
-			c, err := rest.HTTPClientFor(cfg)
-			if err != nil {
-				t.Fatal(err)
-			}
-			return c
-		}},
+		{"client-go alone", clientGoClient},
 		{"pool, cap 1", func(t *testing.T, cfg *rest.Config) *http.Client {
 			return httpClient(t, newPool(t, WithMaxConnsPerHost(1)), cfg)
 		}},
@@ -233,6 +227,16 @@ func TestGoawayUnderCap(t *testing.T) {
 			}
 		})
 	}
+}
+
+// clientGoClient is the control of a test: cfg's HTTP client from client-go
+// alone.
+func clientGoClient(t *testing.T, cfg *rest.Config) *http.Client {
+	c, err := rest.HTTPClientFor(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return c
 }
 
 // closingListener accepts connections and closes each one after wait,
@@ -278,13 +282,7 @@ func TestFailuresFailTogether(t *testing.T) {
 		name   string
 		client func(t *testing.T, cfg *rest.Config) *http.Client
 	}{
-		{"client-go alone", func(t *testing.T, cfg *rest.Config) *http.Client {
-			c, err := rest.HTTPClientFor(cfg)
-			if err != nil {
-				t.Fatal(err)
-			}
-			return c
-		}},
+		{"client-go alone", clientGoClient},
 		{"pool", func(t *testing.T, cfg *rest.Config) *http.Client { return httpClient(t, newPool(t), cfg) }},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
