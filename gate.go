@@ -23,22 +23,18 @@ import (
 )
 
 const (
-	// streamsPerConn is kube-apiserver's default HTTP/2 stream limit
-	// (--http2-max-streams-per-connection).
-	streamsPerConn = 100
-	// streamsInFlight leaves a margin under it where the pool caps
-	// connections: a stream whose response body ended is still counted by
-	// the connection for a moment, and a request arriving then finds no
-	// free stream and has to come back for one.
-	streamsInFlight = streamsPerConn * 9 / 10
+	// firstStreams is how many streams the pool expects a connection to
+	// take until the connection shows otherwise: what Go's HTTP/2 client
+	// itself assumes until the server's SETTINGS arrive, and
+	// kube-apiserver's default (--http2-max-streams-per-connection).
+	firstStreams = 100
+	// maxStreams bounds what a connection is thought to take.
+	maxStreams = 1 << 20
 
 	// growWait is how long a host's HTTP/2 connections stay full, with
 	// requests waiting, before one of them goes to get another connection:
 	// about a TLS handshake on a busy host.
 	growWait = 10 * time.Millisecond
-	// eofSettle is how long a body read to EOF and not closed keeps its
-	// stream slot: about the time Go takes to free the stream.
-	eofSettle = 10 * time.Millisecond
 )
 
 // What an identity knows about a host: the protocol its server spoke on the
@@ -97,10 +93,11 @@ func (t *hostTable) names() []string {
 //     a connection, the next waiter goes; if it fails, they all go at once,
 //     each on a connection of its own.
 //   - Over HTTP/2, requests go out while the connections the host is known
-//     to have leave streams free; beyond that one request goes to get the
-//     next connection and the others wait for it, so a burst opens
-//     ceil(N/100) connections. With a cap they wait for a stream instead
-//     once the cap's connections are full.
+//     to have leave streams free by the count (hc.streams each, learnt
+//     from the connections); beyond that, after growWait, one request goes
+//     to get the next connection and the others wait for it, so a burst
+//     opens about one connection per server stream limit. With a cap they
+//     wait for a stream instead once the cap's connections are full.
 //   - Over HTTP/1.1, requests go out at once, as many as the cap allows,
 //     each on an idle connection or a new one: without a cap over http1,
 //     under one over the transport that offers HTTP/2, so that the pool
@@ -109,7 +106,7 @@ func (t *hostTable) names() []string {
 //     until it has its connection.
 //
 // A request holds its place from admission until its response body ends
-// (EOF or Close) or it fails.
+// (EOF or Close, after which Go has freed the stream) or it fails.
 type hostConns struct {
 	g     *generation
 	key   hostKey
@@ -118,7 +115,11 @@ type hostConns struct {
 	mu       sync.Mutex // guards the fields below
 	inflight int        // requests on g.transport, from admission until their body ends
 	conns    int        // live HTTP/2 connections seen in use by requests sent to get one
-	leading  bool       // a request is getting the connection the waiters wait for
+	// streams is how many streams a connection of the host is thought to
+	// take: firstStreams, and then what requests sent to get a
+	// connection found (see look.gotConn).
+	streams int
+	leading bool // a request is getting the connection the waiters wait for
 	// fullSince is when requests began to wait for a stream on the
 	// host's HTTP/2 connections; zero when none waits.
 	fullSince time.Time
@@ -151,7 +152,7 @@ func (g *generation) hostFor(req *http.Request) *hostConns {
 	if !ok {
 		g.hostsMu.Lock()
 		if hc, ok = g.hosts[k]; !ok {
-			hc = &hostConns{g: g, proto: g.known.get(k), key: k}
+			hc = &hostConns{g: g, proto: g.known.get(k), key: k, streams: firstStreams}
 			g.hosts[k] = hc
 		}
 		g.hostsMu.Unlock()
@@ -251,9 +252,12 @@ func (hc *hostConns) tryAdmitLocked() (admission, bool) {
 // have a free stream, or as the one that gets the next connection.
 func (hc *hostConns) tryAdmitHTTP2Locked() (admission, bool) {
 	g := hc.g
-	perConn, conns := streamsPerConn, hc.conns
+	perConn, conns := hc.streams, hc.conns
 	if g.maxConns > 0 {
-		perConn, conns = streamsInFlight, min(conns, g.maxConns)
+		// A margin under a cap: a response that ends with its headers
+		// frees its stream just after RoundTrip returns, and a request
+		// arriving then would find none free and make net/http dial.
+		perConn, conns = max(perConn*9/10, 1), min(conns, g.maxConns)
 	}
 	if hc.inflight < conns*perConn {
 		if len(hc.waiters) == 0 {
@@ -349,11 +353,26 @@ func (hc *hostConns) release() {
 	}
 }
 
-// trackLocked counts c, an HTTP/2 connection, among the host's.
-func (hc *hostConns) trackLocked(c *countedConn) {
-	if c.countFor(hc) {
+// learnLocked learns from c, the HTTP/2 connection a traced request got. A
+// new one counts among the host's connections. When the request went to get
+// one because the others were full by the count (lead), the connection Go
+// gave it says how good the count was: a new one, that the others carried
+// what a connection takes; one of the host's own, that they had room the
+// count did not see (the server allows more streams, or ended streams whose
+// bodies are unread), and a connection is thought to take twice as many.
+func (hc *hostConns) learnLocked(c *countedConn, lead bool) {
+	switch c.countFor(hc) {
+	case countedNow:
+		if lead && hc.conns > 0 {
+			hc.streams = max((hc.inflight-1)/hc.conns, 1)
+		}
 		hc.conns++
 		hc.wakeAllLocked()
+	case countedBefore:
+		if lead {
+			hc.streams = min(hc.streams*2, maxStreams)
+			hc.wakeAllLocked()
+		}
 	}
 }
 
@@ -403,7 +422,7 @@ func (l *look) gotConn(info httptrace.GotConnInfo) {
 	switch {
 	case proto == protoHTTP2:
 		if conn != nil {
-			hc.trackLocked(conn)
+			hc.learnLocked(conn, l.lead)
 		}
 		hc.setProtocolLocked(proto)
 	case !info.Reused || hc.proto.Load() == protoUnknown:
@@ -561,17 +580,28 @@ type leasedBody struct {
 	lease *lease // held, never used: it is what keeps the identity alive
 	hc    *hostConns
 	ended atomic.Bool
-	eof   atomic.Bool
-	timer atomic.Pointer[time.Timer] // ends the hold of a body read to EOF and not closed
+	eof   atomic.Bool // read to its end and closed underneath: reads see EOF
+
+	closeOnce sync.Once
+	closeErr  error
 }
 
 func (b *leasedBody) Read(p []byte) (int, error) {
+	if b.eof.Load() {
+		return 0, io.EOF
+	}
 	n, err := b.ReadCloser.Read(p)
 	switch {
 	case err == nil:
 	case err == io.EOF:
 		if b.hc != nil {
-			b.endSoon()
+			// Go frees the stream just after the EOF, in another
+			// goroutine; Close waits for that. The hold ends once the
+			// stream is free: a slot freed before it would send the next
+			// request to a connection that is still full.
+			b.eof.Store(true)
+			b.closeBody()
+			b.end()
 		}
 	default:
 		b.end()
@@ -585,24 +615,14 @@ func (b *leasedBody) Read(p []byte) (int, error) {
 }
 
 func (b *leasedBody) Close() error {
-	err := b.ReadCloser.Close()
-	if t := b.timer.Load(); t != nil {
-		t.Stop()
-	}
+	err := b.closeBody()
 	b.end()
 	return err
 }
 
-// endSoon ends the hold of a body read to EOF once Go has freed its stream:
-// x/net frees it just after the EOF, in another goroutine, and Close waits
-// for that. A body that is not closed at once ends its hold a moment later;
-// a slot freed before the stream would send the next request to a
-// connection that is still full.
-func (b *leasedBody) endSoon() {
-	if b.ended.Load() || b.eof.Swap(true) {
-		return
-	}
-	b.timer.Store(time.AfterFunc(eofSettle, b.end))
+func (b *leasedBody) closeBody() error {
+	b.closeOnce.Do(func() { b.closeErr = b.ReadCloser.Close() })
+	return b.closeErr
 }
 
 func (b *leasedBody) end() {

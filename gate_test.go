@@ -457,11 +457,9 @@ func TestSlotReleasedAtEOF(t *testing.T) {
 			t.Fatalf("request %d, bodies read to EOF and every other one never closed: %v", i+1, err)
 		}
 	}
-	// Every slot is back, each once: held, the host would run out of
-	// streams; released twice, it would count more than the cap's share.
-	// (A body read to EOF and not closed lets go of its slot after
-	// eofSettle.)
-	time.Sleep(5 * eofSettle)
+	// Every slot is back, each once, when the reads return EOF: held, the
+	// host would run out of streams; released twice, it would count more
+	// than the cap's share.
 	p.mu.Lock()
 	var hosts []*hostConns
 	for _, e := range p.entries {
@@ -795,22 +793,23 @@ func TestFullConnectionGrows(t *testing.T) {
 // server holds 90 requests on 1 connection, and after every request was
 // released all 100 succeeded over that one connection.
 func TestConnectionCapFewerStreams(t *testing.T) {
+	const capStreams = firstStreams * 9 / 10 // what the pool fills of a connection under a cap
 	hold := newRequestHold(t)
-	f := newFixture(t, testserver.Options{OnRequest: hold.onRequest, MaxConcurrentStreams: streamsInFlight})
+	f := newFixture(t, testserver.Options{OnRequest: hold.onRequest, MaxConcurrentStreams: capStreams})
 	p := newPool(t, WithMaxConnsPerHost(1))
 	client := httpClient(t, p, f.srv.RestConfig(f.alice))
 	const n = 100
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	release := sendHeld(ctx, t, hold, client, f.srv.URL(), n)
-	waitFor(t, "the server holds 90 requests", func() bool { return hold.held.Load() >= streamsInFlight })
+	waitFor(t, "the server holds 90 requests", func() bool { return hold.held.Load() >= capStreams })
 	// Time for a request to go and get another connection, as a full
 	// connection's waiters do after growWait.
 	time.Sleep(20 * growWait)
 	st, held := f.srv.Stats(), hold.held.Load()
 	release()
-	if st.Accepted != 1 || held != streamsInFlight {
-		t.Errorf("cap 1, %d requests, %d streams: the server accepted %d connections and held %d requests; want 1 and %d", n, streamsInFlight, st.Accepted, held, streamsInFlight)
+	if st.Accepted != 1 || held != capStreams {
+		t.Errorf("cap 1, %d requests, %d streams: the server accepted %d connections and held %d requests; want 1 and %d", n, capStreams, st.Accepted, held, capStreams)
 	}
 	if after := f.srv.Stats(); after.Accepted != 1 {
 		t.Errorf("cap 1: the server accepted %d connections in all", after.Accepted)

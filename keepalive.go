@@ -380,16 +380,28 @@ func (c *countedConn) Close() error {
 	return c.Conn.Close()
 }
 
+// How countFor found a connection.
+const (
+	notCounted    = iota // closed, or another host's
+	countedNow           // new among hc's connections
+	countedBefore        // one of hc's connections already
+)
+
 // countFor makes c one of hc's connections, unless it is closed or counted
 // already.
-func (c *countedConn) countFor(hc *hostConns) bool {
+func (c *countedConn) countFor(hc *hostConns) int {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if c.closed || c.host != nil {
-		return false
+	switch {
+	case c.closed:
+		return notCounted
+	case c.host == hc:
+		return countedBefore
+	case c.host != nil:
+		return notCounted
 	}
 	c.host = hc
-	return true
+	return countedNow
 }
 
 // retire takes the generation out of use for new requests: idle connections

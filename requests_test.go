@@ -315,3 +315,98 @@ func TestFailuresFailTogether(t *testing.T) {
 		})
 	}
 }
+
+// arrivals records when the server saw each request whose User-Agent holds
+// "beside".
+type arrivals struct {
+	mu sync.Mutex
+	at []time.Time
+}
+
+func (a *arrivals) onRequest(ri testserver.RequestInfo) {
+	if strings.Contains(ri.UserAgent, "beside") {
+		a.mu.Lock()
+		a.at = append(a.at, time.Now())
+		a.mu.Unlock()
+	}
+}
+
+// spread is how long the server took to see them all.
+func (a *arrivals) spread() time.Duration {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if len(a.at) == 0 {
+		return 0
+	}
+	first, last := a.at[0], a.at[0]
+	for _, t := range a.at {
+		if t.Before(first) {
+			first = t
+		}
+		if t.After(last) {
+			last = t
+		}
+	}
+	return last.Sub(first)
+}
+
+// TestStreamsFromTheConnection: the connection, not a constant, decides how
+// many streams it carries, and a stream the server ended is free whether or
+// not its body was read. 50 lists sent at once beside 100 held requests (the
+// server allows 250 streams), or after 100 responses left unread and
+// unclosed, reach the server together over the one connection there is,
+// through the pool as through client-go alone. (Sent one at a time by a gate
+// that counted 100 streams per connection, they took half a second to
+// arrive.)
+func TestStreamsFromTheConnection(t *testing.T) {
+	const n, together = 50, 250 * time.Millisecond // one at a time, they took half a second
+	for _, tc := range []struct {
+		name   string
+		client func(t *testing.T, cfg *rest.Config) *http.Client
+	}{
+		{"client-go alone", clientGoClient},
+		{"pool", func(t *testing.T, cfg *rest.Config) *http.Client { return httpClient(t, newPool(t), cfg) }},
+	} {
+		for _, busy := range []string{"100 held", "100 unread"} {
+			t.Run(tc.name+", "+busy, func(t *testing.T) {
+				hold, seen := newRequestHold(t), &arrivals{}
+				f := newFixture(t, testserver.Options{MaxConcurrentStreams: 250, OnRequest: func(ri testserver.RequestInfo) {
+					seen.onRequest(ri)
+					hold.onRequest(ri)
+				}})
+				client := tc.client(t, f.srv.RestConfig(f.alice))
+				ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+				defer cancel()
+				if _, err := getUA(ctx, client, f.srv.URL(), "first"); err != nil {
+					t.Fatal(err)
+				}
+				if busy == "100 held" {
+					release := sendHeld(ctx, t, hold, client, f.srv.URL(), 100)
+					defer release()
+					waitFor(t, "the server holds 100 requests", func() bool { return hold.held.Load() == 100 })
+				} else {
+					for range 100 {
+						req, err := http.NewRequestWithContext(ctx, http.MethodGet, f.srv.URL()+"/api/v1/nodes", nil)
+						if err != nil {
+							t.Fatal(err)
+						}
+						resp, err := client.Do(req)
+						if err != nil {
+							t.Fatal(err)
+						}
+						defer resp.Body.Close() // at the end: neither read nor closed before
+					}
+				}
+				protos, err := concurrentGets(ctx, client, f.srv.URL(), "beside", n)
+				st := f.srv.Stats()
+				t.Logf("%d lists beside %s: %v %v, reaching the server over %v; %d connections accepted", n, busy, protos, err, seen.spread().Round(time.Millisecond), st.Accepted)
+				if err != nil || st.Accepted != 1 {
+					t.Errorf("%d lists beside %s: %v, %d connections accepted, want 1", n, busy, err, st.Accepted)
+				}
+				if seen.spread() > together {
+					t.Errorf("%d lists beside %s reached the server over %v: they waited for streams the connection had", n, busy, seen.spread().Round(time.Millisecond))
+				}
+			})
+		}
+	}
+}
