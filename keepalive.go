@@ -265,7 +265,9 @@ func (g *generation) newTransport(id *identity, keepAlive bool, tlsConfig *tls.C
 // does (not for an ALPN list without h2), with the same health checks and
 // environment variables. DISABLE_HTTP2 is the identity's decision, made
 // once (identityKey.noHTTP2), so that every generation of an identity speaks
-// what its first did.
+// what its first did: SetTransportDefaults itself, at a rotation after the
+// variable was set, would drop the HTTP/2 that client-go's transport of the
+// same config still speaks (TestAdversaryDisableHTTP2AfterWrap).
 func configureHTTP2(t *http.Transport) {
 	if c := t.TLSClientConfig; c != nil && len(c.NextProtos) > 0 && !slices.Contains(c.NextProtos, http2.NextProtoTLS) {
 		return
