@@ -28,8 +28,6 @@ const (
 	// itself assumes until the server's SETTINGS arrive, and
 	// kube-apiserver's default (--http2-max-streams-per-connection).
 	firstStreams = 100
-	// maxStreams bounds what a connection is thought to take.
-	maxStreams = 1 << 20
 
 	// growWait is how long a host's HTTP/2 connections stay full, with
 	// requests waiting, before one of them goes to get another connection:
@@ -117,8 +115,20 @@ type hostConns struct {
 	conns    int        // live HTTP/2 connections seen in use by requests sent to get one
 	// streams is how many streams a connection of the host is thought to
 	// take: firstStreams, and then what requests sent to get a
-	// connection found (see look.gotConn).
+	// connection found (see learnLocked).
 	streams int
+	// roomAt is when a request sent to get a connection last found room on
+	// one the host had for more requests awaiting their headers than the
+	// count allowed; zero once one got a new connection.
+	roomAt time.Time
+	// awaiting counts the requests of inflight whose response headers have
+	// not come: streams the server has for certain, unlike a response
+	// whose body is still to be read or closed, which the server may have
+	// ended.
+	awaiting int
+	// holds is the set the response bodies counted in inflight belong to;
+	// a new one when they are found to hold no stream (see learnLocked).
+	holds   *holdSet
 	leading bool // a request is getting the connection the waiters wait for
 	// fullSince is when requests began to wait for a stream on the
 	// host's HTTP/2 connections; zero when none waits.
@@ -132,6 +142,11 @@ type hostConns struct {
 }
 
 type leadFailure struct{}
+
+// holdSet is a set of response bodies counted in a host's inflight.
+type holdSet struct {
+	forgiven bool // no longer counted; guarded by the host's mu
+}
 
 // admission is where a request goes and what it holds.
 type admission struct {
@@ -152,7 +167,7 @@ func (g *generation) hostFor(req *http.Request) *hostConns {
 	if !ok {
 		g.hostsMu.Lock()
 		if hc, ok = g.hosts[k]; !ok {
-			hc = &hostConns{g: g, proto: g.known.get(k), key: k, streams: firstStreams}
+			hc = &hostConns{g: g, proto: g.known.get(k), key: k, streams: firstStreams, holds: &holdSet{}}
 			g.hosts[k] = hc
 		}
 		g.hostsMu.Unlock()
@@ -213,7 +228,7 @@ func (hc *hostConns) admit(ctx context.Context) (admission, error) {
 			// Over http1, which dials for each: the HTTP/2 transport dials
 			// one at a time. Not looked at: an HTTP/1.1 connection offered
 			// nothing else.
-			hc.inflight++
+			hc.holdLocked()
 			hc.mu.Unlock()
 			return admission{rt: hc.g.http1, slot: true}, nil
 		}
@@ -263,17 +278,18 @@ func (hc *hostConns) tryAdmitHTTP2Locked() (admission, bool) {
 		if len(hc.waiters) == 0 {
 			hc.fullSince = time.Time{}
 		}
-		hc.inflight++
+		hc.holdLocked()
 		return admission{rt: g.transport, slot: true}, true
 	}
 	if g.maxConns > 0 && hc.conns >= g.maxConns || hc.leading {
 		return admission{}, false
 	}
-	if hc.conns > 0 {
+	if hc.conns > 0 && time.Since(hc.roomAt) >= growWait {
 		// Full: streams often free up sooner than a handshake ends (a
 		// burst of short lists), and a connection that comes up after
 		// that is closed as surplus. Another one is got when the
-		// connections have stayed full for growWait.
+		// connections have stayed full for growWait; at once while the
+		// last request sent for one found room instead.
 		now := time.Now()
 		if hc.fullSince.IsZero() {
 			hc.fullSince = now
@@ -295,7 +311,7 @@ func (hc *hostConns) tryAdmitHTTP1Locked() (admission, bool) {
 			return admission{rt: g.transport}, true
 		}
 		if hc.inflight < g.maxConns {
-			hc.inflight++
+			hc.holdLocked()
 			return admission{rt: g.transport, slot: true}, true
 		}
 		return admission{}, false
@@ -309,7 +325,7 @@ func (hc *hostConns) tryAdmitHTTP1Locked() (admission, bool) {
 	// too. Otherwise, without a cap, requests go over http1, which dials as
 	// many connections as they need (the HTTP/2 transport dials one at a
 	// time); under a cap the HTTP/2 transport dials up to the cap.
-	hc.inflight++
+	hc.holdLocked()
 	if hc.inflight > 1 {
 		if g.maxConns == 0 {
 			return admission{rt: g.http1, slot: true}, true
@@ -324,8 +340,27 @@ func (hc *hostConns) tryAdmitHTTP1Locked() (admission, bool) {
 // waiters wait for.
 func (hc *hostConns) leadLocked() admission {
 	hc.leading = true
-	hc.inflight++
+	hc.holdLocked()
 	return admission{rt: hc.g.transport, slot: true, lead: true, look: true}
+}
+
+// holdLocked counts an admitted request until its response body ends.
+func (hc *hostConns) holdLocked() {
+	hc.inflight++
+	hc.awaiting++
+}
+
+// answered ends the wait of an admitted request for its headers and returns
+// the holds its body is counted in; failed, the request lets go of its hold.
+func (hc *hostConns) answered(failed bool) *holdSet {
+	hc.mu.Lock()
+	hc.awaiting--
+	set := hc.holds
+	hc.mu.Unlock()
+	if failed {
+		hc.release(set)
+	}
+	return set
 }
 
 func (hc *hostConns) wakeOneLocked() {
@@ -342,10 +377,12 @@ func (hc *hostConns) wakeAllLocked() {
 	hc.waiters = hc.waiters[:0]
 }
 
-// release ends a request's hold: its body ended, or it failed.
-func (hc *hostConns) release() {
+// release ends the hold of a response body of set.
+func (hc *hostConns) release(set *holdSet) {
 	hc.mu.Lock()
-	hc.inflight--
+	if !set.forgiven {
+		hc.inflight--
+	}
 	hc.wakeOneLocked()
 	hc.mu.Unlock()
 	if hc.g.retired.Load() {
@@ -356,22 +393,41 @@ func (hc *hostConns) release() {
 // learnLocked learns from c, the HTTP/2 connection a traced request got. A
 // new one counts among the host's connections. When the request went to get
 // one because the others were full by the count (lead), the connection Go
-// gave it says how good the count was: a new one, that the others carried
-// what a connection takes; one of the host's own, that they had room the
-// count did not see (the server allows more streams, or ended streams whose
-// bodies are unread), and a connection is thought to take twice as many.
-func (hc *hostConns) learnLocked(c *countedConn, lead bool) {
+// gave it says how good the count was. A new one: the others carried what a
+// connection takes. One of the host's own: they had room the count did not
+// see.
+//
+//   - More requests await their headers than the count allowed: the
+//     server allows more streams. A connection is thought to take as many,
+//     and the next request waiting goes the same way at once, so that Go
+//     places them one by one while there is room.
+//   - The host's one connection had no stream at all (idle): the bodies
+//     counted, neither read to their end nor closed, hold none; the server
+//     ended their streams. They are no longer counted.
+//   - Otherwise the room may be streams the server ended whose bodies are
+//     about to be read (a burst's short lists): the count stands, and the
+//     next request goes to get a connection only after growWait.
+func (hc *hostConns) learnLocked(c *countedConn, lead, idle bool) {
 	switch c.countFor(hc) {
 	case countedNow:
 		if lead && hc.conns > 0 {
 			hc.streams = max((hc.inflight-1)/hc.conns, 1)
 		}
 		hc.conns++
+		hc.roomAt = time.Time{}
 		hc.wakeAllLocked()
 	case countedBefore:
-		if lead {
-			hc.streams = min(hc.streams*2, maxStreams)
-			hc.wakeAllLocked()
+		if !lead {
+			return
+		}
+		if hc.awaiting > hc.conns*hc.streams {
+			hc.streams = (hc.awaiting + hc.conns - 1) / hc.conns
+			hc.roomAt = time.Now()
+		}
+		if idle && hc.conns == 1 && hc.inflight > hc.awaiting {
+			hc.holds.forgiven = true
+			hc.holds = &holdSet{}
+			hc.inflight = hc.awaiting
 		}
 	}
 }
@@ -422,7 +478,7 @@ func (l *look) gotConn(info httptrace.GotConnInfo) {
 	switch {
 	case proto == protoHTTP2:
 		if conn != nil {
-			hc.learnLocked(conn, l.lead)
+			hc.learnLocked(conn, l.lead, info.WasIdle)
 		}
 		hc.setProtocolLocked(proto)
 	case !info.Reused || hc.proto.Load() == protoUnknown:
@@ -472,7 +528,7 @@ func (g *generation) roundTrip(l *lease, req *http.Request) (*http.Response, err
 		if err != nil {
 			return nil, err
 		}
-		resp.Body = wrapBody(resp.Body, l, nil)
+		resp.Body = wrapBody(resp.Body, l, nil, nil)
 		return resp, nil
 	}
 	hc := g.hostFor(req)
@@ -493,17 +549,18 @@ func (g *generation) roundTrip(l *lease, req *http.Request) (*http.Response, err
 	if lk != nil {
 		lk.ended(req.Context(), resp, err)
 	}
+	var set *holdSet
+	if a.slot {
+		set = hc.answered(err != nil)
+	}
 	if err != nil {
-		if a.slot {
-			hc.release()
-		}
 		return nil, err
 	}
 	resp.Request = req
 	if !a.slot {
 		hc = nil
 	}
-	resp.Body = wrapBody(resp.Body, l, hc)
+	resp.Body = wrapBody(resp.Body, l, hc, set)
 	return resp, nil
 }
 
@@ -559,14 +616,14 @@ func resendable(req *http.Request, err error) (*http.Request, error) {
 // the stream), at an error, or at Close, whichever comes first, once. The
 // wrapper keeps the interfaces of the transport's body: a 101 response's body
 // stays writable.
-func wrapBody(body io.ReadCloser, l *lease, hc *hostConns) io.ReadCloser {
+func wrapBody(body io.ReadCloser, l *lease, hc *hostConns, set *holdSet) io.ReadCloser {
 	if body == http.NoBody {
 		if hc != nil {
-			hc.release()
+			hc.release(set)
 		}
 		return body
 	}
-	b := leasedBody{ReadCloser: body, lease: l, hc: hc}
+	b := leasedBody{ReadCloser: body, lease: l, hc: hc, set: set}
 	rw, ok := body.(io.ReadWriteCloser)
 	switch {
 	case !ok:
@@ -582,6 +639,7 @@ type leasedBody struct {
 	io.ReadCloser
 	lease *lease // held, never used: it is what keeps the identity alive
 	hc    *hostConns
+	set   *holdSet // with hc: the holds the body is counted in
 	ended atomic.Bool
 	eof   atomic.Bool // read to its end and closed underneath: reads see EOF
 
@@ -630,7 +688,7 @@ func (b *leasedBody) closeBody() error {
 
 func (b *leasedBody) end() {
 	if b.hc != nil && !b.ended.Swap(true) {
-		b.hc.release()
+		b.hc.release(b.set)
 	}
 }
 
