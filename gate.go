@@ -496,24 +496,15 @@ func (l *look) doneLocked() {
 	l.hc.wakeAllLocked()
 }
 
-// ended is called when the request's round trip returns with resp or err.
+// ended is called when the request's round trip returns, with err if it failed.
 // A request that went to get the host's only connection and failed before it
 // had one, not for its own context, fails its waiters with it.
-func (l *look) ended(ctx context.Context, resp *http.Response, err error) {
+func (l *look) ended(ctx context.Context, err error) {
 	hc := l.hc
 	hc.mu.Lock()
 	defer hc.mu.Unlock()
 	if err != nil && l.lead && !l.got.Load() && ctx.Err() == nil && hc.conns == 0 {
 		hc.failed = &leadFailure{}
-	}
-	if !l.got.Load() && resp != nil && hc.proto.Load() == protoUnknown {
-		// A response without a connection seen: a round tripper that
-		// reports none. Its protocol is all there is to go by.
-		proto := protoHTTP1
-		if resp.ProtoMajor == 2 {
-			proto = protoHTTP2
-		}
-		hc.setProtocolLocked(proto)
 	}
 	l.doneLocked()
 }
@@ -547,7 +538,7 @@ func (g *generation) roundTrip(l *lease, req *http.Request) (*http.Response, err
 	}
 	resp, err := a.rt.RoundTrip(sent)
 	if lk != nil {
-		lk.ended(req.Context(), resp, err)
+		lk.ended(req.Context(), err)
 	}
 	var set *holdSet
 	if a.slot {
