@@ -524,9 +524,6 @@ func (g *generation) roundTrip(l *lease, req *http.Request) (*http.Response, err
 	if err != nil {
 		return nil, err
 	}
-	if g.maxConns > 0 && (a.lead || hc.protocol() == protoHTTP1) {
-		g.owner.endDrains(g) // it may dial
-	}
 	sent := req
 	var lk *look
 	if a.look {

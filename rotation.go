@@ -168,32 +168,10 @@ func (e *entry) rotate(g *generation, drain time.Duration) bool {
 	e.draining[old] = time.AfterFunc(drain, func() {
 		e.mu.Lock()
 		delete(e.draining, old)
-		e.drains.Store(int32(len(e.draining)))
 		e.mu.Unlock()
 		old.close()
 	})
-	e.drains.Store(int32(len(e.draining)))
 	e.mu.Unlock()
 	old.retire()
 	return true
-}
-
-// endDrains closes the generations still draining when g, about to dial,
-// is the current one. Under WithMaxConnsPerHost the cap is per identity and
-// host: a new connection must not come on top of the old material's. Their
-// requests fail as they would at client-go's own certificate rotation, which
-// closes every connection.
-func (e *entry) endDrains(g *generation) {
-	if e.drains.Load() == 0 || e.current.Load() != g {
-		return
-	}
-	e.mu.Lock()
-	draining := e.draining
-	e.draining = nil
-	e.drains.Store(0)
-	e.mu.Unlock()
-	for g, t := range draining {
-		t.Stop()
-		g.close()
-	}
 }
