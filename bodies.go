@@ -68,14 +68,12 @@ func resendable(req *http.Request, err error) (*http.Request, error) {
 // the stream), at an error, or at Close, whichever comes first, once. The
 // wrapper keeps the interfaces of the transport's body: a 101 response's body
 // stays writable.
-func wrapBody(body io.ReadCloser, l *lease, hc *hostConns, set *holdSet) io.ReadCloser {
+func wrapBody(body io.ReadCloser, l *lease, hc *hostConns, set *holdSet, busy bool) io.ReadCloser {
+	b := leasedBody{ReadCloser: body, lease: l, hc: hc, set: set, busy: busy}
 	if body == http.NoBody {
-		if hc != nil {
-			hc.release(set)
-		}
+		b.end()
 		return body
 	}
-	b := leasedBody{ReadCloser: body, lease: l, hc: hc, set: set}
 	rw, ok := body.(io.ReadWriteCloser)
 	switch {
 	case !ok:
@@ -92,6 +90,7 @@ type leasedBody struct {
 	lease *lease // held, never used: it is what keeps the identity alive
 	hc    *hostConns
 	set   *holdSet // with hc: the holds the body is counted in
+	busy  bool     // with hc: counted in the generation's busy
 	ended atomic.Bool
 	eof   atomic.Bool // read to its end and closed underneath: reads see EOF
 
@@ -139,8 +138,12 @@ func (b *leasedBody) closeBody() error {
 }
 
 func (b *leasedBody) end() {
-	if b.hc != nil && !b.ended.Swap(true) {
-		b.hc.release(b.set)
+	if b.hc == nil || b.ended.Swap(true) {
+		return
+	}
+	b.hc.release(b.set)
+	if b.busy {
+		b.hc.g.doneBusy()
 	}
 }
 

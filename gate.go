@@ -516,13 +516,20 @@ func (g *generation) roundTrip(l *lease, req *http.Request) (*http.Response, err
 		if err != nil {
 			return nil, err
 		}
-		resp.Body = wrapBody(resp.Body, l, nil, nil)
+		resp.Body = wrapBody(resp.Body, l, nil, nil, false)
 		return resp, nil
 	}
 	hc := g.hostFor(req)
 	a, err := hc.admit(req.Context())
 	if err != nil {
 		return nil, err
+	}
+	busy := g.maxConns > 0 && !longRunning(req)
+	if busy {
+		if a.lead {
+			g.owner.yieldCap(g) // it may dial
+		}
+		g.busy.Add(1)
 	}
 	sent := req
 	var lk *look
@@ -539,12 +546,27 @@ func (g *generation) roundTrip(l *lease, req *http.Request) (*http.Response, err
 		set = hc.answered(err != nil)
 	}
 	if err != nil {
+		if busy {
+			g.doneBusy()
+		}
 		return nil, err
 	}
 	resp.Request = req
 	if !a.slot {
 		hc = nil
 	}
-	resp.Body = wrapBody(resp.Body, l, hc, set)
+	resp.Body = wrapBody(resp.Body, l, hc, set, busy)
 	return resp, nil
+}
+
+// longRunning reports whether req asks the API server for a stream that
+// runs until one side ends it: a watch, a followed log.
+func longRunning(req *http.Request) bool {
+	q := req.URL.Query()
+	for _, k := range []string{"watch", "follow"} {
+		if v := q.Get(k); v == "true" || v == "1" {
+			return true
+		}
+	}
+	return false
 }

@@ -95,6 +95,13 @@ type generation struct {
 	connsMu sync.Mutex // guards conns and closed
 	conns   map[*countedConn]struct{}
 	closed  bool
+
+	// Under WithMaxConnsPerHost: busy counts the requests in flight that
+	// are not watches; yielding is set when a newer generation needs the
+	// cap (entry.yieldCap), and the HTTP/2 connections close once busy is
+	// zero.
+	busy     atomic.Int64
+	yielding atomic.Bool
 }
 
 // newGeneration builds e's transports for material m, the way client-go's
@@ -382,6 +389,13 @@ func (c *countedConn) Close() error {
 	return c.Conn.Close()
 }
 
+// carriesStreams reports whether c is an open HTTP/2 connection of a host.
+func (c *countedConn) carriesStreams() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.host != nil && !c.closed
+}
+
 // How countFor found a connection.
 const (
 	notCounted    = iota // closed, or another host's
@@ -404,6 +418,39 @@ func (c *countedConn) countFor(hc *hostConns) int {
 	}
 	c.host = hc
 	return countedNow
+}
+
+// yieldCap closes g's HTTP/2 connections now if only watches run on them,
+// or else when the last request that is not a watch ends (doneBusy).
+func (g *generation) yieldCap() {
+	g.yielding.Store(true)
+	if g.busy.Load() == 0 {
+		g.closeStreams()
+	}
+}
+
+// doneBusy ends a request counted in busy.
+func (g *generation) doneBusy() {
+	if g.busy.Add(-1) == 0 && g.yielding.Load() {
+		g.closeStreams()
+	}
+}
+
+// closeStreams closes g's HTTP/2 connections, the ones requests were seen
+// on, and leaves the others: upgraded connections (exec, port-forward) are
+// their callers' own.
+func (g *generation) closeStreams() {
+	g.connsMu.Lock()
+	var conns []*countedConn
+	for c := range g.conns {
+		if c.carriesStreams() {
+			conns = append(conns, c)
+		}
+	}
+	g.connsMu.Unlock()
+	for _, c := range conns {
+		c.Close()
+	}
 }
 
 // retire takes the generation out of use for new requests: idle connections

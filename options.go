@@ -70,15 +70,18 @@ func WithSessionResumption(enabled bool) Option {
 	return func(o *options) { o.sessionResumption = enabled }
 }
 
-// WithMaxConnsPerHost caps the connections one identity keeps to each host.
-// Requests beyond what the cap can carry wait (bounded by their context)
-// instead of dialing or failing: over HTTP/2, n connections carry n x 90
-// requests at once (kube-apiserver allows 100 streams per connection); over
-// HTTP/1.1, n. A request holds its place until its response body is read to
-// the end or closed, so a watch holds its stream while it runs. Upgrades
-// (exec, attach, port-forward sent through the pool's transport) run on
-// connections of their own and are not counted. Zero, the default, means no
-// cap; bursts still open no more connections than their concurrency needs.
+// WithMaxConnsPerHost caps the connections one identity keeps to each host,
+// across rotations: when the new material first needs a connection, the
+// old material's HTTP/2 connections close as soon as only watches run on
+// them (see WithDrainTimeout). Requests beyond what the cap can carry wait
+// (bounded by their context) instead of dialing or failing: over HTTP/2, n
+// connections carry n x 90 requests at once (kube-apiserver allows 100
+// streams per connection); over HTTP/1.1, n. A request holds its place until
+// its response body is read to the end or closed, so a watch holds its
+// stream while it runs. Upgrades (exec, attach, port-forward sent through the
+// pool's transport) run on connections of their own and are not counted.
+// Zero, the default, means no cap; bursts still open no more connections
+// than their concurrency needs.
 //
 // A negative n is ignored.
 func WithMaxConnsPerHost(n int) Option {
@@ -136,7 +139,11 @@ func WithPollInterval(d time.Duration) Option {
 // before they are closed. Idle connections close at once, and the others as
 // soon as their requests end; a request not sent yet when they close is sent
 // with the new material. The default is 2 minutes, so informers re-list
-// once, spread out, instead of all at the moment of rotation.
+// once, spread out, instead of all at the moment of rotation. Under
+// WithMaxConnsPerHost the drain ends sooner, for watches only: when the new
+// material first needs a connection, the old HTTP/2 connections close once
+// nothing but watches runs on them, as client-go's own certificate rotation
+// closes every connection at once.
 //
 // A negative d is ignored.
 func WithDrainTimeout(d time.Duration) Option {

@@ -168,10 +168,33 @@ func (e *entry) rotate(g *generation, drain time.Duration) bool {
 	e.draining[old] = time.AfterFunc(drain, func() {
 		e.mu.Lock()
 		delete(e.draining, old)
+		e.drains.Store(int32(len(e.draining)))
 		e.mu.Unlock()
 		old.close()
 	})
+	e.drains.Store(int32(len(e.draining)))
 	e.mu.Unlock()
 	old.retire()
 	return true
+}
+
+// yieldCap is called, under WithMaxConnsPerHost, by g before it sends a
+// request that may dial. The cap is per identity and host: the generations
+// still draining close their HTTP/2 connections as soon as nothing but
+// watches runs on them, instead of at the drain timeout. Their watches end
+// then and their informers resume them on g, as after client-go's own
+// certificate rotation, which closes every connection at once.
+func (e *entry) yieldCap(g *generation) {
+	if e.drains.Load() == 0 || e.current.Load() != g {
+		return
+	}
+	e.mu.Lock()
+	old := make([]*generation, 0, len(e.draining))
+	for d := range e.draining {
+		old = append(old, d)
+	}
+	e.mu.Unlock()
+	for _, d := range old {
+		d.yieldCap()
+	}
 }

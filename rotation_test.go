@@ -508,6 +508,67 @@ func TestRotationClosesIdleAtOnce(t *testing.T) {
 	waitFor(t, "the server to see the old material's idle connection closed", func() bool { return f.srv.OpenConns() == 0 })
 }
 
+// TestRotationCapAcrossGenerations: WithMaxConnsPerHost(1) holds across
+// rotations. A watch runs on each material's connection, with an hour's
+// drain, and three rotations follow. When the new material first dials, the
+// old one closes its connection, on which only a watch runs: the old watch
+// ends (as at client-go's own certificate rotation, which closes every
+// connection) and is not held on a connection beside the new one. The server
+// holds one connection at the end, not four, and every list succeeds.
+// (TestRotationUnderLoadCapped: requests that are not watches are never
+// cut.)
+func TestRotationCapAcrossGenerations(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	dave, err := f.ca.IssueClient("dave")
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := newPool(t, WithPollInterval(0), WithDrainTimeout(time.Hour), WithMaxConnsPerHost(1))
+	d := newCertDir(t, secretVolume, f.alice, f.ca.CertPEM())
+	_, cs := d.wrapped(t, p, f.srv.URL())
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	rotations := []*testserver.KeyPair{dave, f.alice, dave}
+	var ended []chan struct{}
+	for i := 0; ; i++ {
+		if _, err := cs.CoreV1().Nodes().List(ctx, metav1.ListOptions{}); err != nil {
+			t.Fatalf("list after %d rotations: %v", i, err)
+		}
+		w, err := cs.CoreV1().Nodes().Watch(ctx, metav1.ListOptions{})
+		if err != nil {
+			t.Fatalf("watch after %d rotations: %v", i, err)
+		}
+		defer w.Stop()
+		done := make(chan struct{})
+		go func() {
+			for range w.ResultChan() {
+			}
+			close(done)
+		}()
+		ended = append(ended, done)
+		if i == len(rotations) {
+			break
+		}
+		d.write(t, rotations[i], f.ca.CertPEM())
+		waitFor(t, "rotation", func() bool { return p.Stats().Rotations == uint64(i+1) })
+	}
+	waitFor(t, "one connection open on the server", func() bool { return f.srv.OpenConns() == 1 })
+	for i, done := range ended[:len(rotations)] {
+		select {
+		case <-done:
+		case <-time.After(10 * time.Second):
+			t.Errorf("the watch of material %d still runs after %d rotations", i, len(rotations))
+		}
+	}
+	select {
+	case <-ended[len(rotations)]:
+		t.Error("the watch of the current material ended")
+	default:
+	}
+	st := f.srv.Stats()
+	t.Logf("cap 1, %d rotations with a watch on each material: the server accepted %d connections, %d open at once at most, %d at the end", len(rotations), st.Accepted, st.PeakOpen, st.Open)
+}
+
 // TestRotationCA: a CA appended to the bundle (overlap), then the server
 // moves to a certificate from the new CA; and a CA replaced outright after
 // the server moved.
