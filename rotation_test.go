@@ -3,6 +3,8 @@ package sharedtransport
 import (
 	"context"
 	"fmt"
+	"io"
+	"net/http"
 	"os"
 	"path/filepath"
 	"sort"
@@ -567,6 +569,103 @@ func TestRotationCapAcrossGenerations(t *testing.T) {
 	}
 	st := f.srv.Stats()
 	t.Logf("cap 1, %d rotations with a watch on each material: the server accepted %d connections, %d open at once at most, %d at the end", len(rotations), st.Accepted, st.PeakOpen, st.Open)
+}
+
+// TestRotationCapKeepsExec: when a rotation under WithMaxConnsPerHost(1)
+// closes the old material's HTTP/2 connection (only a watch runs on it), an
+// exec session opened on the old material goes on: its upgraded connection is
+// its caller's own. Through client-go alone, whose transport keeps the first
+// material, the session goes on too.
+func TestRotationCapKeepsExec(t *testing.T) {
+	for _, wrap := range []bool{false, true} {
+		name := "client-go alone"
+		if wrap {
+			name = "pool"
+		}
+		t.Run(name, func(t *testing.T) {
+			f := newFixture(t, testserver.Options{})
+			dave, err := f.ca.IssueClient("dave")
+			if err != nil {
+				t.Fatal(err)
+			}
+			p := newPool(t, WithPollInterval(0), WithDrainTimeout(time.Hour), WithMaxConnsPerHost(1))
+			d := newCertDir(t, secretVolume, f.alice, f.ca.CertPEM())
+			cfg := d.config(f.srv.URL())
+			if wrap {
+				if err := p.Wrap(cfg); err != nil {
+					t.Fatal(err)
+				}
+			}
+			rt, err := rest.TransportFor(cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			cs, err := kubernetes.NewForConfig(cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			session := openExec(ctx, t, rt, f.srv.URL())
+			defer session.Close()
+			echo(t, session, "before the rotation")
+			w, err := cs.CoreV1().Nodes().Watch(ctx, metav1.ListOptions{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer w.Stop()
+
+			d.write(t, dave, f.ca.CertPEM())
+			if wrap {
+				waitFor(t, "rotation", func() bool { return p.Stats().Rotations == 1 })
+			}
+			if _, err := cs.CoreV1().Nodes().List(ctx, metav1.ListOptions{}); err != nil {
+				t.Fatal(err)
+			}
+			if wrap {
+				// The server counts no upgraded connection among its open
+				// ones: the new material's is left.
+				waitFor(t, "the old material's connection closed", func() bool { return f.srv.OpenConns() == 1 })
+			}
+			echo(t, session, "after the rotation")
+		})
+	}
+}
+
+// openExec opens an exec session (a websocket upgrade) through rt.
+func openExec(ctx context.Context, t *testing.T, rt http.RoundTripper, url string) io.ReadWriteCloser {
+	t.Helper()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url+"/api/v1/namespaces/kube-system/pods/kube-proxy-0/exec", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.Header.Set("Connection", "Upgrade")
+	req.Header.Set("Upgrade", "websocket")
+	req.Header.Set("Sec-WebSocket-Version", "13")
+	req.Header.Set("Sec-WebSocket-Key", "dGhlIHNhbXBsZSBub25jZQ==")
+	req.Header.Set("Sec-WebSocket-Protocol", "v5.channel.k8s.io")
+	resp, err := rt.RoundTrip(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	conn, ok := resp.Body.(io.ReadWriteCloser)
+	if resp.StatusCode != http.StatusSwitchingProtocols || !ok {
+		resp.Body.Close()
+		t.Fatalf("exec answered %s with a %T body", resp.Status, resp.Body)
+	}
+	return conn
+}
+
+// echo writes payload to session and fails t unless it reads it back.
+func echo(t *testing.T, session io.ReadWriter, payload string) {
+	t.Helper()
+	if _, err := io.WriteString(session, payload); err != nil {
+		t.Fatalf("exec session, %s: %v", payload, err)
+	}
+	got := make([]byte, len(payload))
+	if _, err := io.ReadFull(session, got); err != nil || string(got) != payload {
+		t.Fatalf("exec session, %s: read %q, %v", payload, got, err)
+	}
 }
 
 // TestRotationCA: a CA appended to the bundle (overlap), then the server
