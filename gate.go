@@ -390,8 +390,9 @@ func (hc *hostConns) release(set *holdSet) {
 // learnLocked learns from c, the HTTP/2 connection a traced request got. A
 // new one counts among the host's connections. When the request went to get
 // one because the others were full by the count (lead), the connection Go
-// gave it says how good the count was. A new one: the others carried what a
-// connection takes. One of the host's own: they had room the count did not
+// gave it says how good the count was. A new one: the count held (what the
+// count was when the request went is all the connections show, so it is
+// left as it is). One of the host's own: they had room the count did not
 // see.
 //
 //   - More requests await their headers than the count allowed: the
@@ -407,9 +408,6 @@ func (hc *hostConns) release(set *holdSet) {
 func (hc *hostConns) learnLocked(c *countedConn, lead, idle bool) {
 	switch c.countFor(hc) {
 	case countedNow:
-		if lead && hc.conns > 0 {
-			hc.streams = max((hc.inflight-1)/hc.conns, 1)
-		}
 		hc.conns++
 		hc.roomAt = time.Time{}
 		hc.wakeAllLocked()
@@ -524,7 +522,7 @@ func (g *generation) roundTrip(l *lease, req *http.Request) (*http.Response, err
 	if err != nil {
 		return nil, err
 	}
-	busy := g.maxConns > 0 && !longRunning(req)
+	busy := a.slot && g.maxConns > 0 && !longRunning(req) // a body with a slot ends it
 	if busy {
 		if a.lead {
 			g.owner.yieldCap(g) // it may dial
@@ -562,6 +560,9 @@ func (g *generation) roundTrip(l *lease, req *http.Request) (*http.Response, err
 // longRunning reports whether req asks the API server for a stream that
 // runs until one side ends it: a watch, a followed log.
 func longRunning(req *http.Request) bool {
+	if req.URL.RawQuery == "" {
+		return false
+	}
 	q := req.URL.Query()
 	for _, k := range []string{"watch", "follow"} {
 		if v := q.Get(k); v == "true" || v == "1" {
