@@ -510,6 +510,20 @@ func TestRotationClosesIdleAtOnce(t *testing.T) {
 	waitFor(t, "the server to see the old material's idle connection closed", func() bool { return f.srv.OpenConns() == 0 })
 }
 
+// cappedRotation is the rig of the capped rotation tests: a server, dave's
+// certificate to rotate to, a pool capped at one connection per host with an
+// hour's drain and no poll, and alice's files.
+func cappedRotation(t *testing.T) (*fixture, *testserver.KeyPair, *Pool, *certDir) {
+	t.Helper()
+	f := newFixture(t, testserver.Options{})
+	dave, err := f.ca.IssueClient("dave")
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := newPool(t, WithPollInterval(0), WithDrainTimeout(time.Hour), WithMaxConnsPerHost(1))
+	return f, dave, p, newCertDir(t, secretVolume, f.alice, f.ca.CertPEM())
+}
+
 // TestRotationCapAcrossGenerations: WithMaxConnsPerHost(1) holds across
 // rotations. A watch runs on each material's connection, with an hour's
 // drain, and three rotations follow. When the new material first dials, the
@@ -520,13 +534,7 @@ func TestRotationClosesIdleAtOnce(t *testing.T) {
 // (TestRotationUnderLoadCapped: requests that are not watches are never
 // cut.)
 func TestRotationCapAcrossGenerations(t *testing.T) {
-	f := newFixture(t, testserver.Options{})
-	dave, err := f.ca.IssueClient("dave")
-	if err != nil {
-		t.Fatal(err)
-	}
-	p := newPool(t, WithPollInterval(0), WithDrainTimeout(time.Hour), WithMaxConnsPerHost(1))
-	d := newCertDir(t, secretVolume, f.alice, f.ca.CertPEM())
+	f, dave, p, d := cappedRotation(t)
 	_, cs := d.wrapped(t, p, f.srv.URL())
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
@@ -583,13 +591,7 @@ func TestRotationCapKeepsExec(t *testing.T) {
 			name = "pool"
 		}
 		t.Run(name, func(t *testing.T) {
-			f := newFixture(t, testserver.Options{})
-			dave, err := f.ca.IssueClient("dave")
-			if err != nil {
-				t.Fatal(err)
-			}
-			p := newPool(t, WithPollInterval(0), WithDrainTimeout(time.Hour), WithMaxConnsPerHost(1))
-			d := newCertDir(t, secretVolume, f.alice, f.ca.CertPEM())
+			f, dave, p, d := cappedRotation(t)
 			cfg := d.config(f.srv.URL())
 			if wrap {
 				if err := p.Wrap(cfg); err != nil {
