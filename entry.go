@@ -50,7 +50,6 @@ type entry struct {
 	// closed.
 	mu       sync.Mutex
 	draining map[*generation]*time.Timer
-	drains   atomic.Int32 // len(draining), read without mu
 }
 
 // acquire returns a lease on id's entry, building the entry on first use.
@@ -205,7 +204,6 @@ func (e *entry) close() {
 	}
 	draining := e.draining
 	e.draining = nil
-	e.drains.Store(0)
 	e.mu.Unlock()
 
 	if e.watch != nil {

@@ -168,11 +168,9 @@ func (e *entry) rotate(g *generation, drain time.Duration) bool {
 	e.draining[old] = time.AfterFunc(drain, func() {
 		e.mu.Lock()
 		delete(e.draining, old)
-		e.drains.Store(int32(len(e.draining)))
 		e.mu.Unlock()
 		old.close()
 	})
-	e.drains.Store(int32(len(e.draining)))
 	e.mu.Unlock()
 	old.retire()
 	return true
@@ -185,10 +183,10 @@ func (e *entry) rotate(g *generation, drain time.Duration) bool {
 // then and their informers resume them on g, as after client-go's own
 // certificate rotation, which closes every connection at once.
 func (e *entry) yieldCap(g *generation) {
-	if e.drains.Load() == 0 || e.current.Load() != g {
+	if e.current.Load() != g {
 		return
 	}
-	e.mu.Lock()
+	e.mu.Lock() // a request that may dial is rare: one per new connection
 	old := make([]*generation, 0, len(e.draining))
 	for d := range e.draining {
 		old = append(old, d)
