@@ -518,16 +518,22 @@ func (g *generation) roundTrip(l *lease, req *http.Request) (*http.Response, err
 		return resp, nil
 	}
 	hc := g.hostFor(req)
+	// Counted from before admission, so that a generation yielding the cap
+	// never closes its connections under a request it is admitting.
+	busy := g.maxConns > 0 && !longRunning(req)
+	if busy {
+		g.busy.Add(1)
+	}
 	a, err := hc.admit(req.Context())
+	if busy && (err != nil || !a.slot) { // a body with a slot ends it
+		g.doneBusy()
+		busy = false
+	}
 	if err != nil {
 		return nil, err
 	}
-	busy := a.slot && g.maxConns > 0 && !longRunning(req) // a body with a slot ends it
-	if busy {
-		if a.lead {
-			g.owner.yieldCap(g) // it may dial
-		}
-		g.busy.Add(1)
+	if g.maxConns > 0 && a.lead {
+		g.owner.yieldCap(g) // it may dial
 	}
 	sent := req
 	var lk *look
