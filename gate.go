@@ -30,6 +30,11 @@ const (
 	// requests waiting, before one of them goes to get another connection:
 	// about a TLS handshake on a busy host.
 	growWait = 10 * time.Millisecond
+
+	// maxPatience bounds how long a host's connections may stay full before
+	// one more is got, once leads kept finding room on the connections the
+	// host had (see learnLocked).
+	maxPatience = 16 * growWait
 )
 
 // What an identity knows about a host: the protocol its server spoke on the
@@ -130,7 +135,14 @@ type hostConns struct {
 	// fullSince is when requests began to wait for a stream on the
 	// host's HTTP/2 connections; zero when none waits.
 	fullSince time.Time
-	waiters   []chan struct{}
+	// patience is how long the connections stay full before a request goes
+	// to get another: growWait, doubled (up to maxPatience) each time such a
+	// request found room on one the host had instead, so that a load that
+	// hovers at the count does not have a connection dialed, and closed as
+	// surplus, every growWait.
+	patience time.Duration
+	waiters  []chan struct{}
+	woken    int // waiters woken that have not looked again yet
 	// failed changes when a request that went to get the host's only
 	// connection fails before it has one: the requests waiting for that
 	// connection then go at once, each on a connection of its own, as they
@@ -164,7 +176,7 @@ func (g *generation) hostFor(req *http.Request) *hostConns {
 	if !ok {
 		g.hostsMu.Lock()
 		if hc, ok = g.hosts[k]; !ok {
-			hc = &hostConns{g: g, proto: g.known.get(k), key: k, streams: firstStreams, holds: &holdSet{}}
+			hc = &hostConns{g: g, proto: g.known.get(k), key: k, streams: firstStreams, patience: growWait, holds: &holdSet{}}
 			g.hosts[k] = hc
 		}
 		g.hostsMu.Unlock()
@@ -182,16 +194,35 @@ func (hc *hostConns) protocol() int32 {
 
 // admit returns where req goes, waiting (bounded by its context) while it
 // must. It returns errRetired when the generation was closed meanwhile.
+//
+// Waiters go in turn: a request that comes while others wait, or are woken
+// and yet to look, goes behind them. A place that frees goes to the request
+// that waited longest, not to the next request of a client whose last one
+// just ended, which would leave the waiter to find the connections full
+// until growWait and have a connection dialed that the freed places made
+// surplus.
 func (hc *hostConns) admit(ctx context.Context) (admission, error) {
 	hc.mu.Lock()
 	failed := hc.failed
+	inTurn := len(hc.waiters) == 0 && hc.woken == 0
+	front := false // a woken waiter that finds no place keeps its turn
 	for {
-		if a, ok := hc.tryAdmitLocked(); ok {
-			hc.mu.Unlock()
-			return a, nil
+		if inTurn {
+			if a, ok := hc.tryAdmitLocked(); ok {
+				if front {
+					hc.wakeOneLocked() // the next may find a place too
+				}
+				hc.mu.Unlock()
+				return a, nil
+			}
 		}
+		inTurn = true
 		ready := make(chan struct{}, 1)
-		hc.waiters = append(hc.waiters, ready)
+		if front {
+			hc.waiters = slices.Insert(hc.waiters, 0, ready)
+		} else {
+			hc.waiters = append(hc.waiters, ready)
+		}
 		var grow *time.Timer
 		var growC <-chan time.Time
 		if d := hc.growDelayLocked(); d > 0 {
@@ -212,10 +243,15 @@ func (hc *hostConns) admit(ctx context.Context) (admission, error) {
 			grow.Stop()
 		}
 		hc.mu.Lock()
+		front = false
 		if i := slices.Index(hc.waiters, ready); i >= 0 {
 			hc.waiters = slices.Delete(hc.waiters, i, i+1)
-		} else if err != nil {
-			hc.wakeOneLocked() // it was woken: pass it on
+		} else {
+			hc.woken--
+			front = true
+			if err != nil {
+				hc.wakeOneLocked() // pass it on
+			}
 		}
 		if err != nil {
 			hc.mu.Unlock()
@@ -238,7 +274,7 @@ func (hc *hostConns) growDelayLocked() time.Duration {
 	if hc.fullSince.IsZero() || hc.leading {
 		return 0
 	}
-	return max(growWait-time.Since(hc.fullSince), time.Nanosecond)
+	return max(hc.patience-time.Since(hc.fullSince), time.Nanosecond)
 }
 
 // tryAdmitLocked admits a request when the host's protocol and connections
@@ -291,7 +327,7 @@ func (hc *hostConns) tryAdmitHTTP2Locked() (admission, bool) {
 		if hc.fullSince.IsZero() {
 			hc.fullSince = now
 		}
-		if now.Sub(hc.fullSince) < growWait {
+		if now.Sub(hc.fullSince) < hc.patience {
 			return admission{}, false
 		}
 	}
@@ -364,6 +400,7 @@ func (hc *hostConns) wakeOneLocked() {
 	if len(hc.waiters) > 0 {
 		hc.waiters[0] <- struct{}{}
 		hc.waiters = slices.Delete(hc.waiters, 0, 1)
+		hc.woken++
 	}
 }
 
@@ -371,6 +408,7 @@ func (hc *hostConns) wakeAllLocked() {
 	for _, w := range hc.waiters {
 		w <- struct{}{}
 	}
+	hc.woken += len(hc.waiters)
 	hc.waiters = hc.waiters[:0]
 }
 
@@ -410,6 +448,7 @@ func (hc *hostConns) learnLocked(c *countedConn, lead, idle bool) {
 	case countedNow:
 		hc.conns++
 		hc.roomAt = time.Time{}
+		hc.patience = growWait
 		hc.wakeAllLocked()
 	case countedBefore:
 		if !lead {
@@ -418,6 +457,8 @@ func (hc *hostConns) learnLocked(c *countedConn, lead, idle bool) {
 		if hc.awaiting > hc.conns*hc.streams {
 			hc.streams = (hc.awaiting + hc.conns - 1) / hc.conns
 			hc.roomAt = time.Now()
+		} else {
+			hc.patience = min(2*hc.patience, maxPatience)
 		}
 		if idle && hc.conns == 1 && hc.inflight > hc.awaiting {
 			hc.holds.forgiven = true

@@ -53,6 +53,48 @@ func TestColdStartBurst(t *testing.T) {
 	}
 }
 
+// TestLoadAtTheStreamCount: 101 clients that each send their next list as
+// soon as the last one ends, against a server allowing 100 streams per
+// connection: the load sits one request above a connection's streams, as
+// the seed's 100 workers and a watch do. Streams free up faster than a
+// connection comes up, so a connection dialed for the 101st request is
+// mostly closed as surplus on arrival; the pool stops getting them once
+// that happens and the load runs on 1-2 connections, within the bound of
+// ceil(101/100)+1. client-go alone, the control, opens many.
+func TestLoadAtTheStreamCount(t *testing.T) {
+	const clients, each = 101, 60
+	for _, tc := range []struct {
+		name string
+		cs   func(t testing.TB, cfg *rest.Config) kubernetes.Interface
+	}{
+		{"client-go alone", func(t testing.TB, cfg *rest.Config) kubernetes.Interface {
+			cfg.QPS = -1
+			cs, err := kubernetes.NewForConfig(cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return cs
+		}},
+		{"pool", func(t testing.TB, cfg *rest.Config) kubernetes.Interface { return wrappedClient(t, newPool(t), cfg) }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			f := newFixture(t, testserver.Options{Latency: 5 * time.Millisecond})
+			cs := tc.cs(t, f.srv.RestConfig(f.alice))
+			requireNoErrors(t, runClients(clients, each, func(int, int) error {
+				ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+				defer cancel()
+				_, err := cs.CoreV1().Nodes().List(ctx, metav1.ListOptions{})
+				return err
+			}))
+			st := f.srv.Stats()
+			t.Logf("%d clients x %d lists: the server accepted %d connections, peak open %d", clients, each, st.Accepted, st.PeakOpen)
+			if bound := uint64((clients+99)/100 + 1); tc.name == "pool" && st.Accepted > bound {
+				t.Errorf("%d clients x %d lists: %d connections accepted, want at most %d", clients, each, st.Accepted, bound)
+			}
+		})
+	}
+}
+
 // TestConnectionCap: a cap of 1 with 500 concurrent requests against a
 // server allowing 100 streams per connection: one connection, every request
 // succeeds, the ones beyond the stream limit queue.
