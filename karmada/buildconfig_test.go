@@ -33,9 +33,13 @@ func (m controllerMembers) cluster(name string) (*clusterv1alpha1.Cluster, error
 }
 
 func (m controllerMembers) secret(string, string) (*corev1.Secret, error) {
-	return &corev1.Secret{Data: map[string][]byte{
-		clusterv1alpha1.SecretTokenKey: []byte(token), clusterv1alpha1.SecretCADataKey: kube.ServingCA.CertPEM(),
-	}}, nil
+	return &corev1.Secret{Data: m.secretData()}, nil
+}
+
+// secretData is what every member's Secret holds: the impersonator token
+// and the kube-apiserver's CA.
+func (controllerMembers) secretData() map[string][]byte {
+	return map[string][]byte{clusterv1alpha1.SecretTokenKey: []byte(token), clusterv1alpha1.SecretCADataKey: kube.ServingCA.CertPEM()}
 }
 
 // newControllerMembers returns members named by their proxy credentials,

@@ -1,0 +1,230 @@
+package karmada
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+	fakeclient "sigs.k8s.io/controller-runtime/pkg/client/fake"
+
+	"github.com/karmada-io/karmada/pkg/util"
+	"github.com/karmada-io/karmada/pkg/util/gclient"
+
+	"github.com/sharedtransport/sharedtransport"
+	"github.com/sharedtransport/sharedtransport/internal/spdyecho"
+	"github.com/sharedtransport/sharedtransport/internal/testserver"
+)
+
+// The tests in this file run Karmada's own code as the build has it: as is
+// (go test), or from Karmada's source with karmada/patches applied
+// (karmada/hack/test-patched.sh, build tag karmada_patched). patched says
+// which; clusterTransports (patched only) sets the pool the patched
+// ConnectCluster takes its transports from.
+
+// TestOwnConnectClusterSeedLoad is the seed's load through Karmada's own
+// ConnectCluster, called per request as the cluster proxy calls it: a
+// tunnel per request as is; patched, at most 3 (2 with a cap of 2), none
+// refused or lost, every request seen as its own user, and a watch through
+// the patched proxy that outlives the load on the load's tunnels.
+func TestOwnConnectClusterSeedLoad(t *testing.T) {
+	caps := []int{0}
+	if patched {
+		caps = append(caps, 2)
+	}
+	var rows []row
+	for _, limit := range caps {
+		rows = append(rows, runOwnConnectCluster(t, limit))
+	}
+	t.Logf("\n| Karmada v1.12.0's ConnectCluster | tunnels | open after the load | full handshakes | resumed | refused | lost | req/s | test-process CPU per request |\n|---|---|---|---|---|---|---|---|---|")
+	for i, r := range rows {
+		name := "as is"
+		switch {
+		case patched && caps[i] > 0:
+			name = fmt.Sprintf("patched, WithMaxConnsPerHost(%d)", caps[i])
+		case patched:
+			name = "patched"
+		}
+		t.Logf("| %s | %d | %d | %d | %d | %d | %d | %.0f | %.2f ms |", name, r.tunnels, r.openAtEnd, r.handshakes, r.resumed, r.refused, r.lost+r.wrong, r.reqPerSec, r.cpuPerReq)
+	}
+}
+
+func runOwnConnectCluster(t *testing.T, limit int) row {
+	var pool *sharedtransport.Pool
+	if patched {
+		var opts []sharedtransport.Option
+		if limit > 0 {
+			opts = append(opts, sharedtransport.WithMaxConnsPerHost(limit))
+		}
+		pool = sharedtransport.New(opts...)
+		t.Cleanup(clusterTransports(pool))
+	}
+	proxy := newProxy(t)
+	cl, sec := member("member1", kube.URL, proxy, kube.ServingCA.CertPEM())
+	url := serveFront(t, &front{mode: connectCluster, secrets: sec, cluster: cl})
+	var w *watch
+	if patched {
+		w = startWatch(t, url)
+	}
+	res := load(t, url, seedClients, seedRequests)
+	st := proxy.Stats()
+	total := int64(seedClients * seedRequests)
+	r := row{mode: connectCluster, tunnels: st.Tunnels, refused: st.Rejected, openAtEnd: st.Open, ok: res.ok, lost: res.failed, wrong: res.wrongUser,
+		reqPerSec: float64(total) / res.elapsed.Seconds(), cpuPerReq: float64(res.cpu.Milliseconds()) / float64(total), handshakes: st.Tunnels}
+	if pool != nil {
+		ps := pool.Stats()
+		r.handshakes, r.resumed = ps.Handshakes, ps.Resumptions
+	}
+	if res.ok != total || st.Rejected != 0 {
+		t.Errorf("%d of %d requests right, %d failed, %d seen as another user, %d tunnels refused; first: %v",
+			res.ok, total, res.failed, res.wrongUser, st.Rejected, res.firstErr.Load())
+	}
+	switch {
+	case !patched && st.Tunnels != uint64(total):
+		t.Errorf("as is: %d tunnels for %d requests, want one per request", st.Tunnels, total)
+	case patched && limit > 0 && st.Tunnels > uint64(limit):
+		t.Errorf("patched, cap %d: %d tunnels for %d requests", limit, st.Tunnels, total)
+	case patched && st.Tunnels > 3:
+		t.Errorf("patched: %d tunnels for %d requests, want at most 3", st.Tunnels, total)
+	}
+	if w != nil {
+		w.wantEvent(t, fmt.Sprintf("own-after-the-load-%d-%d", limit, time.Now().UnixNano()))
+		if n := proxy.Stats().Tunnels; n > st.Tunnels {
+			t.Errorf("the watch's event came over a new tunnel (%d, %d after the load)", n, st.Tunnels)
+		}
+	}
+	return r
+}
+
+// TestOwnConnectClusterCABundleChange: a new caBundle in the cluster's
+// Secret takes effect on the next request through Karmada's ConnectCluster:
+// a bundle without the member's CA fails at once, one with it works at once.
+func TestOwnConnectClusterCABundleChange(t *testing.T) {
+	if patched {
+		pool := sharedtransport.New()
+		t.Cleanup(clusterTransports(pool))
+	}
+	proxy := newProxy(t)
+	cl, sec := member("member1", kube.URL, proxy, kube.ServingCA.CertPEM())
+	url := serveFront(t, &front{mode: connectCluster, secrets: sec, cluster: cl})
+	hc := httpClient()
+	for i := range 3 {
+		if _, err := whoAmI(context.Background(), hc, url, fmt.Sprintf("a%d", i)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	other, err := testserver.NewCA("other-ca")
+	if err != nil {
+		t.Fatal(err)
+	}
+	sec.setCABundle("member1", other.CertPEM())
+	if _, err := whoAmI(context.Background(), hc, url, "b"); err == nil || !strings.Contains(err.Error(), "unknown authority") {
+		t.Errorf("with a caBundle without the member's CA: %v, want unknown authority", err)
+	}
+	sec.setCABundle("member1", append(other.CertPEM(), kube.ServingCA.CertPEM()...))
+	if got, err := whoAmI(context.Background(), hc, url, "c"); err != nil || got != "c" {
+		t.Errorf("with both CAs: %q, %v", got, err)
+	}
+	want := uint64(5) // as is: a tunnel per request
+	if patched {
+		want = 3 // one per bundle
+	}
+	if n := proxy.Stats().Tunnels; n != want {
+		t.Errorf("%d tunnels for 5 requests over three bundles, want %d", n, want)
+	}
+}
+
+// TestOwnConnectClusterExec: an exec (SPDY) through the handler Karmada's
+// ConnectCluster returns: the upgrade goes through Karmada's own
+// UpgradeDialer, through the proxy with the cluster's header, and the
+// plain requests beside it share one tunnel when patched. The member is a
+// SPDY echo (the e2e kube-apiserver has no kubelet to exec in).
+func TestOwnConnectClusterExec(t *testing.T) {
+	if patched {
+		pool := sharedtransport.New()
+		t.Cleanup(clusterTransports(pool))
+	}
+	echo, err := spdyecho.Start(map[string]string{token: "karmada-impersonator"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer echo.Close()
+	proxy := newProxy(t)
+	cl, sec := member("echo", echo.URL, proxy, echo.CA.CertPEM())
+	url := serveFront(t, &front{mode: connectCluster, secrets: sec, cluster: cl})
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	const execs = 3
+	for i := range execs {
+		payload := fmt.Sprintf("ping %d", i)
+		got, err := spdyecho.Exec(ctx, url+"/api/v1/namespaces/default/pods/p/exec", "", payload)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if want := "hello karmada-impersonator\n" + payload; got != want {
+			t.Errorf("exec said %q, want %q", got, want)
+		}
+	}
+	if st := proxy.Stats(); st.Tunnels != execs || st.Rejected != 0 {
+		t.Errorf("proxy %+v, want a tunnel per exec and none refused", st)
+	}
+}
+
+// TestOwnClusterClientSets: the client sets Karmada's controllers build per
+// reconcile (util.NewClusterClientSet, util.NewClusterDynamicClientSet) for
+// two members behind one proxy, each with its own ProxyHeader: a tunnel per
+// client set as is; patched, one per member, each with its member's header.
+func TestOwnClusterClientSets(t *testing.T) {
+	const reconciles = 25
+	creds := []string{"Basic b3duLWE=", "Basic b3duLWI="}
+	m, proxy := newControllerMembers(t, creds...)
+	var objs []client.Object
+	for _, c := range m {
+		objs = append(objs, c)
+	}
+	for _, c := range creds {
+		objs = append(objs, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Namespace: secretNamespace, Name: c}, Data: m.secretData()})
+	}
+	host := fakeclient.NewClientBuilder().WithScheme(gclient.NewSchema()).WithObjects(objs...).Build()
+	ctx := context.Background()
+	for i := range reconciles {
+		for _, c := range creds {
+			cs, err := util.NewClusterClientSet(c, host, nil)
+			if err != nil {
+				t.Fatalf("reconcile %d of %s: %v", i, c, err)
+			}
+			if _, err := cs.KubeClient.CoreV1().ConfigMaps("default").List(ctx, metav1.ListOptions{Limit: 1}); err != nil {
+				t.Fatalf("reconcile %d of %s: %v", i, c, err)
+			}
+			dyn, err := util.NewClusterDynamicClientSet(c, host)
+			if err != nil {
+				t.Fatalf("reconcile %d of %s: %v", i, c, err)
+			}
+			if _, err := dyn.DynamicClientSet.Resource(corev1.SchemeGroupVersion.WithResource("configmaps")).Namespace("default").List(ctx, metav1.ListOptions{Limit: 1}); err != nil {
+				t.Fatalf("reconcile %d of %s (dynamic): %v", i, c, err)
+			}
+		}
+	}
+	st := proxy.Stats()
+	want := uint64(2 * reconciles * len(creds))
+	if patched {
+		want = uint64(len(creds))
+	}
+	if st.Tunnels != want || st.Rejected != 0 {
+		t.Errorf("%d reconciles of each of %d members, 2 client sets each: %d tunnels, %d refused; want %d and 0", reconciles, len(creds), st.Tunnels, st.Rejected, want)
+	}
+	seen := map[string]int{}
+	for _, tn := range proxy.Tunnels() {
+		seen[tn.Header.Get("Proxy-Authorization")]++
+	}
+	for _, c := range creds {
+		if seen[c] != int(want)/len(creds) {
+			t.Errorf("tunnels by header %v, want %d for each member", seen, int(want)/len(creds))
+		}
+	}
+	t.Logf("NewClusterClientSet + NewClusterDynamicClientSet, %d reconciles of each of %d members: %d tunnels, %d refused (407)", reconciles, len(creds), st.Tunnels, st.Rejected)
+}
