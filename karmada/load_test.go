@@ -196,9 +196,9 @@ type row struct {
 
 // TestSeedLoad is the seed's load through Karmada's front, as is, with
 // keep-alive on, and on the pool, counted at the proxy: one tunnel per
-// request as is, at most 2 on the pool, nothing refused or lost, every
-// request seen as its own user, and a watch through the pool's front that
-// outlives the load.
+// request as is, at most 3 on the pool (2 under a cap of 2), nothing
+// refused or lost, every request seen as its own user, and a watch through
+// the pool's front that outlives the load.
 func TestSeedLoad(t *testing.T) {
 	var rows []row
 	for _, m := range seedModes {
@@ -250,11 +250,11 @@ func runSeedMode(t *testing.T, m mode) row {
 	switch {
 	case m == pooledCapped && st.Tunnels > 2:
 		t.Errorf("%s: %d tunnels for %d requests, want at most 2", m, st.Tunnels, total)
-	case m == pooled && st.Tunnels > 5:
-		// Without a cap the pool opens what the burst's concurrency needs
-		// (101 streams here, watch included), and Go's HTTP/2 may dial one
-		// more while a connection's SETTINGS are on their way.
-		t.Errorf("%s: %d tunnels for %d requests, want a few", m, st.Tunnels, total)
+	case m == pooled && st.Tunnels > 3:
+		// Without a cap the pool opens what the load's concurrency needs:
+		// 101 streams here, watch included, over connections of 100, and
+		// ceil(101/100)+1 allows for one that Go dials while a stream frees.
+		t.Errorf("%s: %d tunnels for %d requests, want at most 3", m, st.Tunnels, total)
 	case m == asIs && st.Tunnels != uint64(total):
 		t.Errorf("%s: %d tunnels for %d requests, want one per request", m, st.Tunnels, total)
 	}
