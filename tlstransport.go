@@ -27,7 +27,11 @@ type TLSTransportConfig struct {
 	// TLS is the TLS configuration of the connections. RootCAs,
 	// InsecureSkipVerify, ServerName, NextProtos, MinVersion and MaxVersion
 	// may be set; any other field is refused, since the pool could not tell
-	// two values of it apart. The pool keeps a copy.
+	// two values of it apart. The pool keeps a copy. RootCAs with
+	// InsecureSkipVerify is taken as Go takes it, unverified (Karmada's
+	// configuration of a cluster with insecureSkipTLSVerification and a
+	// Secret); both are part of the identity, so it never shares a
+	// connection with a verifying configuration.
 	TLS *tls.Config
 	// Proxy, when set, is the proxy every request goes through (as
 	// http.ProxyURL(Proxy)); nil uses the environment's proxy as
@@ -77,9 +81,6 @@ func tlsIdentity(c TLSTransportConfig) (*identity, error) {
 	}
 	if f := tlsFieldBeyond(c.TLS, tlsFieldsKept); f != "" {
 		return nil, fmt.Errorf("sharedtransport: TLSTransport cannot compare tls.Config.%s: leave it unset, or keep a transport of your own for this server", f)
-	}
-	if c.TLS.RootCAs != nil && c.TLS.InsecureSkipVerify {
-		return nil, errors.New("sharedtransport: TLSTransport: a TLS configuration cannot set both RootCAs and InsecureSkipVerify: remove one of them")
 	}
 	tlsConfig := c.TLS.Clone()
 	tlsConfig.NextProtos = slices.Clone(c.TLS.NextProtos) // Clone shares the slice

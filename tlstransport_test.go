@@ -150,7 +150,7 @@ func TestTLSTransport(t *testing.T) {
 // copied at the call and kept apart by value. Configurations that differ
 // only in their TLS versions are two identities; a caller that reuses its
 // NextProtos slice or adds to its pool after the call changes nothing the
-// pool sends; a pool and InsecureSkipVerify together are refused.
+// pool sends.
 func TestTLSTransportKeepsItsCopy(t *testing.T) {
 	r := newTLSRig(t, testserver.Options{})
 	p := newPool(t)
@@ -196,10 +196,46 @@ func TestTLSTransportKeepsItsCopy(t *testing.T) {
 		t.Errorf("after the first caller changed its slice and pool: %s over %d identities, want HTTP/2 over 3", resp.Proto, p.Stats().Identities)
 	}
 
-	bad := r.settings(r.caPEM, "Basic a")
-	bad.TLS.InsecureSkipVerify = true
-	if _, err := p.TLSTransport(bad); err == nil || !strings.Contains(err.Error(), "InsecureSkipVerify") {
-		t.Errorf("RootCAs and InsecureSkipVerify together: %v, want an error naming both", err)
+}
+
+// TestTLSTransportInsecureWithRoots: RootCAs of a CA that did not sign the
+// server, with InsecureSkipVerify, as Karmada's GetTLSConfigForCluster
+// builds for a cluster with insecureSkipTLSVerification and a Secret: Go
+// does not verify, so a plain transport of that configuration (the control)
+// reaches the server, and so does the pool's. It is an identity of its own:
+// a verifying configuration of the same roots fails on its own connection
+// and never rides the unverified one.
+func TestTLSTransportInsecureWithRoots(t *testing.T) {
+	r := newTLSRig(t, testserver.Options{})
+	other, err := testserver.NewCA("not-the-servers-ca")
+	if err != nil {
+		t.Fatal(err)
+	}
+	insecure := r.settings(other.CertPEM(), "Basic a")
+	insecure.TLS.InsecureSkipVerify = true
+	control := &http.Transport{TLSClientConfig: insecure.TLS.Clone(), Proxy: http.ProxyURL(insecure.Proxy), ProxyConnectHeader: insecure.ProxyConnectHeader}
+	defer control.CloseIdleConnections()
+	p := newPool(t)
+	for name, rt := range map[string]func() (http.RoundTripper, error){
+		"control: a transport of its own": func() (http.RoundTripper, error) { return control, nil },
+		"pool":                            func() (http.RoundTripper, error) { return p.TLSTransport(insecure) },
+	} {
+		rt, err := rt()
+		if err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		resp, err := (&http.Client{Transport: rt}).Get(r.srv.URL() + "/api")
+		if err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+	}
+	if err := r.get(p, r.settings(other.CertPEM(), "Basic a")); err == nil || !strings.Contains(err.Error(), "unknown authority") {
+		t.Errorf("the same roots, verified, after the insecure identity's request: %v, want unknown authority", err)
+	}
+	if n := p.Stats().Identities; n != 2 {
+		t.Errorf("%d identities, want 2: the insecure one and the verifying one", n)
 	}
 }
 

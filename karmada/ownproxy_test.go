@@ -12,10 +12,12 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	fakeclient "sigs.k8s.io/controller-runtime/pkg/client/fake"
 
+	clusterapis "github.com/karmada-io/karmada/pkg/apis/cluster"
 	"github.com/karmada-io/karmada/pkg/util"
 	"github.com/karmada-io/karmada/pkg/util/gclient"
 
 	"github.com/sharedtransport/sharedtransport"
+	"github.com/sharedtransport/sharedtransport/internal/connectproxy"
 	"github.com/sharedtransport/sharedtransport/internal/spdyecho"
 	"github.com/sharedtransport/sharedtransport/internal/testserver"
 )
@@ -135,6 +137,68 @@ func TestOwnConnectClusterCABundleChange(t *testing.T) {
 	}
 	if n := proxy.Stats().Tunnels; n != want {
 		t.Errorf("%d tunnels for 5 requests over three bundles, want %d", n, want)
+	}
+}
+
+// TestOwnConnectClusterSettingsChange: the cluster's other settings change
+// between requests, each taken on the next request through Karmada's
+// ConnectCluster, as is and patched: a new ProxyHeader goes on the next
+// tunnel (the old tunnel, opened with the old header, is not reused), and
+// InsecureSkipTLSVerification turned on and off again is honoured at once
+// with a caBundle that does not hold the member's CA.
+func TestOwnConnectClusterSettingsChange(t *testing.T) {
+	if patched {
+		pool := sharedtransport.New()
+		t.Cleanup(clusterTransports(pool))
+	}
+	rotated := "Basic " + "bWVtYmVyMTpyb3RhdGVk" // member1:rotated
+	proxy, err := connectproxy.Start(connectproxy.Options{RequireHeader: "Proxy-Authorization", RequireValues: []string{proxyToken, rotated}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { proxy.Close() })
+	cl, sec := member("member1", kube.URL, proxy, kube.ServingCA.CertPEM())
+	f := &front{mode: connectCluster, secrets: sec, cluster: cl}
+	url := serveFront(t, f)
+	hc := httpClient()
+	ask := func(user string) error {
+		got, err := whoAmI(context.Background(), hc, url, user)
+		if err == nil && got != user {
+			err = fmt.Errorf("the member saw %q", got)
+		}
+		return err
+	}
+	change := func(edit func(*clusterapis.Cluster)) {
+		f.mu.Lock()
+		edit(f.cluster)
+		f.mu.Unlock()
+	}
+	if err := ask("before"); err != nil {
+		t.Fatal(err)
+	}
+	change(func(c *clusterapis.Cluster) { c.Spec.ProxyHeader = map[string]string{"Proxy-Authorization": rotated} })
+	if err := ask("new header"); err != nil {
+		t.Fatal(err)
+	}
+	tunnels := proxy.Tunnels()
+	if last := tunnels[len(tunnels)-1].Header.Get("Proxy-Authorization"); last != rotated {
+		t.Errorf("the request after the ProxyHeader change went over a tunnel opened with %q", last)
+	}
+	other, err := testserver.NewCA("other-ca")
+	if err != nil {
+		t.Fatal(err)
+	}
+	sec.setCABundle("member1", other.CertPEM())
+	change(func(c *clusterapis.Cluster) { c.Spec.InsecureSkipTLSVerification = true })
+	if err := ask("insecure"); err != nil {
+		t.Errorf("InsecureSkipTLSVerification with a caBundle without the member's CA: %v", err)
+	}
+	change(func(c *clusterapis.Cluster) { c.Spec.InsecureSkipTLSVerification = false })
+	if err := ask("verified again"); err == nil || !strings.Contains(err.Error(), "unknown authority") {
+		t.Errorf("InsecureSkipTLSVerification off again, a caBundle without the member's CA: %v, want unknown authority", err)
+	}
+	if st := proxy.Stats(); st.Rejected != 0 {
+		t.Errorf("%d tunnels refused (407)", st.Rejected)
 	}
 }
 
