@@ -13,6 +13,7 @@ import (
 	fakeclient "sigs.k8s.io/controller-runtime/pkg/client/fake"
 
 	clusterapis "github.com/karmada-io/karmada/pkg/apis/cluster"
+	clusterv1alpha1 "github.com/karmada-io/karmada/pkg/apis/cluster/v1alpha1"
 	"github.com/karmada-io/karmada/pkg/util"
 	"github.com/karmada-io/karmada/pkg/util/gclient"
 
@@ -253,8 +254,24 @@ func TestOwnClusterClientSets(t *testing.T) {
 	for _, c := range creds {
 		objs = append(objs, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Namespace: secretNamespace, Name: c}, Data: m.secretData()})
 	}
+	// A member reached directly: a ProxyHeader without a ProxyURL goes
+	// nowhere, as BuildClusterConfig has it.
+	direct := &clusterv1alpha1.Cluster{ObjectMeta: metav1.ObjectMeta{Name: "direct"}, Spec: clusterv1alpha1.ClusterSpec{
+		APIEndpoint: kube.URL, SecretRef: &clusterv1alpha1.LocalSecretReference{Namespace: secretNamespace, Name: "direct"},
+		ProxyHeader: map[string]string{"Proxy-Authorization": "Basic ZGlyZWN0"},
+	}}
+	objs = append(objs, direct, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Namespace: secretNamespace, Name: "direct"}, Data: m.secretData()})
 	host := fakeclient.NewClientBuilder().WithScheme(gclient.NewSchema()).WithObjects(objs...).Build()
 	ctx := context.Background()
+	for i := range 3 {
+		cs, err := util.NewClusterClientSet("direct", host, nil)
+		if err == nil {
+			_, err = cs.KubeClient.CoreV1().ConfigMaps("default").List(ctx, metav1.ListOptions{Limit: 1})
+		}
+		if err != nil {
+			t.Fatalf("reconcile %d of the member reached directly: %v", i, err)
+		}
+	}
 	for i := range reconciles {
 		for _, c := range creds {
 			cs, err := util.NewClusterClientSet(c, host, nil)
