@@ -1,13 +1,11 @@
 package sharedtransport
 
 import (
-	"bytes"
 	"context"
 	"crypto/rand"
 	"encoding/base64"
 	"encoding/hex"
 	"encoding/pem"
-	"flag"
 	"fmt"
 	"net/http"
 	"net/url"
@@ -16,7 +14,6 @@ import (
 	"runtime"
 	"strconv"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -25,54 +22,14 @@ import (
 	"k8s.io/client-go/rest"
 	"k8s.io/klog/v2"
 
+	"github.com/sharedtransport/sharedtransport/internal/klogcapture"
 	"github.com/sharedtransport/sharedtransport/internal/memberproxy"
 	"github.com/sharedtransport/sharedtransport/internal/testserver"
 )
 
-// syncBuffer is a bytes.Buffer safe for klog's concurrent writes.
-type syncBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *syncBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *syncBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.String()
-}
-
 // captureKlog sends klog's output, at verbosity v, to the returned buffer
 // until the test ends.
-func captureKlog(t *testing.T, v int) *syncBuffer {
-	t.Helper()
-	fs := flag.NewFlagSet("klog", flag.ContinueOnError)
-	klog.InitFlags(fs)
-	set := func(name, value string) {
-		if err := fs.Set(name, value); err != nil {
-			t.Fatal(err)
-		}
-	}
-	buf := &syncBuffer{}
-	set("v", fmt.Sprint(v))
-	set("logtostderr", "false")
-	set("alsologtostderr", "false")
-	set("stderrthreshold", "FATAL")
-	klog.SetOutput(buf)
-	t.Cleanup(func() {
-		klog.Flush()
-		set("v", "0")
-		set("logtostderr", "true")
-		set("stderrthreshold", "ERROR")
-		klog.SetOutput(os.Stderr)
-	})
-	return buf
-}
+func captureKlog(t *testing.T, v int) *klogcapture.Buffer { return klogcapture.Start(t, v) }
 
 // secretForms returns the ways a PEM private key could show up in text: the
 // PEM, each line of its base64 body, the whole body (base64 of the DER), the

@@ -19,6 +19,7 @@ import (
 
 	"github.com/sharedtransport/sharedtransport"
 	"github.com/sharedtransport/sharedtransport/internal/connectproxy"
+	"github.com/sharedtransport/sharedtransport/internal/klogcapture"
 	"github.com/sharedtransport/sharedtransport/internal/spdyecho"
 	"github.com/sharedtransport/sharedtransport/internal/testserver"
 )
@@ -308,4 +309,55 @@ func TestOwnClusterClientSets(t *testing.T) {
 		}
 	}
 	t.Logf("NewClusterClientSet + NewClusterDynamicClientSet, %d reconciles of each of %d members: %d tunnels, %d refused (407)", reconciles, len(creds), st.Tunnels, st.Rejected)
+}
+
+// TestOwnConnectClusterLogsNoSecrets: with klog at -v=10, requests through
+// Karmada's own ConnectCluster, as is and patched, one of them refused by
+// the proxy for an old ProxyHeader and one failing on a caBundle without the
+// member's CA, log neither the impersonator token nor the proxy credentials,
+// and the errors the failed requests are answered with hold neither.
+func TestOwnConnectClusterLogsNoSecrets(t *testing.T) {
+	logs := klogcapture.Start(t, 10)
+	if patched {
+		pool := sharedtransport.New()
+		t.Cleanup(clusterTransports(pool))
+	}
+	proxy := newProxy(t)
+	cl, sec := member("member1", kube.URL, proxy, kube.ServingCA.CertPEM())
+	f := &front{mode: connectCluster, secrets: sec, cluster: cl}
+	url := serveFront(t, f)
+	hc := httpClient()
+	for i := range 3 {
+		if _, err := whoAmI(context.Background(), hc, url, fmt.Sprintf("u%d", i)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	stale := "Basic " + "c3RhbGUtcHJveHktc2VjcmV0" // stale-proxy-secret
+	f.mu.Lock()
+	f.cluster.Spec.ProxyHeader = map[string]string{"Proxy-Authorization": stale}
+	f.mu.Unlock()
+	var answers []string // what the failed requests were answered: errors reach the caller
+	if _, err := whoAmI(context.Background(), hc, url, "refused"); err == nil {
+		t.Error("a request with a ProxyHeader the proxy refuses succeeded")
+	} else {
+		answers = append(answers, err.Error())
+	}
+	other, err := testserver.NewCA("other-ca")
+	if err != nil {
+		t.Fatal(err)
+	}
+	sec.setCABundle("member1", other.CertPEM())
+	if _, err := whoAmI(context.Background(), hc, url, "unverified"); err == nil {
+		t.Error("a request with a caBundle without the member's CA succeeded")
+	} else {
+		answers = append(answers, err.Error())
+	}
+	out := logs.String() + strings.Join(answers, "\n")
+	for name, secret := range map[string]string{"impersonator token": token, "proxy credentials": proxyToken, "refused proxy credentials": stale,
+		"proxy password": "proxy-secret", "refused proxy password": "stale-proxy-secret"} {
+		if strings.Contains(out, secret) {
+			t.Errorf("the %s appear in the log or in an error", name)
+		}
+	}
+	t.Logf("%d bytes of log at -v=10", len(out))
 }
