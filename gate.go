@@ -262,6 +262,9 @@ func (hc *hostConns) admit(ctx context.Context) (admission, error) {
 			// one at a time. Not looked at: an HTTP/1.1 connection offered
 			// nothing else.
 			hc.holdLocked()
+			if front {
+				hc.wakeOneLocked() // one that came since may go too
+			}
 			hc.mu.Unlock()
 			return admission{rt: hc.g.http1, slot: true}, nil
 		}
