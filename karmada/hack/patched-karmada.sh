@@ -14,8 +14,10 @@ root="$(cd "$here/.." && pwd)"
 dir="${1:-$here/.patched}"
 version=v1.12.0
 
-# The packages the patches change, whose own tests run before and after.
-tested=(./pkg/util/proxy/ ./pkg/util/)
+# The packages the patches change, and the cluster proxy's two callers (the
+# aggregated apiserver's cluster storage, karmada-search's cluster plugin),
+# whose own tests run before and after.
+tested=(./pkg/util/proxy/ ./pkg/util/ ./pkg/registry/cluster/storage/ ./pkg/search/proxy/framework/plugins/cluster/)
 # What uses them: the aggregated apiserver (the cluster proxy), karmada-search
 # (its cluster plugin), the controller manager and the metrics adapter (the
 # cluster client sets).
