@@ -60,7 +60,7 @@ func TestColdStartBurst(t *testing.T) {
 // connection comes up, so a connection dialed for the 101st request is
 // mostly closed as surplus on arrival; the pool stops getting them once
 // that happens and the load runs on 1-2 connections, within the bound of
-// ceil(101/100)+1. client-go alone, the control, opens many.
+// ceil(101/100)+1 open at once. client-go alone, the control, opens many.
 func TestLoadAtTheStreamCount(t *testing.T) {
 	const clients, each = 101, 60
 	for _, tc := range []struct {
@@ -88,8 +88,11 @@ func TestLoadAtTheStreamCount(t *testing.T) {
 			}))
 			st := f.srv.Stats()
 			t.Logf("%d clients x %d lists: the server accepted %d connections, peak open %d", clients, each, st.Accepted, st.PeakOpen)
-			if bound := uint64((clients+99)/100 + 1); tc.name == "pool" && st.Accepted > bound {
-				t.Errorf("%d clients x %d lists: %d connections accepted, want at most %d", clients, each, st.Accepted, bound)
+			// What the server holds at once: a connection Go dials while a
+			// stream frees is still closed as surplus on arrival now and then
+			// (4 accepted, 2 open, once in CI under -race).
+			if bound := (clients+99)/100 + 1; tc.name == "pool" && st.PeakOpen > bound {
+				t.Errorf("%d clients x %d lists: %d connections open at once, want at most %d", clients, each, st.PeakOpen, bound)
 			}
 		})
 	}
