@@ -12,6 +12,7 @@ import (
 	"net/http"
 	"net/http/httptrace"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -34,7 +35,7 @@ const (
 	// maxPatience bounds how long a host's connections may stay full before
 	// one more is got, once leads kept finding room on the connections the
 	// host had (see learnLocked).
-	maxPatience = 16 * growWait
+	maxPatience = 4 * growWait
 )
 
 // What an identity knows about a host: the protocol its server spoke on the
@@ -610,8 +611,9 @@ func (g *generation) roundTrip(l *lease, req *http.Request) (*http.Response, err
 // longRunning reports whether req asks the API server for a stream that
 // runs until one side ends it: a watch, a followed log.
 func longRunning(req *http.Request) bool {
-	if req.URL.RawQuery == "" {
-		return false
+	raw := req.URL.RawQuery
+	if !strings.Contains(raw, "watch") && !strings.Contains(raw, "follow") {
+		return false // most requests: no query to parse
 	}
 	q := req.URL.Query()
 	for _, k := range []string{"watch", "follow"} {

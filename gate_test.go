@@ -931,3 +931,20 @@ func TestConnectionCapAfterClose(t *testing.T) {
 		t.Errorf("3 requests, the server closing the connection after each: %d connections accepted, want 3", st.Accepted)
 	}
 }
+
+// TestLongRunning: the requests a capped generation does not count as busy
+// are watches and followed logs, told from the query alone.
+func TestLongRunning(t *testing.T) {
+	for query, want := range map[string]bool{
+		"": false, "watch=true": true, "watch=1": true, "limit=500&watch=true": true, "follow=true": true,
+		"watch=false": false, "labelSelector=watcher%3Dtrue": false, "limit=500": false, "allowWatchBookmarks=true": false,
+	} {
+		req, err := http.NewRequest(http.MethodGet, "https://h/api/v1/pods?"+query, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := longRunning(req); got != want {
+			t.Errorf("%q: longRunning %v, want %v", query, got, want)
+		}
+	}
+}
