@@ -14,8 +14,6 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
-	"k8s.io/apimachinery/pkg/util/httpstream"
-	proxyutil "k8s.io/apimachinery/pkg/util/proxy"
 	"k8s.io/apiserver/pkg/authentication/user"
 	"k8s.io/apiserver/pkg/endpoints/request"
 
@@ -46,15 +44,10 @@ const (
 	pooled
 	// pooledCapped: pooled, the pool with WithMaxConnsPerHost(2).
 	pooledCapped
-	// pooledConnect: ConnectCluster's handler with the changed
-	// createProxyTransport: Karmada's NewUpgradeAwareHandler over the pool's
-	// transport, upgrades through Karmada's own UpgradeDialer.
-	pooledConnect
 )
 
 var modeNames = map[mode]string{connectCluster: "ConnectCluster as is", asIs: "Karmada as is (keep-alive off)",
-	keepAliveOn: "Karmada, keep-alive on", pooled: "Karmada + TLSTransport", pooledCapped: "Karmada + TLSTransport, WithMaxConnsPerHost(2)",
-	pooledConnect: "ConnectCluster's handler + TLSTransport"}
+	keepAliveOn: "Karmada, keep-alive on", pooled: "Karmada + TLSTransport", pooledCapped: "Karmada + TLSTransport, WithMaxConnsPerHost(2)"}
 
 func (m mode) String() string { return modeNames[m] }
 
@@ -115,7 +108,7 @@ func (f *front) handler(r *http.Request, cl *clusterapis.Cluster, resp *responde
 	switch f.mode {
 	case keepAliveOn:
 		rt.(*http.Transport).DisableKeepAlives = false
-	case pooled, pooledCapped, pooledConnect:
+	case pooled, pooledCapped:
 		if rt, err = f.createProxyTransport(cl, tlsConfig); err != nil {
 			return nil, err
 		}
@@ -133,16 +126,7 @@ func (f *front) handler(r *http.Request, cl *clusterapis.Cluster, resp *responde
 	r.Header.Set("Authorization", "bearer "+impersonateToken)
 	location.Path = path.Join(location.Path, r.URL.Path)
 	location.RawQuery = r.URL.RawQuery
-	if f.mode != pooledConnect {
-		return proxy.NewThrottledUpgradeAwareProxyHandler(location, rt, true, false, resp), nil
-	}
-	h := proxy.NewUpgradeAwareHandler(location, rt, false, httpstream.IsUpgradeRequest(r), proxyutil.NewErrorResponder(resp))
-	h.UpgradeDialer = proxy.NewUpgradeDialerWithConfig(proxy.UpgradeDialerWithConfig{
-		TLS:     tlsConfig.Clone(),
-		Proxier: http.ProxyURL(mustParse(cl.Spec.ProxyURL)),
-		Header:  proxy.ParseProxyHeaders(cl.Spec.ProxyHeader),
-	})
-	return h, nil
+	return proxy.NewThrottledUpgradeAwareProxyHandler(location, rt, true, false, resp), nil
 }
 
 // createProxyTransport is Karmada's createProxyTransport with the change
@@ -159,14 +143,6 @@ func (f *front) createProxyTransport(cl *clusterapis.Cluster, tlsConfig *tls.Con
 		trans.ProxyConnectHeader = proxy.ParseProxyHeaders(cl.Spec.ProxyHeader)
 	}
 	return f.pool.TLSTransport(trans)
-}
-
-func mustParse(s string) *url.URL {
-	u, err := url.Parse(s)
-	if err != nil {
-		panic(err)
-	}
-	return u
 }
 
 // responder writes what Karmada's handlers report as a Status, as the
