@@ -15,6 +15,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+	"weak"
 
 	utilnet "k8s.io/apimachinery/pkg/util/net"
 )
@@ -41,6 +42,14 @@ type entry struct {
 	// protocol each speaks), kept across rotations: every generation of the
 	// entry shares it (gate.go).
 	hosts hostTable
+
+	// clientGo is what hooks of the identity's configs found client-go's
+	// cache to hold for them (hook.agrees), while clientGoFor was current:
+	// a client handed one of these has a config that agrees with one of
+	// them on every field of client-go's key. Guarded by clientGoMu.
+	clientGoMu  sync.Mutex
+	clientGo    []http.RoundTripper
+	clientGoFor weak.Pointer[generation]
 
 	stats      identityCounters              // the identity's share of the pool's counters
 	lastReload atomic.Pointer[reloadFailure] // the last reload rejected; nil: none

@@ -140,7 +140,7 @@ func (p *Pool) wrap(cfg *rest.Config, g given) error {
 	}
 	// The generation first, then client-go's transport: a rotation between
 	// the two makes the hook ask client-go again at the first client.
-	h, err := p.newHook(s, l.e.current.Load())
+	h, err := p.newHook(s, l.e, l.e.current.Load())
 	if err != nil {
 		return err
 	}

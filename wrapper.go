@@ -9,6 +9,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"weak"
@@ -51,13 +52,22 @@ type hook struct {
 
 // newHook prepares the hook for a config whose identity and transport config
 // are s.id and s.tc, and asks client-go for its transport as g, the
-// identity's generation now, holds.
-func (p *Pool) newHook(s sharing, g *generation) (*hook, error) {
+// identity's generation now, holds, unless a config of the identity asked
+// while g was current: a config per request would have client-go read the
+// files once more for every config.
+func (p *Pool) newHook(s sharing, e *entry, g *generation) (*hook, error) {
+	h := &hook{pool: p, id: s.id, base: s.tc}
+	wg := weak.Make(g)
+	if e.clientGoKnown(wg) {
+		return h, nil
+	}
 	rt, err := clientGoTransport(s.tc)
 	if err != nil {
 		return nil, fmt.Errorf("sharedtransport: %w", err)
 	}
-	return &hook{pool: p, id: s.id, base: s.tc, cached: rt, cachedFor: weak.Make(g)}, nil
+	h.cached, h.cachedFor = rt, wg
+	e.rememberClientGo(wg, rt)
+	return h, nil
 }
 
 // clientGoTransport returns the transport client-go builds (or takes from
@@ -120,23 +130,60 @@ func (h *hook) agrees(rt http.RoundTripper, e *entry) bool {
 		return false
 	}
 	g := weak.Make(e.current.Load())
+	if e.clientGoHolds(g, rt) {
+		return true
+	}
 	h.mu.Lock()
 	cached, current := h.cached, h.cachedFor == g
 	h.mu.Unlock()
-	if current {
-		return rt == cached
-	}
-	// Asked without the lock: client-go reads the files.
-	now, err := clientGoTransport(h.base)
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	if h.cachedFor != g {
-		h.cachedFor, h.cached = g, now
-		if err != nil {
-			h.cached = nil
+	if !current {
+		// Asked without the lock: client-go reads the files.
+		now, err := clientGoTransport(h.base)
+		h.mu.Lock()
+		if h.cachedFor != g {
+			h.cachedFor, h.cached = g, now
+			if err != nil {
+				h.cached = nil
+			}
 		}
+		cached = h.cached
+		h.mu.Unlock()
 	}
-	return rt == h.cached
+	if cached == nil || rt != cached {
+		return false
+	}
+	e.rememberClientGo(g, rt)
+	return true
+}
+
+// clientGoHolds reports whether rt is a transport that a hook of e's configs
+// found client-go's cache to hold for its config while g was current.
+func (e *entry) clientGoHolds(g weak.Pointer[generation], rt http.RoundTripper) bool {
+	e.clientGoMu.Lock()
+	defer e.clientGoMu.Unlock()
+	return e.clientGoFor == g && slices.Contains(e.clientGo, rt)
+}
+
+// clientGoKnown reports whether a hook of e's configs asked client-go while g
+// was current.
+func (e *entry) clientGoKnown(g weak.Pointer[generation]) bool {
+	e.clientGoMu.Lock()
+	defer e.clientGoMu.Unlock()
+	return e.clientGoFor == g && len(e.clientGo) > 0
+}
+
+// rememberClientGo records that client-go's cache holds rt for a config of
+// e while g is current, so that the hooks of e's other configs (a config
+// per request) need not ask client-go, which reads the files, again.
+func (e *entry) rememberClientGo(g weak.Pointer[generation], rt http.RoundTripper) {
+	e.clientGoMu.Lock()
+	defer e.clientGoMu.Unlock()
+	if e.clientGoFor != g {
+		e.clientGoFor, e.clientGo = g, nil
+	}
+	if !slices.Contains(e.clientGo, rt) {
+		e.clientGo = append(e.clientGo, rt)
+	}
 }
 
 // withWrapperHeader returns what the config's declared CONNECT-header

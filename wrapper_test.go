@@ -1131,3 +1131,57 @@ func readFileT(t testing.TB, path string) []byte {
 	}
 	return b
 }
+
+// TestWrapConfigsOfOneIdentity: configs of one identity share the pool's
+// connection, a config per request, whichever shape was wrapped first, also
+// where client-go keys them apart: one names half a certificate pair (the
+// certificate without its key), which client-go keys but presents no
+// certificate for, as for the other. Wrap asks client-go for its cached
+// transport once per identity, not per config; the hook of a config whose
+// client-go transport is another one asks then. client-go alone opens a
+// connection per cache key.
+func TestWrapConfigsOfOneIdentity(t *testing.T) {
+	f := newFixture(t, testserver.Options{ClientAuth: testserver.VerifyClientCertIfGiven, Tokens: map[string]string{"token-of-tom": "tom"}})
+	shapes := []func() *rest.Config{
+		func() *rest.Config { return f.srv.RestConfig(nil) },
+		func() *rest.Config {
+			c := f.srv.RestConfig(nil)
+			c.CertData = f.alice.CertPEM // half a pair: no certificate presented
+			return c
+		},
+	}
+	const configs = 10 // a config per request, the two shapes in turn
+	ctx := context.Background()
+	accepted := func(p *Pool) uint64 {
+		before := f.srv.Stats().Accepted
+		for i := range configs {
+			cfg := shapes[i%2]()
+			cfg.BearerToken = "token-of-tom"
+			if p != nil {
+				if err := p.Wrap(cfg); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if err := listNodes(ctx, cfg); err != nil {
+				t.Fatal(err)
+			}
+		}
+		return f.srv.Stats().Accepted - before
+	}
+	want := accepted(nil)
+	p := newPool(t)
+	got := accepted(p)
+	st := p.Stats()
+	t.Logf("%d configs of two client-go keys, one identity: %d connections through the pool, %d through client-go alone; %+v", configs, got, want, st)
+	if want < 2 {
+		t.Errorf("client-go alone opened %d connections for two cache keys, want 2 or more", want)
+	}
+	if got != 1 || st.PassThrough != 0 || st.Identities != 1 {
+		t.Errorf("through the pool: %d connections, %d passed through, %d identities; want 1, 0, 1", got, st.PassThrough, st.Identities)
+	}
+	for _, r := range f.srv.Requests() {
+		if r.User != "tom" || r.CertCN != "" {
+			t.Errorf("a request reached the server as %q with certificate %q, want tom by token, no certificate", r.User, r.CertCN)
+		}
+	}
+}

@@ -191,7 +191,7 @@ rounds, with its range. Modes: client-go as is (configs it can cache: its
 best case), with \`Proxy\` set (as Karmada's member configs), Karmada's fix
 (keep-alive off), the pool through \`HTTPClientFor\` with \`Proxy\` set, with keep-alive
 off, and through \`Wrap\` without \`Proxy\` (\`Wrap\` passes a config with one through),
-and the floor: one \`http.Client\` for every config, a measuring stick. Wall time: $(cat "$work/cc-default.time").
+and the floors: one \`http.Client\` for every config, and one \`WrapTransport\` hook that returns one round tripper for every config, measuring sticks. Wall time: $(cat "$work/cc-default.time").
 
 \`\`\`sh
 go -C cmd/conncount run . ${cc_size[*]}

@@ -147,9 +147,12 @@ func TestEmbeddedModes(t *testing.T) {
 				mode, st.Accepted, st.PeakOpen, st.Pool, requests-1)
 		}
 	}
-	// The measuring stick: one client for every config, one connection.
-	if fl := modes["floor"]; fl.Accepted > 2 || fl.Pool == nil || fl.Pool.Misses != 1 || fl.Pool.Hits != 0 {
-		t.Errorf("floor: accepted %d, pool %+v; want at most 2 connections and one HTTPClientFor", fl.Accepted, fl.Pool)
+	// The measuring sticks: one client, or one round tripper, for every
+	// config, one connection.
+	for _, mode := range []string{"floor", "floor-wrap"} {
+		if fl := modes[mode]; fl.Accepted > 2 || fl.Pool == nil || fl.Pool.Misses != 1 || fl.Pool.Hits != 0 {
+			t.Errorf("%s: accepted %d, pool %+v; want at most 2 connections and one entry into the pool", mode, fl.Accepted, fl.Pool)
+		}
 	}
 	// Proxy set: client-go builds a transport, so a connection, per request.
 	if cp := modes["client-go-proxy"]; cp.Accepted < requests || cp.FullHandshakes < requests {

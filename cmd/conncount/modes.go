@@ -148,6 +148,30 @@ func floorMode(o *clientSpec) *modeState {
 	return st
 }
 
+// floorWrapMode is floor's counterpart for Wrap, as unsafe: the cheapest
+// WrapTransport hook there is, which discards the transport client-go built
+// for the config and returns one round tripper, the pool's for the first
+// config, to every config. What sharedtransport-wrap costs beyond it is the
+// pool's hook; what both cost beyond floor is client-go's work per config
+// before any hook runs.
+func floorWrapMode(o *clientSpec) *modeState {
+	st := sharedTransportMode(true, true, false)(o)
+	var (
+		once sync.Once
+		rt   http.RoundTripper
+		err  error
+	)
+	st.prepare = func(cfg *rest.Config) error {
+		once.Do(func() { rt, err = st.pool.TransportFor(rest.CopyConfig(cfg)) })
+		if err != nil {
+			return err
+		}
+		cfg.WrapTransport = func(http.RoundTripper) http.RoundTripper { return rt }
+		return nil
+	}
+	return st
+}
+
 // allModes are the main command's modes. A new mode is one more entry: its
 // start builds what the mode keeps (a pool), its modeState says how a
 // request's config and clientset are made. Every column, the server's CPU
@@ -161,9 +185,10 @@ var allModes = []modeDef{
 	{"sharedtransport-wrap", "this library's Wrap, no Proxy (Wrap passes a config with a Proxy through): client-go's own transport cache hits too (compare with client-go)", sharedTransportMode(true, true, false)},
 	{"sharedtransport-keepalive-off-no-resumption", "HTTPClientFor, keep-alive off and TLS session resumption off, Proxy set", sharedTransportMode(false, false, true)},
 	{"floor", "a measuring stick, unsafe in general: one http.Client from HTTPClientFor, built once and shared by every config whatever its identity (no per-config entry point can cost less); Proxy set", floorMode},
+	{"floor-wrap", "floor for Wrap, as unsafe: a WrapTransport hook that discards client-go's transport and returns one round tripper for every config (no hook can cost less); no Proxy", floorWrapMode},
 }
 
-var defaultModes = []string{"client-go", "client-go-proxy", "client-go-keepalive-off", "sharedtransport", "sharedtransport-keepalive-off", "sharedtransport-wrap", "floor"}
+var defaultModes = []string{"client-go", "client-go-proxy", "client-go-keepalive-off", "sharedtransport", "sharedtransport-keepalive-off", "sharedtransport-wrap", "floor", "floor-wrap"}
 
 func modeNames() []string {
 	var out []string
