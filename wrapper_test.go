@@ -640,6 +640,14 @@ func (m *copyMaterial) checkCopy(t *testing.T, s copySpec) {
 	t.Helper()
 	p := newPool(t, WithPollInterval(0), WithDialIdentity(func(*rest.Config) string { return "dialer 1" }))
 	newOriginal, d := m.originalFor(t, s.original)
+	if (s.original+s.mutation)%2 == 1 {
+		// Half the pairs: another config of the identity wrapped
+		// first, so that the pair's hooks decide from what client-go's
+		// cache was found to hold for that config.
+		if err := p.Wrap(newOriginal()); err != nil {
+			t.Fatal(err)
+		}
+	}
 	pair := wrapPair(t, p, newOriginal)
 	var names []string
 	cp := pair.copies(func(c *rest.Config) {
