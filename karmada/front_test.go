@@ -109,6 +109,9 @@ func (f *front) handler(r *http.Request, cl *clusterapis.Cluster, resp *responde
 	case keepAliveOn:
 		rt.(*http.Transport).DisableKeepAlives = false
 	case pooled, pooledCapped:
+		if patched {
+			break // Location's transport is the pool's: Karmada's own createProxyTransport, patched
+		}
 		if rt, err = f.createProxyTransport(cl, tlsConfig); err != nil {
 			return nil, err
 		}
@@ -131,7 +134,7 @@ func (f *front) handler(r *http.Request, cl *clusterapis.Cluster, resp *responde
 
 // createProxyTransport is Karmada's createProxyTransport with the change
 // the README gives: the pool's transport for the settings Karmada's own
-// carries.
+// carries. The patched build has Karmada's own instead.
 func (f *front) createProxyTransport(cl *clusterapis.Cluster, tlsConfig *tls.Config) (http.RoundTripper, error) {
 	trans := sharedtransport.TLSTransportConfig{TLS: tlsConfig}
 	if proxyURL := cl.Spec.ProxyURL; proxyURL != "" {
