@@ -1,11 +1,9 @@
 package karmada
 
 import (
-	"crypto/tls"
 	"encoding/json"
 	"fmt"
 	"net/http"
-	"net/url"
 	"path"
 	"sync"
 	"time"
@@ -38,9 +36,10 @@ const (
 	// keepAliveOn: the same with keep-alive on, as before Karmada PR 5610
 	// (issue 5574): the transport Location built, DisableKeepAlives false.
 	keepAliveOn
-	// pooled: the same with Location's transport as the changed
-	// createProxyTransport returns it: the pool's TLSTransport of the
-	// settings Karmada's transport carries.
+	// pooled: the same against patched Karmada (karmada/patches), whose
+	// Location takes its transport from proxy.ClusterTransports, set to
+	// the front's pool: the pool's TLSTransport of the settings Karmada's
+	// transport carries.
 	pooled
 	// pooledCapped: pooled, the pool with WithMaxConnsPerHost(2).
 	pooledCapped
@@ -109,11 +108,8 @@ func (f *front) handler(r *http.Request, cl *clusterapis.Cluster, resp *responde
 	case keepAliveOn:
 		rt.(*http.Transport).DisableKeepAlives = false
 	case pooled, pooledCapped:
-		if patched {
-			break // Location's transport is the pool's: Karmada's own createProxyTransport, patched
-		}
-		if rt, err = f.createProxyTransport(cl, tlsConfig); err != nil {
-			return nil, err
+		if !patched {
+			return nil, fmt.Errorf("%s needs Karmada with karmada/patches (karmada/hack/test-patched.sh)", f.mode)
 		}
 	}
 	sec, err := f.secrets.get(ctx, cl.Spec.ImpersonatorSecretRef.Namespace, cl.Spec.ImpersonatorSecretRef.Name)
@@ -130,22 +126,6 @@ func (f *front) handler(r *http.Request, cl *clusterapis.Cluster, resp *responde
 	location.Path = path.Join(location.Path, r.URL.Path)
 	location.RawQuery = r.URL.RawQuery
 	return proxy.NewThrottledUpgradeAwareProxyHandler(location, rt, true, false, resp), nil
-}
-
-// createProxyTransport is Karmada's createProxyTransport with the change
-// the README gives: the pool's transport for the settings Karmada's own
-// carries. The patched build has Karmada's own instead.
-func (f *front) createProxyTransport(cl *clusterapis.Cluster, tlsConfig *tls.Config) (http.RoundTripper, error) {
-	trans := sharedtransport.TLSTransportConfig{TLS: tlsConfig}
-	if proxyURL := cl.Spec.ProxyURL; proxyURL != "" {
-		u, err := url.Parse(proxyURL)
-		if err != nil {
-			return nil, fmt.Errorf("failed to parse url of proxy url %s: %v", proxyURL, err)
-		}
-		trans.Proxy = u
-		trans.ProxyConnectHeader = proxy.ParseProxyHeaders(cl.Spec.ProxyHeader)
-	}
-	return f.pool.TLSTransport(trans)
 }
 
 // responder writes what Karmada's handlers report as a Status, as the

@@ -23,7 +23,8 @@ func TestConnectClusterAsIs(t *testing.T) {
 }
 
 // TestTLS12Refused: a member that speaks TLS 1.2 at most is refused on the
-// pool as Karmada refuses it (GetTLSConfigForCluster asks for TLS 1.3).
+// pool (patched Karmada) as Karmada as is refuses it (GetTLSConfigForCluster
+// asks for TLS 1.3).
 func TestTLS12Refused(t *testing.T) {
 	ca, err := testserver.NewCA("tls12-ca")
 	if err != nil {
@@ -35,12 +36,19 @@ func TestTLS12Refused(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer srv.Close()
-	for _, m := range []mode{connectCluster, asIs, pooled} {
+	modes := []mode{connectCluster, asIs}
+	if patched {
+		modes = []mode{connectCluster, pooled} // ConnectCluster on Karmada's own pool, Location on the front's
+	}
+	for _, m := range modes {
 		proxy := newProxy(t)
 		cl, sec := member("old", srv.URL(), proxy, ca.CertPEM())
-		f := &front{mode: m, secrets: sec, cluster: cl, pool: sharedtransport.New()}
+		f := &front{mode: m, secrets: sec, cluster: cl}
+		if m == pooled {
+			f.pool = sharedtransport.New()
+			defer clusterTransports(f.pool)()
+		}
 		_, err := whoAmI(context.Background(), httpClient(), serveFront(t, f), "someone")
-		f.pool.Close()
 		if err == nil || !strings.Contains(err.Error(), "protocol version") {
 			t.Errorf("%s: got %v, want the handshake refused", m, err)
 		}

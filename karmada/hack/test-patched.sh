@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Builds Karmada v1.12.0 with karmada/patches applied (patched-karmada.sh:
 # Karmada's own unit tests of the changed packages, before and after) and runs
-# karmada/'s tests of Karmada's own code against it (TestOwn..., and
-# TestSeedLoad's pool modes through Karmada's own Location): the module is replaced by
+# karmada/'s tests of Karmada's own code against it (TestOwn..., and the pool
+# modes of TestSeedLoad and TestTLS12Refused): the module is replaced by
 # the patched copy through a go.mod of its own (-modfile), and the build tag
 # karmada_patched tells the tests which Karmada they run. The real
 # kube-apiserver comes from KUBE_APISERVER and ETCD (e2e/hack/kube-apiserver.sh).
@@ -21,4 +21,4 @@ cp go.sum "$work/go.sum"
 go mod tidy -modfile="$work/go.mod" >/dev/null
 go vet -modfile="$work/go.mod" -tags karmada_patched .
 echo "== karmada/: Karmada's own code, patched, against the real kube-apiserver"
-go test -modfile="$work/go.mod" -tags karmada_patched -count=1 -run '^TestOwn|^TestSeedLoad$' "$@" .
+go test -modfile="$work/go.mod" -tags karmada_patched -count=1 -run '^TestOwn|^TestSeedLoad$|^TestTLS12Refused$' "$@" .
