@@ -195,7 +195,6 @@ func TestTLSTransportKeepsItsCopy(t *testing.T) {
 	if resp.ProtoMajor != 2 || p.Stats().Identities != 3 {
 		t.Errorf("after the first caller changed its slice and pool: %s over %d identities, want HTTP/2 over 3", resp.Proto, p.Stats().Identities)
 	}
-
 }
 
 // TestTLSTransportInsecureWithRoots: RootCAs of a CA that did not sign the

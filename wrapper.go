@@ -42,12 +42,13 @@ type hook struct {
 	// config's key.
 	base *transport.Config
 
-	mu     sync.Mutex // guards lease, cached and cachedFor
-	lease  weak.Pointer[lease]
-	cached http.RoundTripper // client-go's cached transport for base
-	// cachedFor is the generation current when cached was asked for; weak,
-	// so the hook, which client-go may keep for good, keeps no generation.
-	cachedFor weak.Pointer[generation]
+	mu    sync.Mutex // guards lease and askedFor
+	lease weak.Pointer[lease]
+	// askedFor is the generation current when the hook asked client-go
+	// which transport its cache holds for base (the answer is the entry's,
+	// see entry.clientGo); weak, so the hook, which client-go may keep for
+	// good, keeps no generation.
+	askedFor weak.Pointer[generation]
 }
 
 // newHook prepares the hook for a config whose identity and transport config
@@ -58,15 +59,15 @@ type hook struct {
 func (p *Pool) newHook(s sharing, e *entry, g *generation) (*hook, error) {
 	h := &hook{pool: p, id: s.id, base: s.tc}
 	wg := weak.Make(g)
-	if e.clientGoKnown(wg) {
+	if e.clientGoFound(wg, nil) {
 		return h, nil
 	}
 	rt, err := clientGoTransport(s.tc)
 	if err != nil {
 		return nil, fmt.Errorf("sharedtransport: %w", err)
 	}
-	h.cached, h.cachedFor = rt, wg
 	e.rememberClientGo(wg, rt)
+	h.askedFor = wg
 	return h, nil
 }
 
@@ -116,8 +117,8 @@ func (h *hook) wrap(rt http.RoundTripper) http.RoundTripper {
 	return c
 }
 
-// agrees reports whether rt is the transport client-go's cache holds for the
-// wrapped config now. What client-go was asked holds for the generation
+// agrees reports whether rt is a transport client-go's cache holds now for
+// the wrapped config or another wrapped config of the identity. What client-go was asked holds for the generation
 // current when it was asked: after a rotation it is asked again before any
 // client is compared with it, since client-go (before v0.36) keys its cache
 // by the CA's bytes, and a copy with the old bytes inline would otherwise
@@ -130,46 +131,39 @@ func (h *hook) agrees(rt http.RoundTripper, e *entry) bool {
 		return false
 	}
 	g := weak.Make(e.current.Load())
-	if e.clientGoHolds(g, rt) {
+	if e.clientGoFound(g, rt) {
 		return true
 	}
 	h.mu.Lock()
-	cached, current := h.cached, h.cachedFor == g
+	asked := h.askedFor == g
 	h.mu.Unlock()
-	if !current {
-		// Asked without the lock: client-go reads the files.
-		now, err := clientGoTransport(h.base)
-		h.mu.Lock()
-		if h.cachedFor != g {
-			h.cachedFor, h.cached = g, now
-			if err != nil {
-				h.cached = nil
-			}
+	if !asked {
+		// Asked without the lock: client-go reads the files. The answer is
+		// recorded before askedFor, so a concurrent call that sees askedFor
+		// set finds it below.
+		if now, err := clientGoTransport(h.base); err == nil {
+			e.rememberClientGo(g, now)
 		}
-		cached = h.cached
+		h.mu.Lock()
+		h.askedFor = g
 		h.mu.Unlock()
 	}
-	if cached == nil || rt != cached {
+	return e.clientGoFound(g, rt)
+}
+
+// clientGoFound reports whether a hook of e's configs found, while g was
+// current, that client-go's cache holds rt for its config; for a nil rt,
+// whether one found any.
+func (e *entry) clientGoFound(g weak.Pointer[generation], rt http.RoundTripper) bool {
+	e.clientGoMu.Lock()
+	defer e.clientGoMu.Unlock()
+	if e.clientGoFor != g {
 		return false
 	}
-	e.rememberClientGo(g, rt)
-	return true
-}
-
-// clientGoHolds reports whether rt is a transport that a hook of e's configs
-// found client-go's cache to hold for its config while g was current.
-func (e *entry) clientGoHolds(g weak.Pointer[generation], rt http.RoundTripper) bool {
-	e.clientGoMu.Lock()
-	defer e.clientGoMu.Unlock()
-	return e.clientGoFor == g && slices.Contains(e.clientGo, rt)
-}
-
-// clientGoKnown reports whether a hook of e's configs asked client-go while g
-// was current.
-func (e *entry) clientGoKnown(g weak.Pointer[generation]) bool {
-	e.clientGoMu.Lock()
-	defer e.clientGoMu.Unlock()
-	return e.clientGoFor == g && len(e.clientGo) > 0
+	if rt == nil {
+		return len(e.clientGo) > 0
+	}
+	return slices.Contains(e.clientGo, rt)
 }
 
 // rememberClientGo records that client-go's cache holds rt for a config of

@@ -1193,3 +1193,62 @@ func TestWrapConfigsOfOneIdentity(t *testing.T) {
 		}
 	}
 }
+
+// TestWrapConcurrentClients: after a rotation, clients built at once from
+// copies of a wrapped config and from other wrapped configs of the identity
+// all ride the shared transport: the hooks ask client-go again, released
+// together, and none passes a client through. client-go alone serves them
+// on the connection it has.
+func TestWrapConcurrentClients(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	const clients = 50
+	accepted := func(p *Pool) uint64 {
+		d := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
+		shared := d.config(f.srv.URL())
+		configs := make([]*rest.Config, clients)
+		for i := range configs {
+			configs[i] = d.config(f.srv.URL())
+		}
+		for _, cfg := range append(configs[:clients/2:clients/2], shared) {
+			if p != nil {
+				if err := p.Wrap(cfg); err != nil {
+					t.Fatal(err)
+				}
+			}
+		}
+		for i := clients / 2; i < clients; i++ {
+			configs[i] = rest.CopyConfig(shared)
+		}
+		if err := listNodes(context.Background(), shared); err != nil {
+			t.Fatal(err)
+		}
+		d.write(t, f.bob, f.ca.CertPEM())
+		if p != nil {
+			waitFor(t, "rotation", func() bool { return p.Stats().Rotations == 1 })
+		}
+		before := f.srv.Stats().Accepted
+		start := make(chan struct{})
+		errs := make(chan error, clients)
+		for _, cfg := range configs {
+			go func() {
+				<-start
+				errs <- listNodes(context.Background(), cfg)
+			}()
+		}
+		close(start)
+		for range clients {
+			if err := <-errs; err != nil {
+				t.Fatal(err)
+			}
+		}
+		return f.srv.Stats().Accepted - before
+	}
+	want := accepted(nil)
+	p := newPool(t)
+	got := accepted(p)
+	st := p.Stats()
+	t.Logf("%d clients built at once after a rotation: %d connections through the pool, %d through client-go alone; %+v", clients, got, want, st)
+	if st.PassThrough != 0 || st.Identities != 1 || got > 2 {
+		t.Errorf("through the pool: %d connections, %d passed through, %d identities; want at most 2, 0, 1", got, st.PassThrough, st.Identities)
+	}
+}
