@@ -55,12 +55,13 @@ func TestColdStartBurst(t *testing.T) {
 
 // TestLoadAtTheStreamCount: 101 clients that each send their next list as
 // soon as the last one ends, against a server allowing 100 streams per
-// connection: the load sits one request above a connection's streams, as
-// the seed's 100 workers and a watch do. Streams free up faster than a
-// connection comes up, so a connection dialed for the 101st request is
-// mostly closed as surplus on arrival; the pool stops getting them once
-// that happens and the load runs on 1-2 connections, within the bound of
-// ceil(101/100)+1 open at once. client-go alone, the control, opens many.
+// connection: at most ceil(101/100)+1 connections open at once, where
+// client-go alone, the control, opens one per client at its cold start.
+// It does not reproduce the surplus dials of a load that sits one request
+// above a connection's streams (the gate before 9e272a7 passes it too, 1-2
+// connections accepted in 5 runs: an in-process load on 2 cores rarely has
+// 100 lists in flight); TestOwnConnectClusterSeedLoad against patched
+// Karmada does (2-7 tunnels before that change, 2-3 after).
 func TestLoadAtTheStreamCount(t *testing.T) {
 	const clients, each = 101, 60
 	for _, tc := range []struct {
