@@ -56,7 +56,7 @@ func TestColdStartBurst(t *testing.T) {
 // TestLoadAtTheStreamCount: 101 clients that each send their next list as
 // soon as the last one ends, against a server allowing 100 streams per
 // connection: at most ceil(101/100)+1 connections open at once, where
-// client-go alone, the control, opens one per client at its cold start.
+// client-go alone, the control, opens up to one per client (21-102).
 // It does not reproduce the surplus dials of a load that sits one request
 // above a connection's streams (the gate before 9e272a7 passes it too, 1-2
 // connections accepted in 5 runs: an in-process load on 2 cores rarely has
