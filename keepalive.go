@@ -70,6 +70,9 @@ type generation struct {
 	known    *hostTable // what the identity knows about its hosts, shared by its generations
 	material *material
 	stats    *counters
+	// ca is the digest of material.caPEM: a client of Wrap rides g only
+	// while it trusts what g trusts (clientTransport.pick).
+	ca digest
 
 	// The client certificate's subject and expiry, for Identities and the
 	// expiry warning; warned says the warning for it was logged.
@@ -142,6 +145,7 @@ func (p *Pool) newGeneration(e *entry, m *material) (*generation, error) {
 		known:    &e.hosts,
 		material: m,
 		stats:    &p.stats,
+		ca:       digestOf(m.caPEM),
 		hosts:    map[hostKey]*hostConns{},
 		shutCh:   make(chan struct{}),
 		conns:    map[*countedConn]struct{}{},

@@ -28,6 +28,29 @@ import (
 // covers everything that reaches the connection. Any other transport (a copy
 // with another certificate, a Proxy or Dial added, SPDY) passes through.
 //
+// Every field of the pool's identity is one client-go's key holds the same
+// way, so a match with client-go's cached transport proves it, except the
+// CA of a watched file:
+//
+//	identity (identity.go)      client-go's key (transport/cache.go)
+//	insecure, serverName,       the same fields
+//	nextProtos, compression
+//	certFile, keyFile           the paths, when both are files without data
+//	certData, keyData           the bytes otherwise (here: their digests)
+//	getCert                     the same *GetCertHolder
+//	caData                      the bytes
+//	caFile, watched             the path from v0.36 with ClientsAllowCARotation;
+//	                            before, or with the gate off, the bytes read
+//	proxy, dialName             never reach a hook: Wrap passes them through
+//	connectHeader               declared by the caller, not client-go's
+//
+// So the CA is checked by data: a client rides the shared transport only
+// when client-go's transport for it trusts exactly the roots the shared one
+// trusts (trustsAlike), and only while the identity's CA stays what it was
+// then (clientTransport.pick). A copy carrying the CA's bytes inline is
+// handed the same cached transport as the wrapped config by client-go
+// before v0.36, and must never follow the file it does not name.
+//
 // The hook refers to its lease weakly: client-go before v0.36 keeps the
 // WrapTransport of the first config of each cache key for good (the cached
 // transport's certificate callback captures it), so a hook holding its lease
@@ -108,13 +131,26 @@ func (h *hook) wrap(rt http.RoundTripper) http.RoundTripper {
 	if l.e.closed.Load() {
 		return closedRoundTripper{}
 	}
-	if !h.agrees(rt, l.e) || h.pool.wasGiven(rt) {
+	g, ok := h.agrees(rt, l.e)
+	if !ok || !trustsAlike(rt, g) || h.pool.wasGiven(rt) {
 		h.pool.stats.passThrough.Add(1)
 		return rt // SPDY, websocket, a caller's own transport, another identity
 	}
-	c := &clientTransport{lease: l, clientGo: h.id.withWrapperHeader(rt)}
+	c := &clientTransport{lease: l, ca: g.ca, clientGo: h.id.withWrapperHeader(rt)}
 	c.cached = c.clientGo == rt
 	return c
+}
+
+// trustsAlike reports whether rt, client-go's transport for a client,
+// trusts exactly the roots g's transport trusts. Both come from
+// transport.TLSConfigFor, so equal CA bytes give equal pools.
+func trustsAlike(rt http.RoundTripper, g *generation) bool {
+	theirs, err := utilnet.TLSClientConfig(rt)
+	ours := g.transport.TLSClientConfig
+	if err != nil || theirs == nil || ours == nil {
+		return false
+	}
+	return theirs.RootCAs.Equal(ours.RootCAs)
 }
 
 // agrees reports whether rt is a transport client-go's cache holds now for
@@ -123,16 +159,18 @@ func (h *hook) wrap(rt http.RoundTripper) http.RoundTripper {
 // client is compared with it, since client-go (before v0.36) keys its cache
 // by the CA's bytes, and a copy with the old bytes inline would otherwise
 // match the transport it held for the files before.
-func (h *hook) agrees(rt http.RoundTripper, e *entry) bool {
+// It returns the generation it found current.
+func (h *hook) agrees(rt http.RoundTripper, e *entry) (*generation, bool) {
 	if e.filesBad.Load() {
 		// While the pool rejects the files, a client built now does not
 		// ride the material the pool kept: it keeps client-go's transport,
 		// and meets the files as it would without the pool.
-		return false
+		return nil, false
 	}
-	g := weak.Make(e.current.Load())
+	cur := e.current.Load()
+	g := weak.Make(cur)
 	if e.clientGoFound(g, rt) {
-		return true
+		return cur, true
 	}
 	h.mu.Lock()
 	asked := h.askedFor == g
@@ -148,7 +186,7 @@ func (h *hook) agrees(rt http.RoundTripper, e *entry) bool {
 		h.askedFor = g
 		h.mu.Unlock()
 	}
-	return e.clientGoFound(g, rt)
+	return cur, e.clientGoFound(g, rt)
 }
 
 // clientGoFound reports whether a hook of e's configs found, while g was
@@ -220,6 +258,12 @@ func (closedRoundTripper) RoundTrip(*http.Request) (*http.Response, error) {
 type clientTransport struct {
 	lease    *lease
 	clientGo http.RoundTripper // what client-go built for this client
+	// ca is the digest of the CA the identity had when the client was
+	// built, which client-go's transport for it was found to trust.
+	ca digest
+	// caMoved: the identity's CA has changed since; the client sends
+	// through clientGo (counted once in Stats.PassThrough).
+	caMoved atomic.Bool
 	// cached: clientGo is client-go's cached transport itself, which every
 	// client of its cache key uses without the pool.
 	cached bool
@@ -235,7 +279,23 @@ func (c *clientTransport) RoundTrip(req *http.Request) (*http.Response, error) {
 	if c.handedOut.Load() || c.cached && c.lease.e.pool.wasGiven(c.clientGo) {
 		return c.clientGo.RoundTrip(req)
 	}
-	return c.lease.roundTrip(req, c.lease, c.clientGo)
+	return c.lease.roundTrip(req, c, c.clientGo)
+}
+
+// pick sends req over the identity's current generation while that trusts
+// what the client was built to trust; after a CA change, through
+// client-go's transport, which trusts what client-go alone would (the
+// CA it was given, or, from v0.36, the file it names, re-read by
+// client-go on its own schedule).
+func (c *clientTransport) pick(*http.Request) *generation {
+	g := c.lease.e.current.Load()
+	if g.ca == c.ca {
+		return g
+	}
+	if !c.caMoved.Swap(true) {
+		c.lease.e.pool.stats.passThrough.Add(1)
+	}
+	return nil
 }
 
 // wasGiven reports whether rt, a transport of client-go's, was handed to a

@@ -9,12 +9,14 @@ package sharedtransport
 
 import (
 	"context"
+	"crypto/tls"
 	"fmt"
 	"math/rand/v2"
 	"net"
 	"net/http"
 	"net/url"
 	"os"
+	"os/exec"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -1250,5 +1252,147 @@ func TestWrapConcurrentClients(t *testing.T) {
 	t.Logf("%d clients built at once after a rotation: %d connections through the pool, %d through client-go alone; %+v", clients, got, want, st)
 	if st.PassThrough != 0 || st.Identities != 1 || got > 2 {
 		t.Errorf("through the pool: %d connections, %d passed through, %d identities; want at most 2, 0, 1", got, st.PassThrough, st.Identities)
+	}
+}
+
+// TestCopyNeverFollowsAnUnnamedCAFile: a config naming a CA file is wrapped,
+// and copies of it carry the same CA otherwise: its bytes inline, all files
+// loaded inline (rest.LoadTLSFiles), or another file with the same bytes.
+// Clients of the copies are built, then the wrapped file moves to another
+// CA. client-go before v0.36 (and later with ClientsAllowCARotation off)
+// keys its cache by the CA's bytes, so it hands the hook the very transport
+// it holds for the wrapped config; through client-go alone the copies go on
+// trusting the CA they carry, and must through the pool too: the server of
+// the old CA answers them, the server of the new one never sees their
+// requests. The test runs again in a child process with the gate off, which
+// makes client-go v0.36 and later behave as older versions do.
+func TestCopyNeverFollowsAnUnnamedCAFile(t *testing.T) {
+	rerunWithClientGoGates(t, "KUBE_FEATURE_ClientsAllowCARotation=false")
+	f := newFixture(t, testserver.Options{})
+	newCA, err := testserver.NewCA("new-ca")
+	if err != nil {
+		t.Fatal(err)
+	}
+	serving, err := newCA.IssueServer()
+	if err != nil {
+		t.Fatal(err)
+	}
+	oldServer := newCopyRig(t, testserver.Options{CA: f.ca})
+	newServer := newCopyRig(t, testserver.Options{CA: newCA, ServerCert: serving, ClientCAs: f.ca.Pool()})
+	aliceSeen := observation{CN: "alice", Proto: h2, Gzip: true, Via: "direct"}
+	twin := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
+	for name, carry := range map[string]func(*rest.Config){
+		"CA bytes inline":       func(c *rest.Config) { c.CAData, c.CAFile = f.ca.CertPEM(), "" },
+		"rest.LoadTLSFiles":     func(c *rest.Config) { rest.LoadTLSFiles(c) },
+		"another file, same CA": func(c *rest.Config) { c.CAFile = twin.ca },
+	} {
+		t.Run(name, func(t *testing.T) {
+			p := newPool(t, WithPollInterval(0))
+			d := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
+			pair := wrapPair(t, p, func() *rest.Config { return d.config(oldServer.srv.URL()) })
+			toOld := pair.copies(carry)
+			toNew := toOld.copies(func(c *rest.Config) { c.Host = newServer.srv.URL() })
+			heldOld := oldServer.hold(t, toOld, &aliceSeen)
+			heldNew := newServer.hold(t, toNew, &observation{Err: "unknown authority"})
+			d.write(t, f.alice, newCA.CertPEM())
+			waitFor(t, "the new CA is taken", func() bool { return p.Stats().Rotations == 1 })
+			heldOld.agree(t, &aliceSeen)
+			heldNew.agree(t, &observation{Err: "unknown authority"})
+		})
+	}
+}
+
+// rerunEnv marks a child process of rerunWithClientGoGates.
+const rerunEnv = "SHAREDTRANSPORT_TEST_RERUN"
+
+// rerunWithClientGoGates runs the top-level test t once more, in a child
+// process of the test binary whose environment adds gates, client-go's
+// feature gates (KUBE_FEATURE_<name>=<bool>): client-go reads them once per
+// process. In that child it does nothing.
+func rerunWithClientGoGates(t *testing.T, gates ...string) {
+	t.Helper()
+	if os.Getenv(rerunEnv) != "" {
+		return
+	}
+	cmd := exec.Command(os.Args[0], "-test.run=^"+t.Name()+"$", "-test.count=1", "-test.v")
+	cmd.Env = append(append(os.Environ(), rerunEnv+"=1"), gates...)
+	out, err := cmd.CombinedOutput()
+	if err != nil || !strings.Contains(string(out), "--- PASS: "+t.Name()+" ") {
+		t.Errorf("with %v: %v\n%s", gates, err, out)
+	}
+}
+
+// TestHookIdentityAgainstClientGoKey checks, field by field, what the hook
+// relies on (see hook): when client-go's cache hands two configs the same
+// transport, the pool gives them the same identity, except for a CA, which
+// the hook checks by the roots themselves (trustsAlike). Which CA variants
+// client-go keys alike depends on its version and ClientsAllowCARotation:
+// the test runs again with the gate off.
+func TestHookIdentityAgainstClientGoKey(t *testing.T) {
+	rerunWithClientGoGates(t, "KUBE_FEATURE_ClientsAllowCARotation=false")
+	f := newFixture(t, testserver.Options{})
+	d := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
+	twin := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
+	p := newPool(t)
+	keyOf := func(cfg *rest.Config) (identityKey, http.RoundTripper) {
+		t.Helper()
+		s, share, err := p.sharingFor(cfg, given{})
+		if err != nil || !share {
+			t.Fatalf("%v, share %v", err, share)
+		}
+		rt, err := clientGoTransport(s.tc)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return s.id.key, rt
+	}
+	for _, c := range []struct {
+		name   string
+		ca     bool // the variant differs from the base in its CA only
+		change func(*rest.Config)
+	}{
+		{"CA bytes inline", true, func(c *rest.Config) { c.CAData, c.CAFile = f.ca.CertPEM(), "" }},
+		{"CA in another file", true, func(c *rest.Config) { c.CAFile = twin.ca }},
+		{"CA file and the same bytes inline", true, func(c *rest.Config) { c.CAData = f.ca.CertPEM() }},
+		{"certificate and key inline", false, func(c *rest.Config) {
+			c.CertData, c.KeyData, c.CertFile, c.KeyFile = f.alice.CertPEM, f.alice.KeyPEM, "", ""
+		}},
+		{"certificate inline, key file", false, func(c *rest.Config) { c.CertData, c.CertFile = f.alice.CertPEM, "" }},
+		{"certificate and key in other files", false, func(c *rest.Config) { c.CertFile, c.KeyFile = twin.cert, twin.key }},
+		{"all files loaded (rest.LoadTLSFiles)", false, func(c *rest.Config) { rest.LoadTLSFiles(c) }},
+		{"server name", false, func(c *rest.Config) { c.ServerName = "other.example" }},
+		{"next protos", false, func(c *rest.Config) { c.NextProtos = []string{"http/1.1"} }},
+		{"compression off", false, func(c *rest.Config) { c.DisableCompression = true }},
+		{"insecure instead of a CA", false, func(c *rest.Config) { c.CAFile, c.Insecure = "", true }},
+		{"a bearer token", false, func(c *rest.Config) { c.BearerToken = "token-x" }},
+		{"another host", false, func(c *rest.Config) { c.Host = "https://other.example:6443" }},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			baseKey, baseRT := keyOf(d.config(f.srv.URL()))
+			v := d.config(f.srv.URL())
+			c.change(v)
+			key, rt := keyOf(v)
+			sameClientGo, sameKey := rt == baseRT, key == baseKey
+			t.Logf("client-go's cache hands both the same transport: %v; the pool's identity is the same: %v", sameClientGo, sameKey)
+			if sameClientGo && !sameKey && !c.ca {
+				t.Errorf("client-go keys this alike and the pool does not: the hook would put such a copy on the wrapped config's identity")
+			}
+			if sameClientGo && !sameKey {
+				// The exception the hook checks by data: same roots today,
+				// and the client leaves the shared transport when they change.
+				g := &generation{transport: &http.Transport{TLSClientConfig: &tls.Config{RootCAs: f.ca.Pool()}}}
+				if !trustsAlike(rt, g) {
+					t.Errorf("client-go's transport for the variant does not trust the CA it carries")
+				}
+				other, err := testserver.NewCA("other")
+				if err != nil {
+					t.Fatal(err)
+				}
+				g.transport.TLSClientConfig.RootCAs = other.Pool()
+				if trustsAlike(rt, g) {
+					t.Errorf("trustsAlike takes another CA's roots for the variant's")
+				}
+			}
+		})
 	}
 }
