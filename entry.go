@@ -218,6 +218,11 @@ func (e *entry) close() {
 	if e.watch != nil {
 		e.watch.stop()
 	}
+	// A closed entry may stay reachable from leases clients still hold:
+	// it keeps none of client-go's transports alive.
+	e.clientGoMu.Lock()
+	e.clientGo, e.clientGoFor = nil, weak.Pointer[generation]{}
+	e.clientGoMu.Unlock()
 	for g, t := range draining {
 		t.Stop()
 		g.close()

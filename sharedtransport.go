@@ -46,11 +46,7 @@ type Pool struct {
 	closeOnce sync.Once
 	closeErr  error // what the first Close returned
 
-	// given holds client-go's cached transports that a wrapper above a hook
-	// was handed (clientTransport.WrappedRoundTripper); givenAny says
-	// whether there is any, so that requests need not look.
-	given    sync.Map // http.RoundTripper -> struct{}
-	givenAny atomic.Bool
+	handedOut handedOutTransports // client-go's transports handed to code above the pool
 
 	undeclaredOnce sync.Once // logs the first config passed through for undeclared wrappers
 	functionsOnce  sync.Once // logs the first config Wrap passes through for its Proxy or Dial

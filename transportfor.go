@@ -77,11 +77,10 @@ func (p *Pool) transportFor(cfg *rest.Config, g given) (http.RoundTripper, error
 	if err != nil {
 		return nil, err
 	}
-	base := &configTransport{lease: l}
+	base := &configTransport{lease: l, clientGo: &clientGoLater{tc: s.tc, id: s.id}}
 	if s.onlyHost != "" {
 		base.onlyHost = s.onlyHost
 		base.proxy = s.tc.Proxy
-		base.elsewhere = &clientGoLater{tc: s.tc, id: s.id}
 	}
 	return transport.HTTPWrappersForConfig(s.tc, base)
 }
@@ -113,8 +112,9 @@ func (p *Pool) httpClientFor(cfg *rest.Config, g given) (*http.Client, error) {
 }
 
 // configTransport is what TransportFor puts under client-go's per-request
-// layers: the identity's shared transport, through a lease it holds, and for
-// a config with Proxy, client-go's transport for requests to other hosts.
+// layers (and TLSTransport returns): the identity's shared transport,
+// through a lease it holds, and client-go's own transport for the config
+// for what the shared one does not carry.
 type configTransport struct {
 	lease *lease
 	// onlyHost, set when the config has a Proxy function, is the host that
@@ -124,13 +124,21 @@ type configTransport struct {
 	// to onlyHost, since it may send another path or scheme elsewhere than
 	// the request it was asked about when the identity was computed.
 	proxy func(*http.Request) (*url.URL, error)
-	// elsewhere is client-go's transport for the config, for the requests
-	// pick gives to no generation.
-	elsewhere *clientGoLater
+	// clientGo is client-go's transport for the config, built when first
+	// needed: for the requests pick gives to no generation, and for every
+	// request once WrappedRoundTripper handed it out. Nil for TLSTransport,
+	// which has no config.
+	clientGo *clientGoLater
+	// handedOut: WrappedRoundTripper gave clientGo to code that may change
+	// it in place; every request goes through it from then on.
+	handedOut atomic.Bool
 }
 
 func (c *configTransport) RoundTrip(req *http.Request) (*http.Response, error) {
-	return c.lease.roundTrip(req, c, c.elsewhere)
+	if c.handedOut.Load() {
+		return c.clientGo.RoundTrip(req)
+	}
+	return c.lease.roundTrip(req, c, c.clientGo)
 }
 
 // pick sends req over the identity's current generation, unless the config
@@ -148,10 +156,22 @@ func (c *configTransport) pick(req *http.Request) *generation {
 // CloseIdleConnections closes idle connections of both transports the
 // round tripper may use.
 func (c *configTransport) CloseIdleConnections() {
-	if c.elsewhere != nil {
-		c.elsewhere.CloseIdleConnections()
+	if c.clientGo != nil {
+		c.clientGo.CloseIdleConnections()
 	}
 	utilnet.CloseIdleConnectionsFor(c.lease)
+}
+
+// CancelRequest is here so that client-go's round trippers, which cancel by
+// unwrapping to the first round tripper that has it (http.Client.Timeout),
+// stop here instead of calling WrappedRoundTripper. Requests on the shared
+// transport end with their context, which net/http cancels too.
+func (c *configTransport) CancelRequest(req *http.Request) {
+	if c.clientGo != nil && c.clientGo.built.Load() {
+		if cr, ok := c.clientGo.rt.(interface{ CancelRequest(*http.Request) }); ok {
+			cr.CancelRequest(req)
+		}
+	}
 }
 
 // clientGoLater is client-go's transport for a config, built at the first
@@ -169,13 +189,22 @@ func (l *clientGoLater) get() (http.RoundTripper, error) {
 	l.once.Do(func() {
 		rt, err := clientGoTransport(l.tc)
 		if err != nil {
-			l.err = fmt.Errorf("sharedtransport: client-go's transport for requests to other hosts than the config's: %w", err)
+			l.err = fmt.Errorf("sharedtransport: client-go's transport for the config: %w", err)
 			return
 		}
 		l.rt = l.id.withWrapperHeader(rt)
 		l.built.Store(l.err == nil)
 	})
 	return l.rt, l.err
+}
+
+// handOut returns the transport, or, when client-go could not build it, a
+// round tripper that fails every request with the reason.
+func (l *clientGoLater) handOut() http.RoundTripper {
+	if rt, err := l.get(); err == nil {
+		return rt
+	}
+	return l
 }
 
 func (l *clientGoLater) RoundTrip(req *http.Request) (*http.Response, error) {
@@ -197,9 +226,28 @@ func (l *clientGoLater) CloseIdleConnections() {
 	}
 }
 
-// WrappedRoundTripper is the shared transport, for client-go helpers
-// (utilnet.CloseIdleConnectionsFor, utilnet.TLSClientConfig).
-func (c *configTransport) WrappedRoundTripper() http.RoundTripper { return c.lease }
+// WrappedRoundTripper returns client-go's transport for the config, what
+// code that unwraps the round tripper (utilnet.TLSClientConfig, a wrapper
+// that changes the *http.Transport it finds) would find without the pool.
+// The pool cannot see what it does with it, so every request goes through
+// it from then on (counted once in Stats.PassThrough), and a change made
+// there reaches no other client of the pool, except Wrap's clients that
+// have the same transport of client-go's (see handedOutTransports), as
+// without the pool. For TLSTransport it is the
+// shared transport, as the caller's own transport would be: apimachinery's
+// UpgradeAwareHandler dials upgrades with its dialer and TLS configuration.
+func (c *configTransport) WrappedRoundTripper() http.RoundTripper {
+	if c.clientGo == nil {
+		return c.lease
+	}
+	p := c.lease.e.pool
+	if !c.handedOut.Swap(true) {
+		p.stats.passThrough.Add(1)
+	}
+	rt := c.clientGo.handOut()
+	p.handedOut.add(rt)
+	return rt
+}
 
 var _ utilnet.RoundTripperWrapper = &configTransport{}
 

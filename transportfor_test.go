@@ -2,6 +2,7 @@ package sharedtransport
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"io"
@@ -691,4 +692,74 @@ func sendBoth(t *testing.T, log *requestLog, p *Pool, cfg, control *rest.Config,
 		}
 	}
 	return log.get(t, name+"/pool"), log.get(t, name+"/client-go")
+}
+
+// TestTransportForUnwrapped: code that unwraps an HTTPClientFor client to
+// the *http.Transport below it and changes that in place (its proxy, its
+// client certificate) sees the change take effect, as through client-go
+// alone, and the change reaches no other client of the pool: another client
+// of the same config, built after, is seen as before. With and without
+// Proxy.
+func TestTransportForUnwrapped(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	r := newCopyRig(t, testserver.Options{CA: f.ca})
+	bob, err := f.bob.TLSCertificate()
+	if err != nil {
+		t.Fatal(err)
+	}
+	change := func(hc *http.Client) {
+		tr := unwrapTransport(hc.Transport)
+		if tr == nil {
+			t.Fatalf("no *http.Transport under %T", hc.Transport)
+		}
+		tr.Proxy = proxyTo(r.proxies[1])
+		tr.TLSClientConfig.GetClientCertificate = func(*tls.CertificateRequestInfo) (*tls.Certificate, error) { return &bob, nil }
+	}
+	for name, proxy := range map[string]func(*http.Request) (*url.URL, error){
+		"Proxy":    proxyTo(r.proxies[0]),
+		"no Proxy": nil,
+	} {
+		t.Run(name, func(t *testing.T) {
+			p := newPool(t)
+			cfg := r.srv.RestConfig(f.alice)
+			cfg.Proxy = proxy
+			was := observation{CN: "alice", Proto: h2, Gzip: true, Via: "direct"}
+			if proxy != nil {
+				was.Via = "proxy 1"
+			}
+			pool := func(cfg *rest.Config) (*http.Client, error) { return p.HTTPClientForDeclared(cfg, Wrappers{}) }
+			for _, side := range []struct {
+				name  string
+				build func(*rest.Config) (*http.Client, error)
+			}{{"through the pool", pool}, {"through client-go alone", rest.HTTPClientFor}} {
+				changed := r.clientBy(cfg, func(cfg *rest.Config) (*kubernetes.Clientset, error) {
+					hc, err := side.build(cfg)
+					if err != nil {
+						return nil, err
+					}
+					change(hc)
+					return kubernetes.NewForConfigAndClient(cfg, hc)
+				})
+				if o := changed.observe(); o != (observation{CN: "bob", Proto: h2, Gzip: true, Via: "proxy 2"}) {
+					t.Errorf("%s, the changed client: %+v, want bob through proxy 2", side.name, o)
+				}
+				other := r.clientBy(cfg, func(cfg *rest.Config) (*kubernetes.Clientset, error) {
+					hc, err := side.build(cfg)
+					if err != nil {
+						return nil, err
+					}
+					return kubernetes.NewForConfigAndClient(cfg, hc)
+				})
+				// Without Proxy, client-go alone hands every client of the
+				// config its one cached transport, changed for all of them;
+				// the pool's other clients keep the shared one.
+				if o := other.observe(); o != was && (proxy != nil || side.name == "through the pool") {
+					t.Errorf("%s, another client: %+v, want %+v", side.name, o, was)
+				}
+			}
+			if st := p.Stats(); st.PassThrough != 1 || st.Identities != 1 {
+				t.Errorf("pool %+v, want 1 client passed through and 1 identity", st)
+			}
+		})
+	}
 }

@@ -9,12 +9,14 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"runtime"
 	"slices"
 	"sync"
 	"sync/atomic"
 	"weak"
 
 	utilnet "k8s.io/apimachinery/pkg/util/net"
+	clientgofeatures "k8s.io/client-go/features"
 	"k8s.io/client-go/transport"
 )
 
@@ -44,12 +46,13 @@ import (
 //	proxy, dialName             never reach a hook: Wrap passes them through
 //	connectHeader               declared by the caller, not client-go's
 //
-// So the CA is checked by data: a client rides the shared transport only
-// when client-go's transport for it trusts exactly the roots the shared one
-// trusts (trustsAlike), and only while the identity's CA stays what it was
-// then (clientTransport.pick). A copy carrying the CA's bytes inline is
-// handed the same cached transport as the wrapped config by client-go
-// before v0.36, and must never follow the file it does not name.
+// Where client-go keys a watched CA file by its bytes (caFileByPath false),
+// a copy carrying those bytes inline, or in another file, is handed the
+// wrapped config's cached transport, and must never follow the file it
+// does not name. There the CA is checked by data: a client rides the
+// shared transport only when client-go's transport for it trusts exactly
+// the roots the shared one trusts (trustsAlike), and only while the
+// identity's CA stays what it was then (clientTransport.pick).
 //
 // The hook refers to its lease weakly: client-go before v0.36 keeps the
 // WrapTransport of the first config of each cache key for good (the cached
@@ -132,13 +135,27 @@ func (h *hook) wrap(rt http.RoundTripper) http.RoundTripper {
 		return closedRoundTripper{}
 	}
 	g, ok := h.agrees(rt, l.e)
-	if !ok || !trustsAlike(rt, g) || h.pool.wasGiven(rt) {
+	pinCA := h.id.key.caFile != "" && !caFileByPath()
+	if !ok || pinCA && !trustsAlike(rt, g) || h.pool.handedOut.has(rt) {
 		h.pool.stats.passThrough.Add(1)
 		return rt // SPDY, websocket, a caller's own transport, another identity
 	}
-	c := &clientTransport{lease: l, ca: g.ca, clientGo: h.id.withWrapperHeader(rt)}
+	c := &clientTransport{lease: l, pinCA: pinCA, ca: g.ca, clientGo: h.id.withWrapperHeader(rt)}
 	c.cached = c.clientGo == rt
 	return c
+}
+
+// caFileByPath reports whether client-go keys a CA file named without data
+// by its path, as it does from v0.36 while its ClientsAllowCARotation gate
+// is on (the default). Before v0.36 the gate is not registered, Enabled
+// panics, and client-go keys the file by the bytes it read.
+func caFileByPath() (byPath bool) {
+	defer func() {
+		if recover() != nil {
+			byPath = false
+		}
+	}()
+	return clientgofeatures.FeatureGates().Enabled("ClientsAllowCARotation")
 }
 
 // trustsAlike reports whether rt, client-go's transport for a client,
@@ -258,9 +275,12 @@ func (closedRoundTripper) RoundTrip(*http.Request) (*http.Response, error) {
 type clientTransport struct {
 	lease    *lease
 	clientGo http.RoundTripper // what client-go built for this client
-	// ca is the digest of the CA the identity had when the client was
-	// built, which client-go's transport for it was found to trust.
-	ca digest
+	// pinCA: client-go keys the identity's CA file by its bytes, so the
+	// client rides the shared transport only while the identity's CA is ca,
+	// the digest of the CA it had when the client was built, which
+	// client-go's transport for it was found to trust.
+	pinCA bool
+	ca    digest
 	// caMoved: the identity's CA has changed since; the client sends
 	// through clientGo (counted once in Stats.PassThrough).
 	caMoved atomic.Bool
@@ -271,12 +291,12 @@ type clientTransport struct {
 	// hook, which may change it in place; every request goes through it
 	// from then on, as it would without the pool. When clientGo is
 	// client-go's cached transport, the same holds for every client that
-	// has it (Pool.wasGiven).
+	// has it (handedOutTransports).
 	handedOut atomic.Bool
 }
 
 func (c *clientTransport) RoundTrip(req *http.Request) (*http.Response, error) {
-	if c.handedOut.Load() || c.cached && c.lease.e.pool.wasGiven(c.clientGo) {
+	if c.handedOut.Load() || c.cached && c.lease.e.pool.handedOut.has(c.clientGo) {
 		return c.clientGo.RoundTrip(req)
 	}
 	return c.lease.roundTrip(req, c, c.clientGo)
@@ -289,7 +309,7 @@ func (c *clientTransport) RoundTrip(req *http.Request) (*http.Response, error) {
 // client-go on its own schedule).
 func (c *clientTransport) pick(*http.Request) *generation {
 	g := c.lease.e.current.Load()
-	if g.ca == c.ca {
+	if !c.pinCA || g.ca == c.ca {
 		return g
 	}
 	if !c.caMoved.Swap(true) {
@@ -298,14 +318,73 @@ func (c *clientTransport) pick(*http.Request) *generation {
 	return nil
 }
 
-// wasGiven reports whether rt, a transport of client-go's, was handed to a
-// wrapper above a hook.
-func (p *Pool) wasGiven(rt http.RoundTripper) bool {
-	if !p.givenAny.Load() {
+// handedOutTransports records client-go's transports that were handed to
+// code above the pool (WrappedRoundTripper), which may change them in place:
+// every client that has one sends through it from then on, as it would
+// without the pool. A record refers weakly to the *http.Transport at the
+// bottom of the transport, and goes when that is collected: the pool keeps
+// none of client-go's transports alive.
+type handedOutTransports struct {
+	any atomic.Bool // there is a record, so that requests need not look
+	mu  sync.Mutex  // guards m
+	m   map[weak.Pointer[http.Transport]]struct{}
+}
+
+// add records rt, when an *http.Transport is found under it.
+func (h *handedOutTransports) add(rt http.RoundTripper) {
+	t := unwrapToTransport(rt)
+	if t == nil {
+		return
+	}
+	w := weak.Make(t)
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if _, ok := h.m[w]; ok {
+		return
+	}
+	if h.m == nil {
+		h.m = map[weak.Pointer[http.Transport]]struct{}{}
+	}
+	h.m[w] = struct{}{}
+	h.any.Store(true)
+	runtime.AddCleanup(t, h.forget, w)
+}
+
+func (h *handedOutTransports) forget(w weak.Pointer[http.Transport]) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	delete(h.m, w)
+}
+
+// has reports whether rt was handed out.
+func (h *handedOutTransports) has(rt http.RoundTripper) bool {
+	if !h.any.Load() {
 		return false
 	}
-	_, ok := p.given.Load(rt)
+	t := unwrapToTransport(rt)
+	if t == nil {
+		return false
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	_, ok := h.m[weak.Make(t)]
 	return ok
+}
+
+// unwrapToTransport returns the *http.Transport under rt's wrappers, as
+// client-go's helpers find it (utilnet.RoundTripperWrapper), or nil.
+func unwrapToTransport(rt http.RoundTripper) *http.Transport {
+	for range 8 {
+		switch t := rt.(type) {
+		case *http.Transport:
+			return t
+		case utilnet.RoundTripperWrapper:
+			rt = t.WrappedRoundTripper()
+		default:
+			return nil
+		}
+	}
+	return nil
 }
 
 // CloseIdleConnections closes idle connections of both transports the client
@@ -324,8 +403,7 @@ func (c *clientTransport) CloseIdleConnections() {
 func (c *clientTransport) WrappedRoundTripper() http.RoundTripper {
 	p := c.lease.e.pool
 	if c.cached {
-		p.given.Store(c.clientGo, struct{}{})
-		p.givenAny.Store(true)
+		p.handedOut.add(c.clientGo)
 	}
 	if !c.handedOut.Swap(true) {
 		p.stats.passThrough.Add(1)

@@ -17,11 +17,13 @@ import (
 	"net/url"
 	"os"
 	"os/exec"
+	"runtime"
 	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
+	"weak"
 
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	utilnet "k8s.io/apimachinery/pkg/util/net"
@@ -1374,6 +1376,9 @@ func TestHookIdentityAgainstClientGoKey(t *testing.T) {
 			key, rt := keyOf(v)
 			sameClientGo, sameKey := rt == baseRT, key == baseKey
 			t.Logf("client-go's cache hands both the same transport: %v; the pool's identity is the same: %v", sameClientGo, sameKey)
+			if c.name == "CA bytes inline" && sameClientGo == caFileByPath() {
+				t.Errorf("client-go keys the CA file by its bytes: %v; caFileByPath says by its path: %v", sameClientGo, caFileByPath())
+			}
 			if sameClientGo && !sameKey && !c.ca {
 				t.Errorf("client-go keys this alike and the pool does not: the hook would put such a copy on the wrapped config's identity")
 			}
@@ -1394,5 +1399,54 @@ func TestHookIdentityAgainstClientGoKey(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// TestWrapUnwrappedKeepsNothing: clients of a wrapped config unwrapped to
+// client-go's transport with utilnet.TLSClientConfig (as apimachinery's
+// UpgradeAwareHandler does), then every config and client dropped. From
+// v0.36 client-go collects its cached transport once no client has it; the
+// pool, its identity released, must not keep it reachable. The control
+// runs the same steps through client-go alone first.
+func TestWrapUnwrappedKeepsNothing(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	unwrapped := func(cfg *rest.Config) weak.Pointer[tls.Config] {
+		hc, err := rest.HTTPClientFor(cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		tc, err := utilnet.TLSClientConfig(hc.Transport)
+		if err != nil || tc == nil {
+			t.Fatalf("%v, %v", tc, err)
+		}
+		return weak.Make(tc)
+	}
+	collected := func(w weak.Pointer[tls.Config]) bool {
+		for range 50 {
+			runtime.GC()
+			if w.Value() == nil {
+				return true
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+		return false
+	}
+	alone := collected(unwrapped(f.srv.RestConfig(f.alice)))
+	t.Logf("client-go alone collects its cached transport: %v", alone)
+
+	p := newPool(t, WithIdleTimeout(0))
+	w := func() weak.Pointer[tls.Config] {
+		cfg := f.srv.RestConfig(f.alice)
+		if err := p.Wrap(cfg); err != nil {
+			t.Fatal(err)
+		}
+		return unwrapped(cfg)
+	}()
+	if st := p.Stats(); st.PassThrough != 1 || st.Identities != 1 {
+		t.Errorf("pool %+v, want 1 identity and the unwrapped client passed through", st)
+	}
+	waitReleased(t, p)
+	if alone && !collected(w) {
+		t.Errorf("client-go's transport stays reachable through the pool, with no identity left")
 	}
 }
