@@ -163,7 +163,7 @@ func TestAdversaryInnerWrapperDropped(t *testing.T) {
 	}
 }
 
-// TestAdversaryProxyPerPath: http.Transport asks Proxy for every request, and
+// TestAdversaryProxyPerPath: http.Transport asks Proxy when it dials, and
 // client-go hands it the config's Proxy; the pool remembers one answer per
 // scheme and host. A Proxy that sends some paths through an (auditing)
 // proxy is bypassed once another path to the same host went direct, for the
@@ -661,10 +661,10 @@ func TestAdversaryCopyExecOverInline(t *testing.T) {
 }
 
 // TestAdversaryTransportForProxyPerPath: TestAdversaryProxyPerPath for
-// TransportFor. http.Transport asks the config's Proxy for every request;
-// TransportFor sends every request to the config's host over the shared
-// transport, whose proxy is the answer the function gave for the probe
-// request. A Proxy that sends some paths (or schemes) elsewhere is bypassed.
+// TransportFor. http.Transport asks the config's Proxy when it dials, and
+// every request here starts on a new connection: each goes where the
+// function sends it, never by the answer it gave for the identity's sample
+// request. TestTransportForAsksProxyAsNetHTTP covers open connections.
 func TestAdversaryTransportForProxyPerPath(t *testing.T) {
 	f := newFixture(t, testserver.Options{})
 	proxy := newConnectProxy(t)

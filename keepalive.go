@@ -393,6 +393,13 @@ func (c *countedConn) Close() error {
 	return c.Conn.Close()
 }
 
+// open reports whether c has not been closed.
+func (c *countedConn) open() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return !c.closed
+}
+
 // carriesStreams reports whether c is an open HTTP/2 connection of a host.
 func (c *countedConn) carriesStreams() bool {
 	c.mu.Lock()

@@ -4,11 +4,15 @@
 package sharedtransport
 
 import (
+	"context"
+	"crypto/tls"
 	"fmt"
 	"net/http"
+	"net/http/httptrace"
 	"net/url"
 	"sync"
 	"sync/atomic"
+	"weak"
 
 	utilnet "k8s.io/apimachinery/pkg/util/net"
 	"k8s.io/client-go/rest"
@@ -35,10 +39,12 @@ func HTTPClientFor(cfg *rest.Config) (*http.Client, error) { return defaultPool(
 //
 // The round tripper keeps the identity alive. Later changes to cfg do not
 // reach it.
-// For a config with a Proxy function, only requests to cfg's host that the
-// function sends where it sent cfg's host use the shared transport; other
-// requests go through client-go's own transport for cfg, built at the first
-// of them, which asks the function itself.
+// For a config with a Proxy function, the function is asked once to key
+// the identity, and then as net/http asks it: for every request over
+// HTTP/1.1, over HTTP/2 only for a request with no connection to ride.
+// Requests to cfg's host that it sends where the shared transport goes use
+// the shared transport; other requests go through client-go's own
+// transport for cfg, built at the first of them.
 //
 // A config the pool cannot share (its own Transport, one client-go would
 // send through [http.DefaultTransport], a custom Dial without
@@ -120,14 +126,23 @@ type configTransport struct {
 	// onlyHost, set when the config has a Proxy function, is the host that
 	// function was asked about when the identity was computed.
 	onlyHost string
-	// proxy is the config's Proxy function: asked again for every request
-	// to onlyHost, since it may send another path or scheme elsewhere than
-	// the request it was asked about when the identity was computed.
+	// proxy is the config's Proxy function, asked as net/http asks it (see
+	// viaProxy).
 	proxy func(*http.Request) (*url.URL, error)
+	// rides is the shared transport's connection that the last request to
+	// onlyHost the function was asked about came back over with HTTP/2:
+	// while it is open, net/http would send the config's requests over it
+	// without asking the function. Weak: a closed connection is not kept.
+	rides atomic.Pointer[weak.Pointer[countedConn]]
+	// viaClientGo: a request to onlyHost the function sent elsewhere than
+	// the shared transport came back over HTTP/2 through clientGo, which
+	// carries the config's requests to onlyHost from then on and asks the
+	// function itself when it dials.
+	viaClientGo atomic.Bool
 	// clientGo is client-go's transport for the config, built when first
-	// needed: for the requests pick gives to no generation, and for every
-	// request once WrappedRoundTripper handed it out. Nil for TLSTransport,
-	// which has no config.
+	// needed: for requests the shared transport does not carry, and for
+	// every request once WrappedRoundTripper handed it out. Nil for
+	// TLSTransport, which has no config.
 	clientGo *clientGoLater
 	// handedOut: WrappedRoundTripper gave clientGo to code that may change
 	// it in place; every request goes through it from then on.
@@ -135,22 +150,88 @@ type configTransport struct {
 }
 
 func (c *configTransport) RoundTrip(req *http.Request) (*http.Response, error) {
-	if c.handedOut.Load() {
+	switch {
+	case c.handedOut.Load():
+		return c.clientGo.RoundTrip(req)
+	case c.onlyHost == "":
+		return c.lease.RoundTrip(req)
+	case req.URL.Host != c.onlyHost || c.viaClientGo.Load():
+		// Another host: the function was asked about one host only.
 		return c.clientGo.RoundTrip(req)
 	}
-	return c.lease.roundTrip(req, c, c.clientGo)
+	if w := c.rides.Load(); w != nil {
+		if cc := w.Value(); cc != nil && cc.open() {
+			return c.lease.RoundTrip(req)
+		}
+	}
+	return c.viaProxy(req)
 }
 
-// pick sends req over the identity's current generation, unless the config
-// has a Proxy function that sends req elsewhere than the shared transport
-// goes: to another host, or by another route (asked per request, as
-// http.Transport asks it, and again before a resend).
-func (c *configTransport) pick(req *http.Request) *generation {
-	g := c.lease.e.current.Load()
-	if c.onlyHost != "" && (req.URL.Host != c.onlyHost || !sameProxy(c.proxy, g.transport.Proxy, req)) {
-		return nil
+// viaProxy sends req where the config's Proxy function sends it: over the
+// shared transport when that is where the shared transport goes, else
+// through clientGo. The function is asked as net/http asks it: for a
+// request that has no HTTP/2 connection to ride (every request over
+// HTTP/1.1), and its error fails the request.
+func (c *configTransport) viaProxy(req *http.Request) (*http.Response, error) {
+	u, err := c.proxy(req)
+	if err != nil {
+		if req.Body != nil {
+			req.Body.Close()
+		}
+		return nil, err
 	}
-	return g
+	shared, err := c.lease.e.current.Load().transport.Proxy(req) // the pool's own: the environment's, or the route
+	if err != nil || !sameURL(u, shared) {
+		resp, err := c.clientGo.RoundTrip(withAskedProxy(req, u))
+		if err == nil && resp.ProtoMajor == 2 {
+			c.viaClientGo.Store(true)
+		}
+		return resp, err
+	}
+	var conn atomic.Pointer[countedConn]
+	resp, err := c.lease.RoundTrip(withConnTrace(req, &conn))
+	if cc := conn.Load(); err == nil && resp.ProtoMajor == 2 && cc != nil {
+		w := weak.Make(cc)
+		c.rides.Store(&w)
+	}
+	return resp, err
+}
+
+// withConnTrace returns req with a trace that stores in conn the pool's
+// connection the request gets.
+func withConnTrace(req *http.Request, conn *atomic.Pointer[countedConn]) *http.Request {
+	trace := &httptrace.ClientTrace{GotConn: func(info httptrace.GotConnInfo) {
+		c := info.Conn
+		if tc, ok := c.(*tls.Conn); ok {
+			c = tc.NetConn()
+		}
+		if cc, ok := c.(*countedConn); ok {
+			conn.Store(cc)
+		}
+	}}
+	return req.WithContext(httptrace.WithClientTrace(req.Context(), trace))
+}
+
+// askedProxyKey keys, in a request's context, the answer the config's Proxy
+// function already gave for the request, so that client-go's transport for
+// the config (clientGoLater) does not ask it a second time.
+type askedProxyKey struct{}
+
+type askedProxy struct{ url *url.URL }
+
+func withAskedProxy(req *http.Request, u *url.URL) *http.Request {
+	return req.WithContext(context.WithValue(req.Context(), askedProxyKey{}, askedProxy{u}))
+}
+
+// answeredProxy returns proxy, answering a request whose answer it gave
+// already (withAskedProxy) without asking again.
+func answeredProxy(proxy func(*http.Request) (*url.URL, error)) func(*http.Request) (*url.URL, error) {
+	return func(req *http.Request) (*url.URL, error) {
+		if a, ok := req.Context().Value(askedProxyKey{}).(askedProxy); ok {
+			return a.url, nil
+		}
+		return proxy(req)
+	}
 }
 
 // CloseIdleConnections closes idle connections of both transports the
@@ -187,7 +268,11 @@ type clientGoLater struct {
 
 func (l *clientGoLater) get() (http.RoundTripper, error) {
 	l.once.Do(func() {
-		rt, err := clientGoTransport(l.tc)
+		tc := *l.tc
+		if tc.Proxy != nil {
+			tc.Proxy = answeredProxy(tc.Proxy)
+		}
+		rt, err := clientGoTransport(&tc)
 		if err != nil {
 			l.err = fmt.Errorf("sharedtransport: client-go's transport for the config: %w", err)
 			return
@@ -250,16 +335,6 @@ func (c *configTransport) WrappedRoundTripper() http.RoundTripper {
 }
 
 var _ utilnet.RoundTripperWrapper = &configTransport{}
-
-// sameProxy reports whether two proxy functions send req the same way.
-func sameProxy(got, want func(*http.Request) (*url.URL, error), req *http.Request) bool {
-	if got == nil || want == nil {
-		return (got == nil) == (want == nil)
-	}
-	g, err1 := got(req)
-	w, err2 := want(req)
-	return err1 == nil && err2 == nil && sameURL(g, w)
-}
 
 // sameURL compares two proxy URLs field by field: it runs per request, and
 // String would build two strings each time.

@@ -763,3 +763,117 @@ func TestTransportForUnwrapped(t *testing.T) {
 		})
 	}
 }
+
+// TestTransportForAsksProxyAsNetHTTP: over HTTP/2 net/http asks a config's
+// Proxy function when it dials, not per request: a request on an open
+// connection never consults it. Through TransportFor the function must not
+// be asked more often (beyond once when the config is given, to key its
+// identity), nor its answers acted on where net/http would not: a function
+// that starts failing fails no request that client-go alone sends, and one
+// that routes by path sends every request over the connection its first
+// request opened, as client-go alone does. Over HTTP/1.1 (DISABLE_HTTP2)
+// net/http asks it for every request, and so does the pool.
+func TestTransportForAsksProxyAsNetHTTP(t *testing.T) {
+	for name, disable := range map[string]string{"HTTP/2": "", "HTTP/1.1": "1"} {
+		t.Run(name, func(t *testing.T) {
+			t.Setenv("DISABLE_HTTP2", disable)
+			asksProxyAsNetHTTP(t)
+		})
+	}
+}
+
+func asksProxyAsNetHTTP(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	proxies := []*connectProxy{newConnectProxy(t), newConnectProxy(t)}
+	var urls []*url.URL
+	for _, p := range proxies {
+		u, err := url.Parse(p.url())
+		if err != nil {
+			t.Fatal(err)
+		}
+		urls = append(urls, u)
+	}
+	via := func(t *testing.T, path string) string {
+		ri, ok := f.srv.LastRequest(path)
+		if !ok {
+			t.Fatalf("the server saw no request for %s", path)
+		}
+		for i, p := range proxies {
+			if _, ok := p.Carried(ri.RemoteAddr, f.srv.Addr()); ok {
+				return fmt.Sprint("proxy ", i+1)
+			}
+		}
+		return "direct"
+	}
+	sides := []struct {
+		name  string
+		newRT func(*Pool, *rest.Config) (http.RoundTripper, error)
+	}{
+		{"pool", func(p *Pool, cfg *rest.Config) (http.RoundTripper, error) { return p.TransportFor(cfg) }},
+		{"client-go", func(_ *Pool, cfg *rest.Config) (http.RoundTripper, error) { return rest.TransportFor(cfg) }},
+	}
+	t.Run("a function that starts failing", func(t *testing.T) {
+		failed, calls := map[string]int{}, map[string]int64{}
+		for _, side := range sides {
+			var failing atomic.Bool
+			var n atomic.Int64
+			cfg := f.srv.RestConfig(f.alice)
+			cfg.Proxy = func(*http.Request) (*url.URL, error) {
+				n.Add(1)
+				if failing.Load() {
+					return nil, errors.New("no proxy for you")
+				}
+				return urls[0], nil
+			}
+			rt, err := side.newRT(newPool(t), cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if code, err := getVia(rt, f.srv.URL()+"/version"); err != nil || code >= 500 {
+				t.Fatalf("%s, the first request: %d %v", side.name, code, err)
+			}
+			failing.Store(true)
+			for range 6 {
+				if _, err := getVia(rt, f.srv.URL()+"/api/v1/nodes"); err != nil {
+					failed[side.name]++
+				}
+			}
+			calls[side.name] = n.Load()
+		}
+		if failed["pool"] != failed["client-go"] {
+			t.Errorf("requests failed: %d of 6 through the pool, %d through client-go alone", failed["pool"], failed["client-go"])
+		}
+		if calls["pool"] > calls["client-go"]+1 {
+			t.Errorf("the function was asked %d times through the pool, %d through client-go alone (the pool may ask once more, for the identity)", calls["pool"], calls["client-go"])
+		}
+	})
+	t.Run("a function that routes by path", func(t *testing.T) {
+		byPath := func(req *http.Request) (*url.URL, error) {
+			if strings.HasPrefix(req.URL.Path, "/api/") {
+				return urls[0], nil
+			}
+			return urls[1], nil
+		}
+		for _, first := range []string{"/api/v1/nodes", "/version"} {
+			vias := map[string][]string{}
+			for _, side := range sides {
+				cfg := f.srv.RestConfig(f.alice)
+				cfg.Proxy = byPath
+				rt, err := side.newRT(newPool(t), cfg)
+				if err != nil {
+					t.Fatal(err)
+				}
+				for _, path := range []string{first, "/apis/apps/v1", "/api/v1/pods", "/version", "/api/v1/nodes"} {
+					if code, err := getVia(rt, f.srv.URL()+path); err != nil || code >= 500 {
+						t.Fatalf("%s %s: %d %v", side.name, path, code, err)
+					}
+					vias[side.name] = append(vias[side.name], path+" "+via(t, path))
+				}
+				utilnet.CloseIdleConnectionsFor(rt)
+			}
+			if got, want := strings.Join(vias["pool"], ", "), strings.Join(vias["client-go"], ", "); got != want {
+				t.Errorf("first %s: through the pool %s; through client-go alone %s", first, got, want)
+			}
+		}
+	})
+}
