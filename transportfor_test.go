@@ -840,6 +840,8 @@ func asksProxyAsNetHTTP(t *testing.T) {
 			}
 			calls[side.name] = n.Load()
 		}
+		t.Logf("after the function failed: %d of 6 requests failed through the pool, %d through client-go alone; asked %d and %d times",
+			failed["pool"], failed["client-go"], calls["pool"], calls["client-go"])
 		if failed["pool"] != failed["client-go"] {
 			t.Errorf("requests failed: %d of 6 through the pool, %d through client-go alone", failed["pool"], failed["client-go"])
 		}
