@@ -107,7 +107,9 @@ func (t *hostTable) names() []string {
 //     until it has its connection.
 //
 // A request holds its place from admission until its response body ends
-// (EOF or Close, after which Go has freed the stream) or it fails.
+// (EOF or Close, after which Go has freed the stream) or it fails; one
+// cancelled after it was sent, under a cap, until the server has read the
+// reset (see resetting).
 type hostConns struct {
 	g     *generation
 	key   hostKey
@@ -144,6 +146,15 @@ type hostConns struct {
 	patience time.Duration
 	waiters  []chan struct{}
 	woken    int // waiters woken that have not looked again yet
+	// admitted numbers the requests admitted with a place, in order.
+	admitted uint64
+	// resetting are the places of requests cancelled after they were sent,
+	// under a cap: Go's HTTP/2 client counts such a stream against its
+	// connection until the server answers the PING it sends with the
+	// reset, so the place stays taken until a request admitted after the
+	// cancel gets its headers (the server has read the reset by then), a
+	// connection of the host closes, or resetHold passes.
+	resetting []*resetPlace
 	// failed changes when a request that went to get the host's only
 	// connection fails before it has one: the requests waiting for that
 	// connection then go at once, each on a connection of its own, as they
@@ -161,9 +172,21 @@ type holdSet struct {
 // admission is where a request goes and what it holds.
 type admission struct {
 	rt   *http.Transport
-	slot bool // counted in inflight until its body ends
-	lead bool // the waiters wait for its connection
-	look bool // its connection tells the protocol: trace it
+	slot bool   // counted in inflight until its body ends
+	seq  uint64 // with slot: its number among the host's admissions
+	lead bool   // the waiters wait for its connection
+	look bool   // its connection tells the protocol: trace it
+}
+
+// resetHold bounds how long the place of a cancelled request stays taken
+// when nothing shows that the server read the reset.
+const resetHold = time.Second
+
+// resetPlace is the place of a request cancelled after it was sent.
+type resetPlace struct {
+	after uint64 // the admissions up to the cancel
+	set   *holdSet
+	timer *time.Timer
 }
 
 func (g *generation) hostFor(req *http.Request) *hostConns {
@@ -210,6 +233,7 @@ func (hc *hostConns) admit(ctx context.Context) (admission, error) {
 	for {
 		if inTurn {
 			if a, ok := hc.tryAdmitLocked(); ok {
+				a.seq = hc.admitted
 				if front {
 					hc.wakeOneLocked() // the next may find a place too
 				}
@@ -263,11 +287,12 @@ func (hc *hostConns) admit(ctx context.Context) (admission, error) {
 			// one at a time. Not looked at: an HTTP/1.1 connection offered
 			// nothing else.
 			hc.holdLocked()
+			a := admission{rt: hc.g.http1, slot: true, seq: hc.admitted}
 			if front {
 				hc.wakeOneLocked() // one that came since may go too
 			}
 			hc.mu.Unlock()
-			return admission{rt: hc.g.http1, slot: true}, nil
+			return a, nil
 		}
 	}
 }
@@ -385,19 +410,57 @@ func (hc *hostConns) leadLocked() admission {
 func (hc *hostConns) holdLocked() {
 	hc.inflight++
 	hc.awaiting++
+	hc.admitted++
 }
 
 // answered ends the wait of an admitted request for its headers and returns
 // the holds its body is counted in; failed, the request lets go of its hold.
-func (hc *hostConns) answered(failed bool) *holdSet {
+// Its headers show that the server read every reset sent before it was
+// admitted (seq).
+func (hc *hostConns) answered(seq uint64, failed bool) *holdSet {
 	hc.mu.Lock()
 	hc.awaiting--
 	set := hc.holds
+	if !failed {
+		hc.resetReadLocked(func(r *resetPlace) bool { return r.after < seq })
+	}
 	hc.mu.Unlock()
 	if failed {
 		hc.release(set)
 	}
 	return set
+}
+
+// cancelled ends the wait of an admitted request that its context ended
+// after it was sent, under a cap over HTTP/2: its place stays taken until
+// the server has read the reset (see resetting).
+func (hc *hostConns) cancelled() {
+	hc.mu.Lock()
+	defer hc.mu.Unlock()
+	hc.awaiting--
+	r := &resetPlace{after: hc.admitted, set: hc.holds}
+	r.timer = time.AfterFunc(resetHold, func() {
+		hc.mu.Lock()
+		defer hc.mu.Unlock()
+		hc.resetReadLocked(func(o *resetPlace) bool { return o == r })
+	})
+	hc.resetting = append(hc.resetting, r)
+}
+
+// resetReadLocked frees the places of resetting that read reports the
+// server has read.
+func (hc *hostConns) resetReadLocked(read func(*resetPlace) bool) {
+	hc.resetting = slices.DeleteFunc(hc.resetting, func(r *resetPlace) bool {
+		if !read(r) {
+			return false
+		}
+		r.timer.Stop()
+		if !r.set.forgiven {
+			hc.inflight--
+		}
+		hc.wakeOneLocked()
+		return true
+	})
 }
 
 func (hc *hostConns) wakeOneLocked() {
@@ -475,7 +538,10 @@ func (hc *hostConns) learnLocked(c *countedConn, lead, idle bool) {
 func (hc *hostConns) connClosed() {
 	hc.mu.Lock()
 	hc.conns--
-	hc.wakeAllLocked() // one of them may have to get the next connection
+	// Its streams are gone, resets pending or not; the waiters may have
+	// to get the next connection.
+	hc.resetReadLocked(func(*resetPlace) bool { return true })
+	hc.wakeAllLocked()
 	hc.mu.Unlock()
 }
 
@@ -591,8 +657,11 @@ func (g *generation) roundTrip(l *lease, req *http.Request) (*http.Response, err
 		lk.ended(req.Context(), err)
 	}
 	var set *holdSet
-	if a.slot {
-		set = hc.answered(err != nil)
+	switch {
+	case a.slot && err != nil && req.Context().Err() != nil && g.maxConns > 0 && a.rt == g.transport && hc.protocol() == protoHTTP2:
+		hc.cancelled()
+	case a.slot:
+		set = hc.answered(a.seq, err != nil)
 	}
 	if err != nil {
 		if busy {

@@ -949,3 +949,52 @@ func TestLongRunning(t *testing.T) {
 		}
 	}
 }
+
+// TestConnectionCapCancelledRequests: under WithMaxConnsPerHost, requests
+// cancelled after they were sent do not let the pool pass the cap: Go's
+// HTTP/2 client counts a stream it reset until the server confirms the
+// reset, so a place freed when the request returns would be one Go does
+// not have. 40 requests the server holds, then bursts of 200 requests each
+// cancelled after 0-3 ms; the held ones and a last list all succeed.
+func TestConnectionCapCancelledRequests(t *testing.T) {
+	for _, limit := range []int{1, 2} {
+		t.Run(fmt.Sprint("cap ", limit), func(t *testing.T) {
+			f := newFixture(t, testserver.Options{Latency: 300 * time.Millisecond})
+			p := newPool(t, WithMaxConnsPerHost(limit))
+			client := httpClient(t, p, f.srv.RestConfig(f.alice))
+			ctx := context.Background()
+			held := make(chan error, 40)
+			for range 40 {
+				go func() {
+					_, err := getUA(ctx, client, f.srv.URL(), "held")
+					held <- err
+				}()
+			}
+			waitFor(t, "40 requests held", func() bool { return f.srv.Delayed() >= 40 })
+			for round := range 5 {
+				var wg sync.WaitGroup
+				for i := range 200 {
+					wg.Add(1)
+					go func() {
+						defer wg.Done()
+						ctx, cancel := context.WithTimeout(ctx, time.Duration((i+round)%4)*time.Millisecond)
+						defer cancel()
+						getUA(ctx, client, f.srv.URL(), "cancelled")
+					}()
+				}
+				wg.Wait()
+			}
+			for range 40 {
+				if err := <-held; err != nil {
+					t.Errorf("a held request failed: %v", err)
+				}
+			}
+			if _, err := getUA(ctx, client, f.srv.URL(), "last"); err != nil {
+				t.Errorf("a request after the bursts: %v", err)
+			}
+			if st := f.srv.Stats(); st.Accepted > uint64(limit) || int(st.PeakOpen) > limit {
+				t.Errorf("cap %d: the server accepted %d connections, %d open at once", limit, st.Accepted, st.PeakOpen)
+			}
+		})
+	}
+}
