@@ -63,6 +63,14 @@ func New(opts ...Option) *Pool {
 
 var defaultPool = sync.OnceValue(func() *Pool { return New() })
 
+// Default returns the package's default pool, the one [Wrap],
+// [TransportFor], [HTTPClientFor], [TLSTransport] and
+// [BuildConfigFromFlags] use. It is created with [New]'s defaults at first
+// use. Its [Pool.Stats], [Pool.Identities] and [Pool.Close] work as on any
+// pool; once closed it stays closed, and the package-level functions return
+// [ErrClosed].
+func Default() *Pool { return defaultPool() }
+
 // Wrap installs the package's default pool in cfg: the one-line drop-in for
 // code that already builds a [rest.Config]. See [Pool.Wrap].
 func Wrap(cfg *rest.Config) error { return defaultPool().Wrap(cfg) }

@@ -8,6 +8,7 @@ import (
 	"crypto/x509"
 	"crypto/x509/pkix"
 	"encoding/pem"
+	"errors"
 	"fmt"
 	"io"
 	"math/big"
@@ -155,4 +156,52 @@ sharedtransport_identities 2
 		t.Errorf("lint: %v %v", problems, err)
 	}
 	runtime.KeepAlive(cfgs) // their identities stay live through the scrapes
+}
+
+// TestCollectorDefaultPool: the package's default pool, which the
+// package-level functions use, is reachable and can be collected.
+func TestCollectorDefaultPool(t *testing.T) {
+	srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		fmt.Fprint(w, r.TLS.PeerCertificates[0].Subject.CommonName)
+	}))
+	srv.EnableHTTP2 = true
+	srv.TLS = &tls.Config{ClientAuth: tls.RequireAnyClientCert}
+	srv.StartTLS()
+	defer srv.Close()
+	caPEM := pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: srv.Certificate().Raw})
+	cert, key := clientCert(t, "alice", time.Now().Add(time.Hour))
+	cfg := &rest.Config{Host: srv.URL, TLSClientConfig: rest.TLSClientConfig{CAData: caPEM, CertData: cert, KeyData: key}}
+	if err := sharedtransport.Wrap(cfg); err != nil {
+		t.Fatal(err)
+	}
+	client, err := rest.HTTPClientFor(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp, err := client.Get(srv.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+	want := `
+# HELP sharedtransport_handshakes_total TLS handshakes, by kind: full or resumed.
+# TYPE sharedtransport_handshakes_total counter
+sharedtransport_handshakes_total{kind="full"} 1
+sharedtransport_handshakes_total{kind="resumed"} 0
+# HELP sharedtransport_identities Identities with a live transport.
+# TYPE sharedtransport_identities gauge
+sharedtransport_identities 1
+`
+	if err := testutil.CollectAndCompare(NewCollector(sharedtransport.Default()), strings.NewReader(want),
+		"sharedtransport_handshakes_total", "sharedtransport_identities"); err != nil {
+		t.Error(err)
+	}
+	runtime.KeepAlive(cfg)
+	if err := sharedtransport.Default().Close(); err != nil {
+		t.Fatal(err)
+	}
+	if err := sharedtransport.Wrap(&rest.Config{Host: srv.URL}); !errors.Is(err, sharedtransport.ErrClosed) {
+		t.Errorf("Wrap on the closed default pool: %v, want ErrClosed", err)
+	}
 }
