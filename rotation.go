@@ -16,8 +16,7 @@ import (
 type filesState struct {
 	// mu serializes the reads that may rotate (a reload, a fresh check), so
 	// an older read never replaces what a newer one took; it guards the
-	// fields below. It is taken before entry.mu (rotate) and never with
-	// pool.mu held.
+	// fields below. See Pool for the order of locks.
 	mu       sync.Mutex
 	readAt   time.Time // when the files were last read (options.now)
 	err      error     // why that read was rejected; nil: the files hold the material in use

@@ -7,6 +7,7 @@ package sharedtransport
 
 import (
 	"errors"
+	"fmt"
 	"runtime"
 	"sync"
 	"sync/atomic"
@@ -28,10 +29,11 @@ var ErrClosed = errors.New("sharedtransport: pool is closed")
 // [rest.Config]s it wrapped that have the same TLS identity. The zero value is
 // not usable; create pools with [New]. A Pool is safe for concurrent use.
 //
-// Locks are taken in this order, never the other way: a hook's mu (wrapper.go),
-// then the pool's mu, then an entry's mu (entry.go), then the watcher's and
-// the file reads' (rotation.go, material.go), then a generation's and a
-// host's (the connection layer).
+// Locks are taken in this order, never the other way: the pool's mu, or an
+// identity's file state (filesState.mu, rotation.go, held across the reads
+// it serializes), never both; then an entry's mu (entry.go); then the
+// watcher's (watch.go), a generation's and a host's (the connection layer).
+// A hook's mu (wrapper.go) and an entry's clientGoMu are taken alone.
 type Pool struct {
 	opts  options
 	group singleflight.Group // one build per identity under concurrent first use
@@ -183,6 +185,21 @@ func (p *Pool) shutdown() error {
 	}
 	return nil
 }
+
+// String summarizes the pool in one line: what it holds now and what it
+// did, never its fields, which hold key material and change under locks.
+func (p *Pool) String() string {
+	st := p.Stats()
+	closed := ""
+	if p.isClosed() {
+		closed = ", closed"
+	}
+	return fmt.Sprintf("sharedtransport.Pool{identities: %d, open connections: %d, dials: %d, hits: %d, misses: %d, passed through: %d%s}",
+		st.Identities, st.OpenConns, st.Dials, st.Hits, st.Misses, st.PassThrough, closed)
+}
+
+// GoString keeps %#v as short as %v.
+func (p *Pool) GoString() string { return p.String() }
 
 func (p *Pool) isClosed() bool {
 	p.mu.Lock()

@@ -9,6 +9,7 @@ import (
 	"net/url"
 	"path/filepath"
 	"runtime"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -699,4 +700,29 @@ func (c *heldOnClose) Close() error {
 	c.closing()
 	<-c.release
 	return c.Conn.Close()
+}
+
+// TestPoolString: a pool prints as one line of counts, under %v, %+v and
+// %#v alike, never its fields (key material, and state that changes under
+// the pool's locks while it is printed).
+func TestPoolString(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	p := newPool(t)
+	cfg := f.srv.RestConfig(f.alice)
+	if err := p.Wrap(cfg); err != nil {
+		t.Fatal(err)
+	}
+	if err := listNodes(context.Background(), cfg); err != nil {
+		t.Fatal(err)
+	}
+	want := "sharedtransport.Pool{identities: 1, open connections: 1, dials: 1, hits: 0, misses: 1, passed through: 0}"
+	for _, verb := range []string{"%v", "%+v", "%#v", "%s"} {
+		if got := fmt.Sprintf(verb, p); got != want {
+			t.Errorf("%s: %s, want %s", verb, got, want)
+		}
+	}
+	p.Close()
+	if got := p.String(); !strings.HasSuffix(got, ", closed}") {
+		t.Errorf("closed: %s", got)
+	}
 }

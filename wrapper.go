@@ -250,15 +250,24 @@ func (id *identity) withWrapperHeader(rt http.RoundTripper) http.RoundTripper {
 }
 
 // current returns the hook's lease, taking a new one when it was collected.
+// The lock is not held while the lease is taken, which may read the
+// identity's files: a client built meanwhile takes one too, and the lease
+// kept is the first one stored (the other is collected and released).
 func (h *hook) current() (*lease, error) {
 	h.mu.Lock()
-	defer h.mu.Unlock()
-	if l := h.lease.Value(); l != nil {
+	l := h.lease.Value()
+	h.mu.Unlock()
+	if l != nil {
 		return l, nil
 	}
 	l, err := h.pool.acquire(h.id)
 	if err != nil {
 		return nil, err
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if kept := h.lease.Value(); kept != nil {
+		return kept, nil
 	}
 	h.lease = weak.Make(l)
 	return l, nil
