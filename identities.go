@@ -31,17 +31,10 @@ type IdentityInfo struct {
 	// Files are the CA, client certificate and key files watched for
 	// rotation.
 	Files []string
-	// Watch is how the files are watched: "file events" (with polling
-	// besides, see [WithPollInterval]), "polling" when the kernel refused
-	// a watch on one of their directories, "none" when neither runs, and ""
-	// without files.
-	Watch string
-	// Auth says what the identity authenticates with at the TLS layer:
-	// "client certificate", "exec plugin" (a certificate the plugin gives at
-	// handshake time), "insecure" (the server is not verified; a client
-	// certificate may be presented besides), or "none" (tokens and basic
-	// auth travel per request and are not part of the identity).
-	Auth string
+	// Watch is how the files are watched; "" without files.
+	Watch WatchMode
+	// Auth is what the identity authenticates with at the TLS layer.
+	Auth AuthKind
 	// CertSubject and CertNotAfter are the common name and expiry of the
 	// client certificate in use; empty for exec plugins and identities
 	// without a certificate.
@@ -69,6 +62,35 @@ type IdentityInfo struct {
 	// it, clients built before keep the last good material.
 	FilesError string
 }
+
+// WatchMode is how an identity's files are watched for rotation.
+type WatchMode string
+
+const (
+	// WatchFileEvents: file events, with polling besides (see
+	// [WithPollInterval]).
+	WatchFileEvents WatchMode = "file events"
+	// WatchPolling: polling alone, because the kernel refused a watch on
+	// one of the files' directories.
+	WatchPolling WatchMode = "polling"
+	// WatchNone: neither runs.
+	WatchNone WatchMode = "none"
+)
+
+// AuthKind is what an identity authenticates with at the TLS layer.
+type AuthKind string
+
+const (
+	AuthClientCertificate AuthKind = "client certificate"
+	// AuthExecPlugin: a certificate an exec plugin gives at handshake time.
+	AuthExecPlugin AuthKind = "exec plugin"
+	// AuthInsecure: the server is not verified; a client certificate may
+	// be presented besides.
+	AuthInsecure AuthKind = "insecure"
+	// AuthNone: tokens and basic auth travel per request and are not part
+	// of the identity.
+	AuthNone AuthKind = "none"
+)
 
 // identityCounters are one identity's share of the pool's counters, counted
 // at the same places.
@@ -153,13 +175,13 @@ func (e *entry) info(watch *identityWatch) IdentityInfo {
 	}
 	switch {
 	case id.key.insecure:
-		info.Auth = "insecure"
+		info.Auth = AuthInsecure
 	case id.key.getCert != nil:
-		info.Auth = "exec plugin"
+		info.Auth = AuthExecPlugin
 	case g.material.cert != nil:
-		info.Auth = "client certificate"
+		info.Auth = AuthClientCertificate
 	default:
-		info.Auth = "none"
+		info.Auth = AuthNone
 	}
 	if watch != nil {
 		info.Watch = watch.mode()
@@ -174,7 +196,7 @@ func (e *entry) info(watch *identityWatch) IdentityInfo {
 }
 
 // mode says how iw's files are watched; see IdentityInfo.Watch.
-func (iw *identityWatch) mode() string {
+func (iw *identityWatch) mode() WatchMode {
 	w := iw.w
 	events := !w.pool.opts.disableNotify
 	w.mu.Lock()
@@ -186,11 +208,11 @@ func (iw *identityWatch) mode() string {
 	w.mu.Unlock()
 	switch {
 	case events:
-		return "file events"
+		return WatchFileEvents
 	case w.pool.opts.disableNotify && w.pool.opts.pollInterval == 0:
-		return "none"
+		return WatchNone
 	default:
-		return "polling"
+		return WatchPolling
 	}
 }
 

@@ -69,7 +69,7 @@ func poolViewOf(ids []sharedtransport.IdentityInfo, members []memberResult) []po
 			}
 			used[i] = true
 			row := server
-			row.Identity, row.Auth, row.Host, row.Proxy = id.Name, id.Auth, strings.Join(id.Hosts, ","), id.Proxy
+			row.Identity, row.Auth, row.Host, row.Proxy = id.Name, string(id.Auth), strings.Join(id.Hosts, ","), id.Proxy
 			row.PoolOpen, row.PoolDials, row.PoolFull, row.PoolResumed = id.OpenConns, id.Dials, id.Handshakes, id.Resumptions
 			dials, full, resumed = dials+id.Dials, full+id.Handshakes, resumed+id.Resumptions
 			mine = append(mine, row)
@@ -86,7 +86,7 @@ func poolViewOf(ids []sharedtransport.IdentityInfo, members []memberResult) []po
 	}
 	for i, id := range ids {
 		if !used[i] {
-			rows = append(rows, poolMember{Identity: id.Name, Auth: id.Auth, Host: strings.Join(id.Hosts, ","), Proxy: id.Proxy,
+			rows = append(rows, poolMember{Identity: id.Name, Auth: string(id.Auth), Host: strings.Join(id.Hosts, ","), Proxy: id.Proxy,
 				PoolOpen: id.OpenConns, PoolDials: id.Dials, PoolFull: id.Handshakes, PoolResumed: id.Resumptions})
 		}
 	}
