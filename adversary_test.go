@@ -328,7 +328,7 @@ func TestAdversaryProxyErrorPassword(t *testing.T) {
 }
 
 // TestAdversaryDisableHTTP2AfterWrap: the ALPN a client-go transport must
-// offer is fixed at Wrap (identity.alpn), while each new generation is built
+// offer is fixed at Wrap (identity.nextProtos), while each new generation is built
 // with utilnet.SetTransportDefaults, which reads DISABLE_HTTP2 again. After
 // the variable changes and the files rotate, clients whose client-go
 // transport speaks HTTP/2 are moved to a generation that speaks HTTP/1.1.
@@ -959,14 +959,13 @@ func TestAdversaryProxyTokenAsUserName(t *testing.T) {
 // TestAdversaryWrapperChangesTLSInPlace: a wrapper in the original's
 // WrapTransport (set before Wrap) that changes the TLS configuration of the
 // *http.Transport it is handed, in place (here a certificate of its own; a
-// debugging key log, a CA added to the roots, are the same). Wrap runs the
-// wrappers over a probe to find out what they do, but the probe has no TLS
-// configuration: the wrapper panics there (recovered, and taken for one that
-// does nothing), or skips it when it checks first. Above the hook, the
-// wrapper that type-asserts is handed the pool's round tripper and does
-// nothing; the one that unwraps changes client-go's transport after the
-// hook found it to be the identity's own (certificate files: client-go's
-// cached transport for them).
+// debugging key log, a CA added to the roots, are the same). Wrap never runs
+// wrappers to find out what they do: undeclared, the config passes through,
+// and the wrapper changes client-go's transport as without the pool. Above
+// the hook, the wrapper that type-asserts is handed the pool's round
+// tripper and does nothing; the one that unwraps changes client-go's
+// transport after the hook found it to be the identity's own (certificate
+// files: client-go's cached transport for them).
 func TestAdversaryWrapperChangesTLSInPlace(t *testing.T) {
 	f := newFixture(t, testserver.Options{})
 	r := newCopyRig(t, testserver.Options{CA: f.ca})

@@ -180,8 +180,8 @@ func WithLogger(logger klog.Logger) Option {
 // Wrappers declares what the wrappers already in a config's WrapTransport
 // do to its connections, for [Pool.WrapDeclared], [Pool.TransportForDeclared]
 // and [Pool.HTTPClientForDeclared]: nothing, but that requests through a
-// proxy carry ProxyConnectHeader on their CONNECT. Karmada's Spec.ProxyHeader
-// wrapper is such a wrapper.
+// proxy carry ProxyConnectHeader on their CONNECT, as a wrapper that sets a
+// cluster's proxy header on a cloned transport does.
 //
 // The pool cannot read a wrapper's code, so a config that has wrappers when
 // it is given passes through to client-go's own transport unless they are

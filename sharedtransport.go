@@ -120,8 +120,8 @@ func (p *Pool) Wrap(cfg *rest.Config) error { return p.wrap(cfg, given{}) }
 
 // WrapDeclared is [Pool.Wrap] for a config whose WrapTransport already holds
 // wrappers, with what they do declared by w (see [Wrappers]). Like Wrap it
-// passes a config with a Proxy or Dial through: for such a config (Karmada's
-// member configs with a ProxyURL) use [Pool.HTTPClientForDeclared].
+// passes a config with a Proxy or Dial through: for such a config (a member
+// cluster's config with a ProxyURL) use [Pool.HTTPClientForDeclared].
 func (p *Pool) WrapDeclared(cfg *rest.Config, w Wrappers) error { return p.wrap(cfg, declared(w)) }
 
 func (p *Pool) wrap(cfg *rest.Config, g given) error {

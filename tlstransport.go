@@ -1,6 +1,6 @@
 // The transport-level entry point: the pool's counterpart of the
 // *http.Transport that code which never builds a rest.Config makes for
-// itself (Karmada's cluster proxy, karmada-search, OCM's cluster-proxy).
+// itself (a multi-cluster apiserver's proxy to its member clusters).
 
 package sharedtransport
 
@@ -28,10 +28,10 @@ type TLSTransportConfig struct {
 	// InsecureSkipVerify, ServerName, NextProtos, MinVersion and MaxVersion
 	// may be set; any other field is refused, since the pool could not tell
 	// two values of it apart. The pool keeps a copy. RootCAs with
-	// InsecureSkipVerify is taken as Go takes it, unverified (Karmada's
-	// configuration of a cluster with insecureSkipTLSVerification and a
-	// Secret); both are part of the identity, so it never shares a
-	// connection with a verifying configuration.
+	// InsecureSkipVerify is taken as Go takes it, unverified (a cluster
+	// marked insecure whose Secret still carries a CA); both are part of
+	// the identity, so it never shares a connection with a verifying
+	// configuration.
 	TLS *tls.Config
 	// Proxy, when set, is the proxy every request goes through (as
 	// http.ProxyURL(Proxy)); nil uses the environment's proxy as
