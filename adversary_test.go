@@ -691,7 +691,7 @@ func TestAdversaryTransportForProxyPerPath(t *testing.T) {
 			cfg := f.srv.RestConfig(f.alice)
 			cfg.Proxy = tc.proxy
 			vias := map[string][]string{}
-			for name, newRT := range map[string]func(*rest.Config) (http.RoundTripper, error){"pool": p.TransportFor, "client-go": rest.TransportFor} {
+			for name, newRT := range map[string]func(*rest.Config) (http.RoundTripper, error){"pool": transportForFn(p), "client-go": rest.TransportFor} {
 				rt, err := newRT(rest.CopyConfig(cfg))
 				if err != nil {
 					t.Fatal(err)

@@ -203,7 +203,7 @@ func TestBadFilesAfterGood(t *testing.T) {
 			return (&tagRoundTripper{next: rt, tag: "rotating", cn: cn.Load().(string)}).RoundTrip(req)
 		})
 	})
-	if err := p.WrapDeclared(cfg, Wrappers{}); err != nil { // the tag leaves connections alone
+	if err := p.Wrap(cfg, WithPerRequestWrappers()); err != nil { // the tag leaves connections alone
 		t.Fatal(err)
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)

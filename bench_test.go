@@ -99,7 +99,7 @@ func BenchmarkRoundTrip(b *testing.B) {
 			c.Proxy = http.ProxyURL(nil)
 			transportFor := rest.TransportFor
 			if pooled {
-				transportFor = newPool(b).TransportFor
+				transportFor = transportForFn(newPool(b))
 			}
 			rt, err := transportFor(c)
 			if err != nil {
@@ -223,7 +223,7 @@ func BenchmarkWrap(b *testing.B) {
 			p := newPool(b)
 			b.ReportAllocs()
 			for b.Loop() {
-				if err := p.WrapDeclared(tc.cfg(), Wrappers{}); err != nil {
+				if err := p.Wrap(tc.cfg(), WithPerRequestWrappers()); err != nil {
 					b.Fatal(err)
 				}
 			}
@@ -247,13 +247,13 @@ func BenchmarkTransportFor(b *testing.B) {
 			// The pool's entry points are told that the wrapper of
 			// inline+wrapper leaves connections alone.
 			{"Wrap+rest.TransportFor", func(p *Pool, cfg *rest.Config) (http.RoundTripper, error) {
-				if err := p.WrapDeclared(cfg, Wrappers{}); err != nil {
+				if err := p.Wrap(cfg, WithPerRequestWrappers()); err != nil {
 					return nil, err
 				}
 				return rest.TransportFor(cfg)
 			}},
 			{"pool.TransportFor", func(p *Pool, cfg *rest.Config) (http.RoundTripper, error) {
-				return p.TransportForDeclared(cfg, Wrappers{})
+				return p.TransportFor(cfg, WithPerRequestWrappers())
 			}},
 		} {
 			b.Run(tc.name+"/"+way.name, func(b *testing.B) {

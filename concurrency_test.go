@@ -258,7 +258,7 @@ func (r *raceRound) spawnFresh(loop string) {
 		kind := raceKinds[rnd.IntN(len(raceKinds))]
 		cfg := r.h.newConfig(kind)
 		start := r.begin()
-		cs, err := declaredClientset(r.p, cfg, Wrappers{}) // the tag leaves connections alone
+		cs, err := declaredClientset(r.p, cfg, WithPerRequestWrappers()) // the tag leaves connections alone
 		r.end(start, "Wrap", loop, wrapCall, err)
 		if err != nil {
 			return
@@ -277,7 +277,7 @@ func (r *raceRound) spawnFresh(loop string) {
 // their requests, and once Close has returned each must fail.
 func (r *raceRound) spawnLongLived(t *testing.T, kind string) {
 	cfg := r.h.newConfig(kind)
-	cs, err := declaredClientset(r.p, cfg, Wrappers{})
+	cs, err := declaredClientset(r.p, cfg, WithPerRequestWrappers())
 	if err != nil {
 		t.Fatal(err)
 	}

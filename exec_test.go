@@ -60,7 +60,7 @@ func checkExecRotation(t *testing.T, opts ...Option) {
 				cfg.Dial = (&net.Dialer{}).DialContext
 				cs, err = pooledClientset(p, cfg)
 			} else {
-				cs, err = wrapped(cfg, p.Wrap)
+				cs, err = wrapped(cfg, wrapFn(p))
 			}
 			if err != nil {
 				t.Fatal(err)

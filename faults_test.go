@@ -376,7 +376,7 @@ func TestGoaway(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			p := newPool(t, tc.opts...)
-			srv, st := load(t, p.Wrap)
+			srv, st := load(t, wrapFn(p))
 			tc.check(t, st)
 			// A connection that got GOAWAY closes when its last stream ends.
 			waitFor(t, "at most one connection left, counted alike by pool and server", func() bool {

@@ -235,7 +235,7 @@ func TestCountingWrapperDeclared(t *testing.T) {
 		cfg, control := f.srv.RestConfig(f.alice), f.srv.RestConfig(f.alice)
 		cfg.Wrap(pooled.counting(identity))
 		control.Wrap(alone.counting(identity))
-		if err := p.WrapDeclared(cfg, Wrappers{}); err != nil {
+		if err := p.Wrap(cfg, WithPerRequestWrappers()); err != nil {
 			t.Fatal(err)
 		}
 		for range 3 {
@@ -341,8 +341,8 @@ func TestUndeclaredWrappersLoggedOnce(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	if n := logs.count("WrapDeclared"); n != 1 || p.Stats().PassThrough != 3 {
-		t.Errorf("3 configs with undeclared wrappers: %d log lines naming WrapDeclared, %d passed through; want 1 and 3",
+	if n := logs.count("Wrap"); n != 1 || p.Stats().PassThrough != 3 {
+		t.Errorf("3 configs with undeclared wrappers: %d log lines naming Wrap, %d passed through; want 1 and 3",
 			n, p.Stats().PassThrough)
 	}
 }

@@ -113,7 +113,7 @@ type identity struct {
 
 	// connectHeader is sent with every CONNECT request to a proxy. For a
 	// config it is what the caller declared its wrappers set
-	// (WrapDeclared and the like), so client-go's transport, where a client keeps it,
+	// (WithProxyConnectHeader), so client-go's transport, where a client keeps it,
 	// gets it the same way.
 	connectHeader http.Header
 
@@ -205,7 +205,7 @@ func (p *Pool) identityOf(cfg *rest.Config, tc *transport.Config, g given, req *
 		p.undeclaredWrappers(cfg)
 		return nil, false, nil // pass through: code the pool cannot read
 	}
-	id.connectHeader = g.wrappers.ProxyConnectHeader
+	id.connectHeader = g.connectHeader
 	proxy, share := p.setProxy(id, cfg, req)
 	if !share {
 		return nil, false, nil // pass through: a Proxy function that fails
@@ -238,7 +238,7 @@ func (p *Pool) setProxy(id *identity, cfg *rest.Config, req *http.Request) (prox
 func (p *Pool) undeclaredWrappers(cfg *rest.Config) {
 	p.undeclaredOnce.Do(func() {
 		p.opts.logger.V(2).Info("Config passes through: its WrapTransport holds wrappers the pool cannot read; "+
-			"declare what they do with WrapDeclared, TransportForDeclared or HTTPClientForDeclared to share its transport (logged once)", "host", redactHost(cfg.Host))
+			"declare what they do with WithPerRequestWrappers or WithProxyConnectHeader to share its transport (logged once)", "host", redactHost(cfg.Host))
 	})
 }
 

@@ -201,7 +201,7 @@ func loadBothSides(t *testing.T, p *Pool, a, b isolationSide) {
 		cfg := s.cfg()
 		cfg.QPS, cfg.Burst = 1e6, 1e6 // client-go's rate limiter is not under test
 		tag(cfg, string(rune('A'+i)), s.cn)
-		cs, err := declaredClientset(p, cfg, Wrappers{}) // the tag leaves connections alone
+		cs, err := declaredClientset(p, cfg, WithPerRequestWrappers()) // the tag leaves connections alone
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -3,7 +3,6 @@
 package sharedtransport
 
 import (
-	"net/http"
 	"time"
 
 	"k8s.io/client-go/rest"
@@ -175,34 +174,4 @@ func WithExpiryWarning(d time.Duration) Option {
 // "sharedtransport". Nothing logged ever contains key material or tokens.
 func WithLogger(logger klog.Logger) Option {
 	return func(o *options) { o.logger = logger }
-}
-
-// Wrappers declares what the wrappers already in a config's WrapTransport
-// do to its connections, for [Pool.WrapDeclared], [Pool.TransportForDeclared]
-// and [Pool.HTTPClientForDeclared]: nothing, but that requests through a
-// proxy carry ProxyConnectHeader on their CONNECT, as a wrapper that sets a
-// cluster's proxy header on a cloned transport does.
-//
-// The pool cannot read a wrapper's code, so a config that has wrappers when
-// it is given passes through to client-go's own transport unless they are
-// declared. Declared, they sit above the pool's round tripper and must send
-// every request through the round tripper they are handed (a wrapper that
-// clones an [http.Transport] it finds there, and otherwise passes the request
-// on, does); the pool sets the header on the shared transport's CONNECT
-// requests itself. The header is part of the identity: configs declaring
-// other headers never share a connection.
-type Wrappers struct {
-	// ProxyConnectHeader is what the wrappers add to CONNECT requests; nil
-	// when they add nothing.
-	ProxyConnectHeader http.Header
-}
-
-// given is what a caller gave with a config beyond the config itself.
-type given struct {
-	declared bool
-	wrappers Wrappers
-}
-
-func declared(w Wrappers) given {
-	return given{declared: true, wrappers: Wrappers{ProxyConnectHeader: w.ProxyConnectHeader.Clone()}}
 }

@@ -681,6 +681,6 @@ func memberStats(t testing.TB, m *testserver.Process) testserver.Stats {
 // ProxyHeader wrapper declared.
 func declaredFor(p *Pool) func(*rest.Config, http.Header) (http.RoundTripper, error) {
 	return func(cfg *rest.Config, h http.Header) (http.RoundTripper, error) {
-		return p.TransportForDeclared(cfg, Wrappers{ProxyConnectHeader: h})
+		return p.TransportFor(cfg, WithProxyConnectHeader(h))
 	}
 }

@@ -38,7 +38,7 @@ func transportsUnderTest(t *testing.T) []struct {
 	return []struct {
 		name string
 		rt   func(*rest.Config) (http.RoundTripper, error)
-	}{{"client-go alone", rest.TransportFor}, {"pool", p.TransportFor}}
+	}{{"client-go alone", rest.TransportFor}, {"pool", transportForFn(p)}}
 }
 
 type upgradeResponder struct{ err atomic.Pointer[error] }

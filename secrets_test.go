@@ -145,7 +145,7 @@ func (sc *secretsScan) proxied(t *testing.T, proxyPassword, proxyCred string) ku
 	proxyCfg.Proxy = http.ProxyURL(proxyURL)
 	header := http.Header{"Proxy-Authorization": {"Basic " + proxyCred}}
 	proxyCfg.WrapTransport = memberproxy.ProxyHeaderWrapper(nil, header)
-	cs, err := declaredClientset(sc.p, proxyCfg, Wrappers{ProxyConnectHeader: header})
+	cs, err := declaredClientset(sc.p, proxyCfg, WithProxyConnectHeader(header))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -341,7 +341,7 @@ func TestHostPasswordRedacted(t *testing.T) {
 	for _, withProxy := range []bool{false, true} {
 		cfg := &rest.Config{Host: "https://admin:" + password + "@127.0.0.1:6443"}
 		cfg.Insecure = true
-		give := p.Wrap
+		give := wrapFn(p)
 		if withProxy {
 			cfg.Proxy = nilProxy
 			give = func(cfg *rest.Config) error { _, err := p.TransportFor(cfg); return err } // Wrap passes it through

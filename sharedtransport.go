@@ -75,10 +75,7 @@ func Default() *Pool { return defaultPool() }
 
 // Wrap installs the package's default pool in cfg: the one-line drop-in for
 // code that already builds a [rest.Config]. See [Pool.Wrap].
-func Wrap(cfg *rest.Config) error { return defaultPool().Wrap(cfg) }
-
-// WrapDeclared is [Pool.WrapDeclared] on the package's default pool.
-func WrapDeclared(cfg *rest.Config, w Wrappers) error { return defaultPool().WrapDeclared(cfg, w) }
+func Wrap(cfg *rest.Config, opts ...CallOption) error { return defaultPool().Wrap(cfg, opts...) }
 
 // BuildConfigFromFlags is [clientcmd.BuildConfigFromFlags] followed by
 // [Wrap] on the package's default pool.
@@ -107,7 +104,7 @@ func (p *Pool) BuildConfigFromFlags(masterURL, kubeconfigPath string) (*rest.Con
 // Configs the pool cannot share this way pass through untouched and are
 // counted in [Stats].PassThrough: a config with its own Transport, a config
 // client-go would send through [http.DefaultTransport] anyway, undeclared
-// wrappers (see [Pool.WrapDeclared]), and a config with a Proxy or Dial
+// wrappers (see [CallOption]), and a config with a Proxy or Dial
 // function. The hook sees only the transport client-go built for a client,
 // and for such a config client-go builds one per client whose functions
 // cannot be compared with the wrapped config's: share those with
@@ -116,13 +113,9 @@ func (p *Pool) BuildConfigFromFlags(masterURL, kubeconfigPath string) (*rest.Con
 // For a config it shares, Wrap reads the certificate, key and CA files cfg
 // names, and returns an error naming the file when one is missing,
 // unreadable or invalid.
-func (p *Pool) Wrap(cfg *rest.Config) error { return p.wrap(cfg, given{}) }
-
-// WrapDeclared is [Pool.Wrap] for a config whose WrapTransport already holds
-// wrappers, with what they do declared by w (see [Wrappers]). Like Wrap it
-// passes a config with a Proxy or Dial through: for such a config (a member
-// cluster's config with a ProxyURL) use [Pool.HTTPClientForDeclared].
-func (p *Pool) WrapDeclared(cfg *rest.Config, w Wrappers) error { return p.wrap(cfg, declared(w)) }
+func (p *Pool) Wrap(cfg *rest.Config, opts ...CallOption) error {
+	return p.wrap(cfg, givenBy(opts))
+}
 
 func (p *Pool) wrap(cfg *rest.Config, g given) error {
 	if p.isClosed() {

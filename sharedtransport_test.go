@@ -140,20 +140,28 @@ func pooledClientset(p *Pool, cfg *rest.Config) (kubernetes.Interface, error) {
 }
 
 // declaredClientset hands cfg to p as a caller would, its wrappers declared
-// by w: through HTTPClientForDeclared for a config with a Proxy or Dial
-// (Wrap passes those through), through WrapDeclared otherwise.
-func declaredClientset(p *Pool, cfg *rest.Config, w Wrappers) (*kubernetes.Clientset, error) {
+// by opts: through HTTPClientFor for a config with a Proxy or Dial
+// (Wrap passes those through), through Wrap otherwise.
+func declaredClientset(p *Pool, cfg *rest.Config, opts ...CallOption) (*kubernetes.Clientset, error) {
 	if cfg.Proxy != nil || cfg.Dial != nil {
-		hc, err := p.HTTPClientForDeclared(cfg, w)
+		hc, err := p.HTTPClientFor(cfg, opts...)
 		if err != nil {
 			return nil, err
 		}
 		return kubernetes.NewForConfigAndClient(cfg, hc)
 	}
-	if err := p.WrapDeclared(cfg, w); err != nil {
+	if err := p.Wrap(cfg, opts...); err != nil {
 		return nil, err
 	}
 	return kubernetes.NewForConfig(cfg)
+}
+
+// wrapFn and transportForFn are p.Wrap and p.TransportFor without
+// declarations, in the shapes of client-go's functions they stand beside.
+func wrapFn(p *Pool) func(*rest.Config) error { return func(c *rest.Config) error { return p.Wrap(c) } }
+
+func transportForFn(p *Pool) func(*rest.Config) (http.RoundTripper, error) {
+	return func(c *rest.Config) (http.RoundTripper, error) { return p.TransportFor(c) }
 }
 
 // TestSeedLoad: the seed's load, 100 workers x 20 requests, each through a
@@ -183,7 +191,7 @@ func TestSeedLoad(t *testing.T) {
 					cfg.Proxy = nilProxy
 					return pooledClientset(p, cfg)
 				}
-				return wrapped(cfg, p.Wrap)
+				return wrapped(cfg, wrapFn(p))
 			})
 			st := f.srv.Stats()
 			t.Logf("with the pool: %d requests, server accepted %d connections, %d full handshakes; pool %+v",
@@ -387,7 +395,7 @@ func TestHookComposition(t *testing.T) {
 		before = &countingRT{next: rt, total: beforeSeen}
 		return before
 	}
-	if err := p.WrapDeclared(cfg, Wrappers{}); err != nil {
+	if err := p.Wrap(cfg, WithPerRequestWrappers()); err != nil {
 		t.Fatal(err)
 	}
 	cfg.Wrap(func(rt http.RoundTripper) http.RoundTripper {

@@ -20,12 +20,14 @@ import (
 )
 
 // TransportFor is [Pool.TransportFor] on the package's default pool.
-func TransportFor(cfg *rest.Config) (http.RoundTripper, error) {
-	return defaultPool().TransportFor(cfg)
+func TransportFor(cfg *rest.Config, opts ...CallOption) (http.RoundTripper, error) {
+	return defaultPool().TransportFor(cfg, opts...)
 }
 
 // HTTPClientFor is [Pool.HTTPClientFor] on the package's default pool.
-func HTTPClientFor(cfg *rest.Config) (*http.Client, error) { return defaultPool().HTTPClientFor(cfg) }
+func HTTPClientFor(cfg *rest.Config, opts ...CallOption) (*http.Client, error) {
+	return defaultPool().HTTPClientFor(cfg, opts...)
+}
 
 // TransportFor is the pool's [rest.TransportFor]: a round tripper that sends
 // cfg's requests over the pool's transport for cfg's TLS identity, under
@@ -53,15 +55,8 @@ func HTTPClientFor(cfg *rest.Config) (*http.Client, error) { return defaultPool(
 // TransportFor reads the certificate, key and CA files cfg names, and
 // returns an error naming the file when one is missing, unreadable or
 // invalid.
-func (p *Pool) TransportFor(cfg *rest.Config) (http.RoundTripper, error) {
-	return p.transportFor(cfg, given{})
-}
-
-// TransportForDeclared is [Pool.TransportFor] for a config whose
-// WrapTransport holds wrappers, with what they do declared by w (see
-// [Wrappers]).
-func (p *Pool) TransportForDeclared(cfg *rest.Config, w Wrappers) (http.RoundTripper, error) {
-	return p.transportFor(cfg, declared(w))
+func (p *Pool) TransportFor(cfg *rest.Config, opts ...CallOption) (http.RoundTripper, error) {
+	return p.transportFor(cfg, givenBy(opts))
 }
 
 func (p *Pool) transportFor(cfg *rest.Config, g given) (http.RoundTripper, error) {
@@ -95,15 +90,8 @@ func (p *Pool) transportFor(cfg *rest.Config, g given) (http.RoundTripper, error
 // [Pool.TransportFor], with cfg's Timeout. Pass it with cfg to
 // kubernetes.NewForConfigAndClient and the other NewForConfigAndClient
 // constructors (dynamic, discovery, metadata).
-func (p *Pool) HTTPClientFor(cfg *rest.Config) (*http.Client, error) {
-	return p.httpClientFor(cfg, given{})
-}
-
-// HTTPClientForDeclared is [Pool.HTTPClientFor] for a config whose
-// WrapTransport holds wrappers, with what they do declared by w (see
-// [Wrappers]).
-func (p *Pool) HTTPClientForDeclared(cfg *rest.Config, w Wrappers) (*http.Client, error) {
-	return p.httpClientFor(cfg, declared(w))
+func (p *Pool) HTTPClientFor(cfg *rest.Config, opts ...CallOption) (*http.Client, error) {
+	return p.httpClientFor(cfg, givenBy(opts))
 }
 
 func (p *Pool) httpClientFor(cfg *rest.Config, g given) (*http.Client, error) {

@@ -145,9 +145,9 @@ func TestTransportForLayers(t *testing.T) {
 			c.Wrap(setHeader("X-Wrapped", "all"))
 		}, want: []want{{riToken, "token-3"}, {riHeader("User-Agent"), "ua/3"}, {riHeader("Impersonate-User"), "carol"}, {riHeader("X-Wrapped"), "all"}}},
 		{name: "wrapped by this pool before", mutate: func(c *rest.Config) { c.BearerToken = "token-4" },
-			before: p.Wrap, want: []want{{riToken, "token-4"}}},
+			before: wrapFn(p), want: []want{{riToken, "token-4"}}},
 		{name: "wrapped by another pool before", mutate: func(c *rest.Config) { c.UserAgent = "ua/5" },
-			before: other.Wrap, want: []want{{riHeader("User-Agent"), "ua/5"}}},
+			before: wrapFn(other), want: []want{{riHeader("User-Agent"), "ua/5"}}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			cfg := f.srv.RestConfig(f.alice)
@@ -413,7 +413,7 @@ func TestTransportForProxyOtherHosts(t *testing.T) {
 				}
 				return nil, nil
 			}
-			for name, newRT := range map[string]func(*rest.Config) (http.RoundTripper, error){"pool": p.TransportFor, "client-go": rest.TransportFor} {
+			for name, newRT := range map[string]func(*rest.Config) (http.RoundTripper, error){"pool": transportForFn(p), "client-go": rest.TransportFor} {
 				rt, err := newRT(rest.CopyConfig(cfg))
 				if err != nil {
 					t.Fatal(err)
@@ -456,7 +456,7 @@ func TestTransportForConnectHeader(t *testing.T) {
 		header := http.Header{"Proxy-Authorization": {"Basic a"}}
 		cfg.WrapTransport = memberproxy.ProxyHeaderWrapper(cfg.WrapTransport, header)
 		cfg.CertData, cfg.KeyData = f.alice.CertPEM, f.alice.KeyPEM
-		rt, err := p.TransportForDeclared(cfg, Wrappers{ProxyConnectHeader: header})
+		rt, err := p.TransportFor(cfg, WithProxyConnectHeader(header))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -678,7 +678,7 @@ func sendBoth(t *testing.T, log *requestLog, p *Pool, cfg, control *rest.Config,
 	t.Helper()
 	// The wrappers the cases put in WrapTransport (a header, the hook of a
 	// pool) leave connections alone: declared so.
-	rt, err := p.TransportForDeclared(cfg, Wrappers{})
+	rt, err := p.TransportFor(cfg, WithPerRequestWrappers())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -727,7 +727,7 @@ func TestTransportForUnwrapped(t *testing.T) {
 			if proxy != nil {
 				was.Via = "proxy 1"
 			}
-			pool := func(cfg *rest.Config) (*http.Client, error) { return p.HTTPClientForDeclared(cfg, Wrappers{}) }
+			pool := func(cfg *rest.Config) (*http.Client, error) { return p.HTTPClientFor(cfg, WithPerRequestWrappers()) }
 			for _, side := range []struct {
 				name  string
 				build func(*rest.Config) (*http.Client, error)

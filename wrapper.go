@@ -236,7 +236,7 @@ func (e *entry) rememberClientGo(g weak.Pointer[generation], rt http.RoundTrippe
 }
 
 // withWrapperHeader returns what the config's declared CONNECT-header
-// wrapper (WrapDeclared) would have made of client-go's transport rt had
+// wrapper (WithProxyConnectHeader) would have made of client-go's transport rt had
 // the pool's round tripper not been below it: a clone with the header, when
 // rt is the bare *http.Transport such a wrapper clones.
 func (id *identity) withWrapperHeader(rt http.RoundTripper) http.RoundTripper {

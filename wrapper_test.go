@@ -781,14 +781,14 @@ func proxyHeaderUndeclared(t *testing.T, r *proxyHeaderRig) {
 func proxyHeaderPerRequest(t *testing.T, r *proxyHeaderRig) {
 	proxy := r.newProxy(t)
 	p := newPool(t)
-	declared := Wrappers{ProxyConnectHeader: proxyCredA}
+	declared := WithProxyConnectHeader(proxyCredA)
 	for i := range 20 {
 		cfg := r.member(proxy, "token-x", proxyCredA)
 		var err error
 		if i%2 == 0 {
-			_, err = p.TransportForDeclared(cfg, declared)
+			_, err = p.TransportFor(cfg, declared)
 		} else {
-			_, err = p.HTTPClientForDeclared(cfg, declared)
+			_, err = p.HTTPClientFor(cfg, declared)
 		}
 		if err != nil {
 			t.Fatal(err)
@@ -796,7 +796,7 @@ func proxyHeaderPerRequest(t *testing.T, r *proxyHeaderRig) {
 	}
 	for i := range 20 {
 		cfg := r.member(proxy, "token-x", proxyCredA)
-		c, err := p.HTTPClientForDeclared(cfg, declared)
+		c, err := p.HTTPClientFor(cfg, declared)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -861,7 +861,7 @@ func (r *proxyHeaderRig) mustObserve(t *testing.T, cfg *rest.Config) observation
 func (r *proxyHeaderRig) mustObserveDeclared(t *testing.T, p *Pool, cfg *rest.Config, h http.Header) observation {
 	t.Helper()
 	return mustSucceed(t, r.clientBy(cfg, func(cfg *rest.Config) (*kubernetes.Clientset, error) {
-		return declaredClientset(p, cfg, Wrappers{ProxyConnectHeader: h})
+		return declaredClientset(p, cfg, WithProxyConnectHeader(h))
 	}).observe())
 }
 
@@ -1063,7 +1063,7 @@ func TestWrapperChangingTransportInPlace(t *testing.T) {
 			if declare {
 				want = Stats{Identities: 1}
 				o = r.clientBy(cfg, func(cfg *rest.Config) (*kubernetes.Clientset, error) {
-					return declaredClientset(p, cfg, Wrappers{ProxyConnectHeader: header})
+					return declaredClientset(p, cfg, WithProxyConnectHeader(header))
 				}).observe()
 			} else {
 				if err := p.Wrap(cfg); err != nil {

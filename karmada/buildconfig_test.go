@@ -71,7 +71,7 @@ type wrapMode int
 const (
 	clientGoAlone  wrapMode = iota // no pool
 	wrapUndeclared                 // pool.Wrap: Karmada's ProxyHeader wrapper is not declared
-	clientDeclared                 // pool.HTTPClientForDeclared with the cluster's ProxyHeader: the patched client sets
+	clientDeclared                 // pool.HTTPClientFor with the cluster's ProxyHeader: the patched client sets
 )
 
 // reconcile is what a controller does per reconcile: a config from
@@ -95,7 +95,7 @@ func reconcile(ctx context.Context, m controllerMembers, name string, pool *shar
 		// config has a Proxy, so its client comes from HTTPClientFor.
 		cl, _ := m.cluster(name)
 		var hc *http.Client
-		hc, err = pool.HTTPClientForDeclared(cfg, sharedtransport.Wrappers{ProxyConnectHeader: proxy.ParseProxyHeaders(cl.Spec.ProxyHeader)})
+		hc, err = pool.HTTPClientFor(cfg, sharedtransport.WithProxyConnectHeader(proxy.ParseProxyHeaders(cl.Spec.ProxyHeader)))
 		if err == nil {
 			cs, err = kubernetes.NewForConfigAndClient(cfg, hc)
 		}
@@ -114,7 +114,7 @@ func reconcile(ctx context.Context, m controllerMembers, name string, pool *shar
 }
 
 // TestBuildClusterConfigProxyHeader: Karmada's BuildClusterConfig with
-// Spec.ProxyHeader. Clients from HTTPClientForDeclared with the header
+// Spec.ProxyHeader. Clients from HTTPClientFor with the header
 // declared: one tunnel per member and header for many reconciles, none
 // refused, each tunnel with its member's header. Wrap passes the config
 // through (it has a Proxy, and Karmada's wrapper is not declared): what
@@ -147,7 +147,7 @@ func TestBuildClusterConfigProxyHeader(t *testing.T) {
 				t.Errorf("tunnels by header %v, want one for each member", seen)
 			}
 		}
-		t.Logf("BuildClusterConfig + ProxyHeader, HTTPClientForDeclared: %d reconciles of each of 2 members, %d tunnels, %d refused (407)", 2*reconciles, st.Tunnels, st.Rejected)
+		t.Logf("BuildClusterConfig + ProxyHeader, HTTPClientFor: %d reconciles of each of 2 members, %d tunnels, %d refused (407)", 2*reconciles, st.Tunnels, st.Rejected)
 	})
 	for _, mode := range []wrapMode{wrapUndeclared, clientGoAlone} {
 		name := map[wrapMode]string{wrapUndeclared: "pool, undeclared: passes through", clientGoAlone: "client-go alone"}[mode]

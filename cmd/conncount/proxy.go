@@ -52,7 +52,7 @@ func frontWith(m memberproxy.Mode, opts []sharedtransport.Option) func(*memberpr
 		pool := sharedtransport.New(opts...)
 		// The member's ProxyHeader wrapper is declared, as Karmada would.
 		f.TransportFor = func(cfg *rest.Config, h http.Header) (http.RoundTripper, error) {
-			return pool.TransportForDeclared(cfg, sharedtransport.Wrappers{ProxyConnectHeader: h})
+			return pool.TransportFor(cfg, sharedtransport.WithProxyConnectHeader(h))
 		}
 		return f, pool
 	}

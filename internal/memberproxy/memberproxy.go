@@ -127,7 +127,7 @@ type Front struct {
 	// TransportFor gives the round tripper for a member config in mode
 	// TransportFor, handed the CONNECT header the config's ProxyHeader
 	// wrapper adds (nil: the config has none): a pool's
-	// TransportForDeclared; nil means rest.TransportFor. The other modes
+	// TransportFor; nil means rest.TransportFor. The other modes
 	// build their transports themselves.
 	TransportFor func(cfg *rest.Config, proxyHeader http.Header) (http.RoundTripper, error)
 	Mode         Mode
