@@ -561,7 +561,7 @@ func TestAdversaryOwnTransportSettings(t *testing.T) {
 				t.Fatal(err)
 			}
 			// From v0.36 client-go hands it out inside a holder of its own.
-			clientGo := unwrapTransport(rt)
+			clientGo := unwrapToTransport(rt)
 			if clientGo == nil {
 				t.Fatalf("client-go's transport for the config is a %T", rt)
 			}
@@ -745,7 +745,7 @@ func TestAdversaryInnerWrapperOwnCertificate(t *testing.T) {
 		c.CertData, c.KeyData = nil, nil
 		c.WrapTransport = transport.Wrappers(func(rt http.RoundTripper) http.RoundTripper {
 			// client-go v0.36+ hands wrappers its transport inside holders.
-			t := unwrapTransport(rt)
+			t := unwrapToTransport(rt)
 			if t == nil {
 				return rt
 			}
@@ -832,7 +832,7 @@ func TestAdversaryClientGoCertificateHolder(t *testing.T) {
 	holderInside := func(c *rest.Config) {
 		c.CertData, c.KeyData = nil, nil
 		c.WrapTransport = transport.Wrappers(func(rt http.RoundTripper) http.RoundTripper {
-			t := unwrapTransport(rt)
+			t := unwrapToTransport(rt)
 			if t == nil {
 				return rt
 			}
@@ -976,7 +976,7 @@ func TestAdversaryWrapperChangesTLSInPlace(t *testing.T) {
 	asBob := func(*tls.CertificateRequestInfo) (*tls.Certificate, error) { return &bob, nil }
 	finds := map[string]func(http.RoundTripper) *http.Transport{
 		"type assertion": func(rt http.RoundTripper) *http.Transport { t, _ := rt.(*http.Transport); return t },
-		"unwrapping":     unwrapTransport,
+		"unwrapping":     unwrapToTransport,
 	}
 	for name, change := range map[string]func(*http.Transport){
 		"unchecked": func(t *http.Transport) { t.TLSClientConfig.GetClientCertificate = asBob },
@@ -1060,7 +1060,7 @@ func TestAdversaryOuterWrapperChangesInPlace(t *testing.T) {
 	})
 	cp := pair.copies(func(c *rest.Config) {
 		c.Wrap(func(rt http.RoundTripper) http.RoundTripper {
-			if t := unwrapTransport(rt); t != nil {
+			if t := unwrapToTransport(rt); t != nil {
 				t.TLSClientConfig.GetClientCertificate = func(*tls.CertificateRequestInfo) (*tls.Certificate, error) { return &bob, nil }
 			}
 			return rt
@@ -1220,16 +1220,8 @@ func TestAdversaryRejectedCAFile(t *testing.T) {
 // shows, and must not ride the pool's new one.
 func TestAdversaryCopyOldCAAfterRotation(t *testing.T) {
 	f := newFixture(t, testserver.Options{})
-	newCA, err := testserver.NewCA("new-ca")
-	if err != nil {
-		t.Fatal(err)
-	}
-	serving, err := newCA.IssueServer()
-	if err != nil {
-		t.Fatal(err)
-	}
 	// Served from the new CA; client certificates still from the old.
-	moved := newCopyRig(t, testserver.Options{CA: newCA, ServerCert: serving, ClientCAs: f.ca.Pool()})
+	newCA, moved := newMovedRig(t, f)
 	p := newPool(t, WithPollInterval(0))
 	d := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
 	pair := wrapPair(t, p, func() *rest.Config { return d.config(moved.srv.URL()) })

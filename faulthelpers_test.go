@@ -503,18 +503,3 @@ func countFDs(t testing.TB) int {
 	t.Helper()
 	return len(openFDs(t))
 }
-
-// unwrapTransport returns the *http.Transport under rt's wrappers, or nil.
-func unwrapTransport(rt http.RoundTripper) *http.Transport {
-	for range 8 {
-		switch t := rt.(type) {
-		case *http.Transport:
-			return t
-		case utilnet.RoundTripperWrapper:
-			rt = t.WrappedRoundTripper()
-		default:
-			return nil
-		}
-	}
-	return nil
-}

@@ -46,7 +46,7 @@ func TestAboveTheHookDecorators(t *testing.T) {
 
 	inPlace := func(change func(*http.Transport)) func(http.RoundTripper) http.RoundTripper {
 		return func(rt http.RoundTripper) http.RoundTripper {
-			if t := unwrapTransport(rt); t != nil {
+			if t := unwrapToTransport(rt); t != nil {
 				change(t)
 			}
 			return rt
@@ -142,7 +142,7 @@ func TestWrappersBeforeWrap(t *testing.T) {
 		}, want: "alice"},
 		{name: "presents another certificate to its own server only", wrapper: func(*rest.Config) transport.WrapperFunc {
 			return func(rt http.RoundTripper) http.RoundTripper {
-				t := unwrapTransport(rt)
+				t := unwrapToTransport(rt)
 				if t == nil {
 					return rt
 				}
@@ -172,7 +172,7 @@ func TestWrappersBeforeWrap(t *testing.T) {
 			cfg.CAData = other.CertPEM()
 		}, wrapper: func(*rest.Config) transport.WrapperFunc {
 			return func(rt http.RoundTripper) http.RoundTripper {
-				if t := unwrapTransport(rt); t != nil {
+				if t := unwrapToTransport(rt); t != nil {
 					t.TLSClientConfig.RootCAs.AddCert(f.ca.Cert)
 				}
 				return rt

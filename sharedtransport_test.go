@@ -443,7 +443,7 @@ func TestHookComposition(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if unwrapTransport(wrapped) != nil || upgrader == nil {
+		if unwrapToTransport(wrapped) != nil || upgrader == nil {
 			t.Errorf("the SPDY round tripper was replaced: %T", wrapped)
 		}
 	})

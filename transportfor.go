@@ -318,7 +318,7 @@ func (c *configTransport) WrappedRoundTripper() http.RoundTripper {
 		p.stats.passThrough.Add(1)
 	}
 	rt := c.clientGo.handOut()
-	p.handedOut.add(rt)
+	p.handedOut.add(unwrapToTransport(rt))
 	return rt
 }
 

@@ -708,7 +708,7 @@ func TestTransportForUnwrapped(t *testing.T) {
 		t.Fatal(err)
 	}
 	change := func(hc *http.Client) {
-		tr := unwrapTransport(hc.Transport)
+		tr := unwrapToTransport(hc.Transport)
 		if tr == nil {
 			t.Fatalf("no *http.Transport under %T", hc.Transport)
 		}

@@ -136,12 +136,15 @@ func (h *hook) wrap(rt http.RoundTripper) http.RoundTripper {
 	}
 	g, ok := h.agrees(rt, l.e)
 	pinCA := h.id.key.caFile != "" && !caFileByPath()
-	if !ok || pinCA && !trustsAlike(rt, g) || h.pool.handedOut.has(rt) {
+	bottom := unwrapToTransport(rt)
+	if !ok || pinCA && !trustsAlike(rt, g) || h.pool.handedOut.has(bottom) {
 		h.pool.stats.passThrough.Add(1)
 		return rt // SPDY, websocket, a caller's own transport, another identity
 	}
 	c := &clientTransport{lease: l, pinCA: pinCA, ca: g.ca, clientGo: h.id.withWrapperHeader(rt)}
-	c.cached = c.clientGo == rt
+	if c.clientGo == rt {
+		c.cachedBottom = bottom
+	}
 	return c
 }
 
@@ -293,9 +296,11 @@ type clientTransport struct {
 	// caMoved: the identity's CA has changed since; the client sends
 	// through clientGo (counted once in Stats.PassThrough).
 	caMoved atomic.Bool
-	// cached: clientGo is client-go's cached transport itself, which every
-	// client of its cache key uses without the pool.
-	cached bool
+	// cachedBottom, set when clientGo is client-go's cached transport
+	// itself (which every client of its cache key uses without the pool),
+	// is the *http.Transport under it, found when the client was built so
+	// that requests need not unwrap it.
+	cachedBottom *http.Transport
 	// handedOut: WrappedRoundTripper gave clientGo to a wrapper above the
 	// hook, which may change it in place; every request goes through it
 	// from then on, as it would without the pool. When clientGo is
@@ -305,7 +310,7 @@ type clientTransport struct {
 }
 
 func (c *clientTransport) RoundTrip(req *http.Request) (*http.Response, error) {
-	if c.handedOut.Load() || c.cached && c.lease.e.pool.handedOut.has(c.clientGo) {
+	if c.handedOut.Load() || c.cachedBottom != nil && c.lease.e.pool.handedOut.has(c.cachedBottom) {
 		return c.clientGo.RoundTrip(req)
 	}
 	return c.lease.roundTrip(req, c, c.clientGo)
@@ -339,9 +344,9 @@ type handedOutTransports struct {
 	m   map[weak.Pointer[http.Transport]]struct{}
 }
 
-// add records rt, when an *http.Transport is found under it.
-func (h *handedOutTransports) add(rt http.RoundTripper) {
-	t := unwrapToTransport(rt)
+// add records t, the *http.Transport under a transport handed out (nil:
+// none was found, nothing to record).
+func (h *handedOutTransports) add(t *http.Transport) {
 	if t == nil {
 		return
 	}
@@ -365,13 +370,9 @@ func (h *handedOutTransports) forget(w weak.Pointer[http.Transport]) {
 	delete(h.m, w)
 }
 
-// has reports whether rt was handed out.
-func (h *handedOutTransports) has(rt http.RoundTripper) bool {
-	if !h.any.Load() {
-		return false
-	}
-	t := unwrapToTransport(rt)
-	if t == nil {
+// has reports whether the transport over t was handed out.
+func (h *handedOutTransports) has(t *http.Transport) bool {
+	if t == nil || !h.any.Load() {
 		return false
 	}
 	h.mu.Lock()
@@ -411,8 +412,8 @@ func (c *clientTransport) CloseIdleConnections() {
 // requests of every client that has it, as they would without the pool.
 func (c *clientTransport) WrappedRoundTripper() http.RoundTripper {
 	p := c.lease.e.pool
-	if c.cached {
-		p.handedOut.add(c.clientGo)
+	if c.cachedBottom != nil {
+		p.handedOut.add(c.cachedBottom)
 	}
 	if !c.handedOut.Swap(true) {
 		p.stats.passThrough.Add(1)

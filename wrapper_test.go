@@ -425,16 +425,8 @@ func copyCrossingsSameBytes(t *testing.T, f *fixture, r *copyRig) {
 
 // copyCrossingsRotatedCA is TestCopyCrossings's "rotated-away CA" case.
 func copyCrossingsRotatedCA(t *testing.T, f *fixture, r *copyRig) {
-	newCA, err := testserver.NewCA("new-ca")
-	if err != nil {
-		t.Fatal(err)
-	}
-	serving, err := newCA.IssueServer()
-	if err != nil {
-		t.Fatal(err)
-	}
 	// Served from the new CA; client certificates still from the old.
-	moved := newCopyRig(t, testserver.Options{CA: newCA, ServerCert: serving, ClientCAs: f.ca.Pool()})
+	newCA, moved := newMovedRig(t, f)
 	p := newPool(t, WithPollInterval(0))
 	d := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
 	pair := wrapPair(t, p, func() *rest.Config { return d.config(moved.srv.URL()) })
@@ -1271,16 +1263,8 @@ func TestWrapConcurrentClients(t *testing.T) {
 func TestCopyNeverFollowsAnUnnamedCAFile(t *testing.T) {
 	rerunWithClientGoGates(t, "KUBE_FEATURE_ClientsAllowCARotation=false")
 	f := newFixture(t, testserver.Options{})
-	newCA, err := testserver.NewCA("new-ca")
-	if err != nil {
-		t.Fatal(err)
-	}
-	serving, err := newCA.IssueServer()
-	if err != nil {
-		t.Fatal(err)
-	}
 	oldServer := newCopyRig(t, testserver.Options{CA: f.ca})
-	newServer := newCopyRig(t, testserver.Options{CA: newCA, ServerCert: serving, ClientCAs: f.ca.Pool()})
+	newCA, newServer := newMovedRig(t, f)
 	aliceSeen := observation{CN: "alice", Proto: h2, Gzip: true, Via: "direct"}
 	twin := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
 	for name, carry := range map[string]func(*rest.Config){
@@ -1449,4 +1433,19 @@ func TestWrapUnwrappedKeepsNothing(t *testing.T) {
 	if alone && !collected(w) {
 		t.Errorf("client-go's transport stays reachable through the pool, with no identity left")
 	}
+}
+
+// newMovedRig returns a new CA and a copy rig served from it that still
+// trusts f's CA for client certificates: a server whose CA moved.
+func newMovedRig(t *testing.T, f *fixture) (*testserver.CA, *copyRig) {
+	t.Helper()
+	newCA, err := testserver.NewCA("new-ca")
+	if err != nil {
+		t.Fatal(err)
+	}
+	serving, err := newCA.IssueServer()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return newCA, newCopyRig(t, testserver.Options{CA: newCA, ServerCert: serving, ClientCAs: f.ca.Pool()})
 }
