@@ -25,9 +25,8 @@ import (
 
 // BenchmarkRoundTrip: what the pool adds per request. "http.Transport" is
 // the baseline (a transport built as client-go builds one), "pool" the same
-// request through the pool's round tripper, "pool, no-op base" the pool's
-// layer alone over an http.Transport that hands requests to a round tripper
-// that does nothing, and "http.Transport, no-op base" that base alone.
+// request through the pool's round tripper. The connection layer alone is
+// measured in internal/conns (BenchmarkRoundTripNoopBase).
 func BenchmarkRoundTrip(b *testing.B) {
 	f := newFixture(b, testserver.Options{})
 	req := func() *http.Request {
@@ -109,49 +108,7 @@ func BenchmarkRoundTrip(b *testing.B) {
 			runtime.KeepAlive(c)
 		})
 	}
-	b.Run("http.Transport, no-op base", func(b *testing.B) {
-		t := noopTransport()
-		r := req()
-		b.ReportAllocs()
-		b.ResetTimer()
-		for b.Loop() {
-			if _, err := t.RoundTrip(r); err != nil {
-				b.Fatal(err)
-			}
-		}
-	})
-	b.Run("pool, no-op base", func(b *testing.B) {
-		p := newPool(b)
-		l := benchLease(b, p, rest.CopyConfig(cfg))
-		g := l.e.current.Load()
-		g.transport = noopTransport()
-		hc := g.hostFor(req())
-		hc.proto.Store(protoHTTP2)
-		hc.conns = 1
-		r := req()
-		b.ReportAllocs()
-		b.ResetTimer()
-		for b.Loop() {
-			if _, err := l.RoundTrip(r); err != nil {
-				b.Fatal(err)
-			}
-		}
-	})
 }
-
-type noopRT struct{}
-
-// noopTransport is an http.Transport that hands every https request to
-// noopRT, as it hands requests to its HTTP/2 connections.
-func noopTransport() *http.Transport {
-	t := &http.Transport{}
-	t.RegisterProtocol("https", noopRT{})
-	return t
-}
-
-var noopResponse = &http.Response{StatusCode: http.StatusOK, Body: http.NoBody}
-
-func (noopRT) RoundTrip(*http.Request) (*http.Response, error) { return noopResponse, nil }
 
 // benchLease wraps cfg and returns the round tripper the hook installs.
 func benchLease(b *testing.B, p *Pool, cfg *rest.Config) *lease {

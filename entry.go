@@ -18,6 +18,8 @@ import (
 	"weak"
 
 	utilnet "k8s.io/apimachinery/pkg/util/net"
+
+	"github.com/sharedtransport/sharedtransport/internal/conns"
 )
 
 // entry is one identity's place in the pool: its current transport
@@ -38,11 +40,6 @@ type entry struct {
 	idleTimer *time.Timer    // releases the entry after the idle grace; guarded by pool.mu
 	watch     *identityWatch // set before the entry is in the pool, then fixed; nil unless id.watchesFiles()
 
-	// hosts is what the identity learnt about the hosts it talks to (the
-	// protocol each speaks), kept across rotations: every generation of the
-	// entry shares it (gate.go).
-	hosts hostTable
-
 	// clientGo is what hooks of the identity's configs found client-go's
 	// cache to hold for them (hook.agrees), while clientGoFor was current:
 	// a client handed one of these has a config that agrees with one of
@@ -54,11 +51,10 @@ type entry struct {
 	stats      identityCounters              // the identity's share of the pool's counters
 	lastReload atomic.Pointer[reloadFailure] // the last reload rejected; nil: none
 
-	// mu guards draining. rotate swaps current and close sets closed while
-	// holding it, so a generation is never taken into use after the entry
-	// closed.
-	mu       sync.Mutex
-	draining map[*generation]*time.Timer
+	// mu orders rotate and close: rotate swaps current and close sets
+	// closed while holding it, so a generation is never taken into use
+	// after the entry closed.
+	mu sync.Mutex
 }
 
 // acquire returns a lease on id's entry, building the entry on first use.
@@ -150,7 +146,7 @@ func (p *Pool) build(id *identity) (*entry, error) {
 		return nil, err
 	}
 	e := &entry{pool: p, id: id}
-	g, err := p.newGeneration(e, m)
+	g, err := p.newGeneration(e, m, nil)
 	if err != nil {
 		return nil, err
 	}
@@ -160,7 +156,7 @@ func (p *Pool) build(id *identity) (*entry, error) {
 	if id.watchesFiles() {
 		w, err := p.fileWatcher()
 		if err != nil {
-			g.close()
+			g.conns.Close(ErrClosed)
 			return nil, err
 		}
 		e.watch = w.add(e)
@@ -211,8 +207,6 @@ func (e *entry) close() {
 		e.mu.Unlock()
 		return
 	}
-	draining := e.draining
-	e.draining = nil
 	e.mu.Unlock()
 
 	if e.watch != nil {
@@ -223,11 +217,7 @@ func (e *entry) close() {
 	e.clientGoMu.Lock()
 	e.clientGo, e.clientGoFor = nil, weak.Pointer[generation]{}
 	e.clientGoMu.Unlock()
-	for g, t := range draining {
-		t.Stop()
-		g.close()
-	}
-	e.current.Load().close()
+	e.current.Load().conns.Close(ErrClosed)
 }
 
 // lease is one wrapped config's hold on an entry. While a config, a copy of
@@ -244,19 +234,6 @@ func newLease(e *entry) *lease {
 // holdLease is the cleanup that attaches a lease to a wrapped config: its
 // argument stays reachable until the config is collected.
 func holdLease(*lease) {}
-
-// closeIdle closes the idle connections of every generation of e.
-func (e *entry) closeIdle() {
-	e.mu.Lock()
-	gens := []*generation{e.current.Load()}
-	for g := range e.draining {
-		gens = append(gens, g)
-	}
-	e.mu.Unlock()
-	for _, g := range gens {
-		g.closeIdle()
-	}
-}
 
 // RoundTrip sends req through the identity's current transport. A request
 // whose generation a rotation closed before it was sent (WithDrainTimeout
@@ -290,10 +267,10 @@ func (l *lease) roundTrip(req *http.Request, p picker, other http.RoundTripper) 
 			return other.RoundTrip(req) // not the pool's: as it came
 		}
 		var err error
-		if req, err = replayable(req); err != nil { // once: what it returns has GetBody
+		if req, err = conns.Replayable(req); err != nil { // once: what it returns has GetBody
 			return nil, err
 		}
-		resp, err := g.roundTrip(l, req)
+		resp, err := g.conns.RoundTrip(req, l)
 		switch {
 		case err == nil:
 			return resp, nil
@@ -301,10 +278,10 @@ func (l *lease) roundTrip(req *http.Request, p picker, other http.RoundTripper) 
 			// Closed while the request ran: say so, rather than whatever
 			// the connection that Close cut reported.
 			return nil, fmt.Errorf("%w while the request ran: %w", ErrClosed, err)
-		case !errors.Is(err, errRetired) || resends == maxResends:
+		case !errors.Is(err, conns.ErrRetired) || resends == maxResends:
 			return nil, err
 		}
-		if req, err = resendable(req, err); err != nil {
+		if req, err = conns.Resendable(req, err); err != nil {
 			return nil, err
 		}
 	}
@@ -314,7 +291,7 @@ func (l *lease) roundTrip(req *http.Request, p picker, other http.RoundTripper) 
 // the shared transport: the one that carries every request but upgrades,
 // which go over an HTTP/1.1 transport of their own. CloseIdleConnections,
 // below, reaches both.
-func (l *lease) WrappedRoundTripper() http.RoundTripper { return l.e.current.Load().transport }
+func (l *lease) WrappedRoundTripper() http.RoundTripper { return l.e.current.Load().conns.Shared() }
 
 var _ utilnet.RoundTripperWrapper = &lease{}
 
@@ -322,4 +299,4 @@ var _ utilnet.RoundTripperWrapper = &lease{}
 // transports, so utilnet.CloseIdleConnectionsFor on a client reaches every
 // transport its requests go over. Like client-go's shared transports, this
 // also closes what other clients of the identity keep idle.
-func (l *lease) CloseIdleConnections() { l.e.closeIdle() }
+func (l *lease) CloseIdleConnections() { l.e.current.Load().conns.CloseIdle() }

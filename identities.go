@@ -11,6 +11,8 @@ import (
 	"strings"
 	"sync/atomic"
 	"time"
+
+	"github.com/sharedtransport/sharedtransport/internal/conns"
 )
 
 // IdentityInfo describes one identity of a pool at the moment
@@ -95,9 +97,8 @@ const (
 // identityCounters are one identity's share of the pool's counters, counted
 // at the same places.
 type identityCounters struct {
-	dials, handshakes, resumptions atomic.Uint64
-	rotations, rotationErrors      atomic.Uint64
-	openConns                      atomic.Int64
+	conn                      conns.Counters
+	rotations, rotationErrors atomic.Uint64
 }
 
 // reloadFailure is a rejected reload.
@@ -155,17 +156,17 @@ func (e *entry) info(watch *identityWatch) IdentityInfo {
 		CertSubject:    g.certCN,
 		CertNotAfter:   g.certNotAfter,
 		Since:          time.Unix(0, e.since.Load()),
-		OpenConns:      int(e.stats.openConns.Load()),
-		Dials:          e.stats.dials.Load(),
-		Handshakes:     e.stats.handshakes.Load(),
-		Resumptions:    e.stats.resumptions.Load(),
+		OpenConns:      int(e.stats.conn.Open.Load()),
+		Dials:          e.stats.conn.Dials.Load(),
+		Handshakes:     e.stats.conn.Handshakes.Load(),
+		Resumptions:    e.stats.conn.Resumptions.Load(),
 		Rotations:      e.stats.rotations.Load(),
 		RotationErrors: e.stats.rotationErrors.Load(),
 	}
 	if info.Proxy != "" && info.Proxy != "direct" {
 		info.Proxy = redactHost(info.Proxy)
 	}
-	for _, h := range e.hosts.names() {
+	for _, h := range g.conns.Hosts() {
 		info.Hosts = append(info.Hosts, redactHost(h))
 	}
 	for _, f := range []string{id.key.caFile, id.key.certFile, id.key.keyFile} {

@@ -306,7 +306,9 @@ func holdingListener(t *testing.T) (addr string, accepted func() int, closeAll f
 // for its connection; when it fails (the test closes it) they dial at once,
 // each on its own, as they would have without the pool: the host holds all
 // four connections before any of the three fails. One after the other, the
-// host would hold the second and nothing more until the test closed it.
+// host would hold the second and nothing more until the test closed it. The
+// same again with the same client: the second failure of a host is met as
+// the first.
 func TestFailuresFailTogether(t *testing.T) {
 	const n = 4
 	for _, tc := range []struct {
@@ -320,28 +322,33 @@ func TestFailuresFailTogether(t *testing.T) {
 			addr, accepted, closeAll := holdingListener(t)
 			cfg := &rest.Config{Host: "https://" + addr, TLSClientConfig: rest.TLSClientConfig{Insecure: true}}
 			client := tc.client(t, cfg)
-			errs := make(chan error, n)
-			for i := range n {
-				go func() {
-					ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-					defer cancel()
-					_, err := getUA(ctx, client, "https://"+addr, fmt.Sprint("request ", i))
-					errs <- err
-				}()
-			}
-			waitFor(t, "a first connection", func() bool { return accepted() >= 1 })
-			first := accepted()
-			closeAll() // the first attempts fail
-			waitFor(t, "one connection per request, the later ones held", func() bool { return accepted() >= n })
-			closeAll()
-			for range n {
-				if err := <-errs; err == nil {
-					t.Error("a request to a host that closes every connection succeeded")
+			// Twice: a host fails more than once in a client's life.
+			for round := 1; round <= 2; round++ {
+				before := accepted()
+				errs := make(chan error, n)
+				for i := range n {
+					go func() {
+						ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+						defer cancel()
+						_, err := getUA(ctx, client, "https://"+addr, fmt.Sprint("request ", i))
+						errs <- err
+					}()
 				}
-			}
-			t.Logf("%d requests: %d connections accepted before the first failure, %d in all", n, first, accepted())
-			if got := accepted(); got != n {
-				t.Errorf("%d requests: the host accepted %d connections, want %d: one attempt each", n, got, n)
+				waitFor(t, "a first connection", func() bool { return accepted() > before })
+				first := accepted() - before
+				closeAll() // the first attempts fail
+				waitFor(t, "one connection per request, the later ones held", func() bool { return accepted()-before >= n })
+				closeAll()
+				for range n {
+					if err := <-errs; err == nil {
+						t.Errorf("round %d: a request to a host that closes every connection succeeded", round)
+					}
+				}
+				got := accepted() - before
+				t.Logf("round %d, %d requests: %d connections accepted before the first failure, %d in all", round, n, first, got)
+				if got != n {
+					t.Errorf("round %d, %d requests: the host accepted %d connections, want %d: one attempt each", round, n, got, n)
+				}
 			}
 		})
 	}

@@ -95,7 +95,7 @@ func (e *entry) refreshLocked(done <-chan struct{}) {
 		return
 	}
 	if !m.equal(e.current.Load().material) {
-		g, err := p.newGeneration(e, m)
+		g, err := p.newGeneration(e, m, e.current.Load())
 		if err != nil {
 			e.rejectLocked(err, m, now)
 			return
@@ -156,42 +156,12 @@ func (e *entry) rotate(g *generation, drain time.Duration) bool {
 	e.mu.Lock()
 	if e.closed.Load() {
 		e.mu.Unlock()
-		g.close()
+		g.conns.Close(ErrClosed)
 		return false
 	}
 	e.since.Store(time.Now().UnixNano()) // before g is visible: see settled
 	old := e.current.Swap(g)
-	if e.draining == nil {
-		e.draining = map[*generation]*time.Timer{}
-	}
-	e.draining[old] = time.AfterFunc(drain, func() {
-		e.mu.Lock()
-		delete(e.draining, old)
-		e.mu.Unlock()
-		old.close()
-	})
 	e.mu.Unlock()
-	old.retire()
+	old.conns.Retire(drain)
 	return true
-}
-
-// yieldCap is called, under WithMaxConnsPerHost, by g before it sends a
-// request that may dial. The cap is per identity and host: the generations
-// still draining close their HTTP/2 connections as soon as nothing but
-// watches runs on them, instead of at the drain timeout. Their watches end
-// then and their informers resume them on g, as after client-go's own
-// certificate rotation, which closes every connection at once.
-func (e *entry) yieldCap(g *generation) {
-	if e.current.Load() != g {
-		return
-	}
-	e.mu.Lock() // a request that may dial is rare: one per new connection
-	old := make([]*generation, 0, len(e.draining))
-	for d := range e.draining {
-		old = append(old, d)
-	}
-	e.mu.Unlock()
-	for _, d := range old {
-		d.yieldCap()
-	}
 }

@@ -18,6 +18,8 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 	"k8s.io/client-go/transport"
+
+	"github.com/sharedtransport/sharedtransport/internal/conns"
 )
 
 // ErrClosed is returned by [Pool.Wrap] and [Pool.TransportFor] on a closed
@@ -32,8 +34,9 @@ var ErrClosed = errors.New("sharedtransport: pool is closed")
 // Locks are taken in this order, never the other way: the pool's mu, or an
 // identity's file state (filesState.mu, rotation.go, held across the reads
 // it serializes), never both; then an entry's mu (entry.go); then the
-// watcher's (watch.go), a generation's and a host's (the connection layer).
-// A hook's mu (wrapper.go) and an entry's clientGoMu are taken alone.
+// watcher's (watch.go); the connection layer's (internal/conns) last: it
+// never calls back up. A hook's mu (wrapper.go) and an entry's clientGoMu
+// are taken alone.
 type Pool struct {
 	opts  options
 	group singleflight.Group // one build per identity under concurrent first use
@@ -238,9 +241,8 @@ type Stats struct {
 
 type counters struct {
 	hits, misses, passThrough, wrapErrors atomic.Uint64
-	dials, handshakes, resumptions        atomic.Uint64
 	rotations, rotationErrors             atomic.Uint64
-	openConns                             atomic.Int64
+	conn                                  conns.Counters
 }
 
 // Stats returns a snapshot of the pool's counters.
@@ -254,10 +256,10 @@ func (p *Pool) Stats() Stats {
 		Misses:         p.stats.misses.Load(),
 		PassThrough:    p.stats.passThrough.Load(),
 		WrapErrors:     p.stats.wrapErrors.Load(),
-		Dials:          p.stats.dials.Load(),
-		OpenConns:      int(p.stats.openConns.Load()),
-		Handshakes:     p.stats.handshakes.Load(),
-		Resumptions:    p.stats.resumptions.Load(),
+		Dials:          p.stats.conn.Dials.Load(),
+		OpenConns:      int(p.stats.conn.Open.Load()),
+		Handshakes:     p.stats.conn.Handshakes.Load(),
+		Resumptions:    p.stats.conn.Resumptions.Load(),
 		Rotations:      p.stats.rotations.Load(),
 		RotationErrors: p.stats.rotationErrors.Load(),
 		UnwatchedDirs:  p.unwatchedDirs(),

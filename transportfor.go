@@ -17,6 +17,8 @@ import (
 	utilnet "k8s.io/apimachinery/pkg/util/net"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/transport"
+
+	"github.com/sharedtransport/sharedtransport/internal/conns"
 )
 
 // TransportFor is [Pool.TransportFor] on the package's default pool.
@@ -121,7 +123,7 @@ type configTransport struct {
 	// onlyHost the function was asked about came back over with HTTP/2:
 	// while it is open, net/http would send the config's requests over it
 	// without asking the function. Weak: a closed connection is not kept.
-	rides atomic.Pointer[weak.Pointer[countedConn]]
+	rides atomic.Pointer[weak.Pointer[conns.Conn]]
 	// viaClientGo: a request to onlyHost the function sent elsewhere than
 	// the shared transport came back over HTTP/2 through clientGo, which
 	// carries the config's requests to onlyHost from then on and asks the
@@ -148,7 +150,7 @@ func (c *configTransport) RoundTrip(req *http.Request) (*http.Response, error) {
 		return c.clientGo.RoundTrip(req)
 	}
 	if w := c.rides.Load(); w != nil {
-		if cc := w.Value(); cc != nil && cc.open() {
+		if cc := w.Value(); cc != nil && cc.Open() {
 			return c.lease.RoundTrip(req)
 		}
 	}
@@ -168,7 +170,7 @@ func (c *configTransport) viaProxy(req *http.Request) (*http.Response, error) {
 		}
 		return nil, err
 	}
-	shared, err := c.lease.e.current.Load().transport.Proxy(req) // the pool's own: the environment's, or the route
+	shared, err := c.lease.e.current.Load().conns.Shared().Proxy(req) // the pool's own: the environment's, or the route
 	if err != nil || !sameURL(u, shared) {
 		resp, err := c.clientGo.RoundTrip(withAskedProxy(req, u))
 		if err == nil && resp.ProtoMajor == 2 {
@@ -176,7 +178,7 @@ func (c *configTransport) viaProxy(req *http.Request) (*http.Response, error) {
 		}
 		return resp, err
 	}
-	var conn atomic.Pointer[countedConn]
+	var conn atomic.Pointer[conns.Conn]
 	resp, err := c.lease.RoundTrip(withConnTrace(req, &conn))
 	if cc := conn.Load(); err == nil && resp.ProtoMajor == 2 && cc != nil {
 		w := weak.Make(cc)
@@ -187,13 +189,13 @@ func (c *configTransport) viaProxy(req *http.Request) (*http.Response, error) {
 
 // withConnTrace returns req with a trace that stores in conn the pool's
 // connection the request gets.
-func withConnTrace(req *http.Request, conn *atomic.Pointer[countedConn]) *http.Request {
+func withConnTrace(req *http.Request, conn *atomic.Pointer[conns.Conn]) *http.Request {
 	trace := &httptrace.ClientTrace{GotConn: func(info httptrace.GotConnInfo) {
 		c := info.Conn
 		if tc, ok := c.(*tls.Conn); ok {
 			c = tc.NetConn()
 		}
-		if cc, ok := c.(*countedConn); ok {
+		if cc, ok := c.(*conns.Conn); ok {
 			conn.Store(cc)
 		}
 	}}

@@ -6,6 +6,7 @@
 package sharedtransport
 
 import (
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"net/http"
@@ -137,7 +138,7 @@ func (h *hook) wrap(rt http.RoundTripper) http.RoundTripper {
 	g, ok := h.agrees(rt, l.e)
 	pinCA := h.id.key.caFile != "" && !caFileByPath()
 	bottom := unwrapToTransport(rt)
-	if !ok || pinCA && !trustsAlike(rt, g) || h.pool.handedOut.has(bottom) {
+	if !ok || pinCA && !trustsAlike(rt, g.conns.Shared().TLSClientConfig) || h.pool.handedOut.has(bottom) {
 		h.pool.stats.passThrough.Add(1)
 		return rt // SPDY, websocket, a caller's own transport, another identity
 	}
@@ -162,11 +163,10 @@ func caFileByPath() (byPath bool) {
 }
 
 // trustsAlike reports whether rt, client-go's transport for a client,
-// trusts exactly the roots g's transport trusts. Both come from
+// trusts exactly the roots ours trusts. Both come from
 // transport.TLSConfigFor, so equal CA bytes give equal pools.
-func trustsAlike(rt http.RoundTripper, g *generation) bool {
+func trustsAlike(rt http.RoundTripper, ours *tls.Config) bool {
 	theirs, err := utilnet.TLSClientConfig(rt)
-	ours := g.transport.TLSClientConfig
 	if err != nil || theirs == nil || ours == nil {
 		return false
 	}

@@ -1369,16 +1369,16 @@ func TestHookIdentityAgainstClientGoKey(t *testing.T) {
 			if sameClientGo && !sameKey {
 				// The exception the hook checks by data: same roots today,
 				// and the client leaves the shared transport when they change.
-				g := &generation{transport: &http.Transport{TLSClientConfig: &tls.Config{RootCAs: f.ca.Pool()}}}
-				if !trustsAlike(rt, g) {
+				ours := &tls.Config{RootCAs: f.ca.Pool()}
+				if !trustsAlike(rt, ours) {
 					t.Errorf("client-go's transport for the variant does not trust the CA it carries")
 				}
 				other, err := testserver.NewCA("other")
 				if err != nil {
 					t.Fatal(err)
 				}
-				g.transport.TLSClientConfig.RootCAs = other.Pool()
-				if trustsAlike(rt, g) {
+				ours.RootCAs = other.Pool()
+				if trustsAlike(rt, ours) {
 					t.Errorf("trustsAlike takes another CA's roots for the variant's")
 				}
 			}

@@ -7,7 +7,7 @@
 # the security- and connection-critical tests, in -short mode.
 #
 # Usage: hack/mutation.sh [file.go ...]
-#   (default: wrapper.go inspect.go sharedtransport.go entry.go keepalive.go gate.go;
+#   (default: wrapper.go sharedtransport.go entry.go identity.go;
 #   MUTATION_WORKERS sets gremlins' parallel test runs, default 1)
 # Results: gremlins' summary on stdout, per-mutant JSON in
 # $MUTATION_OUT/mutation-<file>.json (MUTATION_OUT defaults to the module root).
@@ -18,7 +18,7 @@ command -v gremlins >/dev/null || go install github.com/go-gremlins/gremlins/cmd
 # run served from the test cache would time every mutant out.
 export GOFLAGS="${GOFLAGS:+$GOFLAGS }-count=1"
 files=("$@")
-[ ${#files[@]} -gt 0 ] || files=(wrapper.go inspect.go sharedtransport.go entry.go keepalive.go gate.go)
+[ ${#files[@]} -gt 0 ] || files=(wrapper.go sharedtransport.go entry.go identity.go)
 for f in "${files[@]}"; do
 	# Mutate f alone: every other Go file of the module, and every file in a
 	# subdirectory (cmd, internal, metrics, e2e, hack), is excluded.

@@ -26,9 +26,9 @@ import (
 	"k8s.io/client-go/rest"
 )
 
-// Tests of gate.go: the cold-start gate, the stream limiter and the
-// connection cap, protocols learned per host, and response bodies that hold
-// their place until they end.
+// Tests of the connection layer (internal/conns) through the pool: the
+// cold-start lead, the stream count and the connection cap, protocols
+// learned per host, and response bodies that hold their place until they end.
 
 // TestColdStartBurst: a burst of first requests through one new client waits
 // for the first connection instead of dialing one each.
@@ -477,17 +477,29 @@ func TestConnectionCapPerHost(t *testing.T) {
 	}
 }
 
+// capStreams and growWait are the connection layer's (internal/conns):
+// what it fills of an HTTP/2 connection under a cap (nine tenths of the 100
+// streams it expects), and how long a host's connections stay full before
+// a request goes to get another one.
+const (
+	capStreams = 90
+	growWait   = 10 * time.Millisecond
+)
+
 // TestSlotReleasedAtEOF: under a cap, a response body read to its end frees
 // its stream slot even if it is never closed, and a body read to its end and
-// then closed frees it once: after 200 such requests the host holds no slot.
+// then closed frees it once: after 200 such requests, 100 requests the
+// server holds fill exactly the 90 streams the pool fills of its one
+// connection. A slot kept would leave fewer held, one freed twice more.
 func TestSlotReleasedAtEOF(t *testing.T) {
-	f := newFixture(t, testserver.Options{})
+	hold := newRequestHold(t)
+	f := newFixture(t, testserver.Options{OnRequest: hold.onRequest})
 	p := newPool(t, WithMaxConnsPerHost(1))
 	client := httpClient(t, p, f.srv.RestConfig(f.alice))
 	for i := range 200 {
 		closeBody := i%2 == 1
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		req, err := http.NewRequestWithContext(ctx, http.MethodGet, f.srv.URL()+"/api/v1/nodes", nil)
+		req, err := http.NewRequestWithContext(ctx, http.MethodGet, f.srv.URL()+"/version", nil)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -503,29 +515,16 @@ func TestSlotReleasedAtEOF(t *testing.T) {
 			t.Fatalf("request %d, bodies read to EOF and every other one never closed: %v", i+1, err)
 		}
 	}
-	// Every slot is back, each once, when the reads return EOF: held, the
-	// host would run out of streams; released twice, it would count more
-	// than the cap's share.
-	p.mu.Lock()
-	var hosts []*hostConns
-	for _, e := range p.entries {
-		g := e.current.Load()
-		g.hostsMu.RLock()
-		for _, hc := range g.hosts {
-			hosts = append(hosts, hc)
-		}
-		g.hostsMu.RUnlock()
-	}
-	p.mu.Unlock()
-	if len(hosts) != 1 {
-		t.Fatalf("%d hosts, want 1", len(hosts))
-	}
-	hc := hosts[0]
-	hc.mu.Lock()
-	inflight := hc.inflight
-	hc.mu.Unlock()
-	if inflight != 0 {
-		t.Errorf("cap 1, 200 bodies read to EOF, every other one closed: %d stream slots held, want 0", inflight)
+	const n = 100
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	release := sendHeld(ctx, t, hold, client, f.srv.URL(), n)
+	waitFor(t, "the server holds 90 requests", func() bool { return hold.held.Load() >= capStreams })
+	time.Sleep(20 * growWait) // time for more to be let through, if a slot was freed twice
+	held := hold.held.Load()
+	release()
+	if held != capStreams {
+		t.Errorf("cap 1, after 200 bodies read to EOF (every other one closed): the server held %d of %d requests at once, want %d", held, n, capStreams)
 	}
 	if st := f.srv.Stats(); st.Accepted != 1 {
 		t.Errorf("cap 1: the server accepted %d connections", st.Accepted)
@@ -839,7 +838,6 @@ func TestFullConnectionGrows(t *testing.T) {
 // server holds 90 requests on 1 connection, and after every request was
 // released all 100 succeeded over that one connection.
 func TestConnectionCapFewerStreams(t *testing.T) {
-	const capStreams = firstStreams * 9 / 10 // what the pool fills of a connection under a cap
 	hold := newRequestHold(t)
 	f := newFixture(t, testserver.Options{OnRequest: hold.onRequest, MaxConcurrentStreams: capStreams})
 	p := newPool(t, WithMaxConnsPerHost(1))
@@ -930,23 +928,6 @@ func TestConnectionCapAfterClose(t *testing.T) {
 	}
 	if st := f.srv.Stats(); st.Accepted != 3 {
 		t.Errorf("3 requests, the server closing the connection after each: %d connections accepted, want 3", st.Accepted)
-	}
-}
-
-// TestLongRunning: the requests a capped generation does not count as busy
-// are watches and followed logs, told from the query alone.
-func TestLongRunning(t *testing.T) {
-	for query, want := range map[string]bool{
-		"": false, "watch=true": true, "watch=1": true, "limit=500&watch=true": true, "follow=true": true,
-		"watch=false": false, "labelSelector=watcher%3Dtrue": false, "limit=500": false, "allowWatchBookmarks=true": false,
-	} {
-		req, err := http.NewRequest(http.MethodGet, "https://h/api/v1/pods?"+query, nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if got := longRunning(req); got != want {
-			t.Errorf("%q: longRunning %v, want %v", query, got, want)
-		}
 	}
 }
 

@@ -1,0 +1,72 @@
+package conns
+
+import (
+	"crypto/tls"
+	"net/http"
+	"testing"
+)
+
+// TestLongRunning: the requests that do not count as short under a cap are
+// watches and followed logs, told from the query alone.
+func TestLongRunning(t *testing.T) {
+	for query, want := range map[string]bool{
+		"": false, "watch=true": true, "watch=1": true, "limit=500&watch=true": true, "follow=true": true,
+		"watch=false": false, "labelSelector=watcher%3Dtrue": false, "limit=500": false, "allowWatchBookmarks=true": false,
+	} {
+		req, err := http.NewRequest(http.MethodGet, "https://h/api/v1/pods?"+query, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := longRunning(req); got != want {
+			t.Errorf("%q: longRunning %v, want %v", query, got, want)
+		}
+	}
+}
+
+// BenchmarkRoundTripNoopBase: what the connection layer adds per request,
+// over an http.Transport that hands every https request to a round tripper
+// that does nothing ("Transports"), beside that base alone
+// ("http.Transport").
+func BenchmarkRoundTripNoopBase(b *testing.B) {
+	req, err := http.NewRequest(http.MethodGet, "https://h.example/version", nil)
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Run("http.Transport", func(b *testing.B) {
+		rt := noopTransport()
+		b.ReportAllocs()
+		for b.Loop() {
+			if _, err := rt.RoundTrip(req); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
+	b.Run("Transports", func(b *testing.B) {
+		t := New(Config{TLS: &tls.Config{}, KeepAlive: true}, nil)
+		defer t.Close(nil)
+		t.shared = noopTransport()
+		h := t.hostFor(req)
+		h.proto.Store(protoHTTP2)
+		h.conns = 1
+		b.ReportAllocs()
+		for b.Loop() {
+			if _, err := t.RoundTrip(req, nil); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
+}
+
+type noopRT struct{}
+
+// noopTransport is an http.Transport that hands every https request to
+// noopRT, as it hands requests to its HTTP/2 connections.
+func noopTransport() *http.Transport {
+	t := &http.Transport{}
+	t.RegisterProtocol("https", noopRT{})
+	return t
+}
+
+var noopResponse = &http.Response{StatusCode: http.StatusOK, Body: http.NoBody}
+
+func (noopRT) RoundTrip(*http.Request) (*http.Response, error) { return noopResponse, nil }

@@ -1,0 +1,520 @@
+// Package conns carries one TLS identity's requests to the wire: the
+// transports built for one version of its material, the connections they
+// dial, and when a request may take a stream, so that a burst opens the
+// connections it needs and no more. It knows nothing of configs, files or
+// the pool that uses it: what it needs comes in a Config.
+package conns
+
+import (
+	"context"
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"net/url"
+	"os"
+	"slices"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"golang.org/x/net/http2"
+	utilnet "k8s.io/apimachinery/pkg/util/net"
+)
+
+// client-go's values for the transports it builds (transport/cache.go).
+const (
+	idleConnsPerHost    = 25
+	tlsHandshakeTimeout = 10 * time.Second
+	dialTimeout         = 30 * time.Second
+	tcpKeepAlive        = 30 * time.Second
+)
+
+// sessionCacheSize is how many TLS sessions one Transports keeps: one per
+// server the identity talks to, with room to spare.
+const sessionCacheSize = 64
+
+// idleRecheckDelay is how long after a request of a retired Transports ends
+// its idle connections are closed once more: Go frees an HTTP/2 stream just
+// after the body that used it ends.
+const idleRecheckDelay = 50 * time.Millisecond
+
+// ErrRetired is returned for a request whose Transports closed (drain over)
+// before the request was sent: it may be sent on the newer one.
+var ErrRetired = errors.New("sharedtransport: the TLS material this request was to be sent with was rotated away before it was sent")
+
+// Config is what a Transports is built from.
+type Config struct {
+	// TLS configures the connections; nil for plain http. It sets no
+	// VerifyConnection (the handshakes are counted with it) and is not
+	// changed later; Transports works on copies.
+	TLS *tls.Config
+	// Dial opens connections; nil dials as client-go does.
+	Dial func(ctx context.Context, network, address string) (net.Conn, error)
+	// Proxy chooses a request's proxy; nil uses the environment's, as
+	// client-go does.
+	Proxy              func(*http.Request) (*url.URL, error)
+	ProxyConnectHeader http.Header
+	DisableCompression bool
+	// DisableHTTP2 is DISABLE_HTTP2 as the identity first saw it: every
+	// Transports of an identity speaks what its first did.
+	DisableHTTP2 bool
+	KeepAlive    bool
+	// ResumeSessions gives the Transports a TLS session cache of its own:
+	// a resumed session authenticates as the certificate of the handshake
+	// it came from, so the cache must not outlive the material.
+	ResumeSessions bool
+	// MaxConnsPerHost caps the connections to one host of this Transports
+	// and the ones it took over from together; 0: no cap.
+	MaxConnsPerHost int
+	// Counters count the dials, open connections and handshakes.
+	Counters []*Counters
+}
+
+// Counters are connection figures, counted as connections open and close.
+type Counters struct {
+	Dials, Handshakes, Resumptions atomic.Uint64
+	Open                           atomic.Int64
+}
+
+// Transports are one identity's transports for one version of its TLS
+// material. When a rotation builds the next, this one is retired: it serves
+// what it was given and closes connections as they become idle, and the
+// ones still busy when the drain ends.
+type Transports struct {
+	shared   *http.Transport // every request but upgrades
+	http1    *http.Transport // upgrades, which need HTTP/1.1; shared when that has no HTTP/2
+	http2    bool            // shared speaks HTTP/2
+	maxConns int
+	counters []*Counters
+	protos   *protocols    // shared with the identity's other Transports
+	older    []*Transports // taken over from and maybe still draining; fixed at New
+	conns    *connSet      // every connection dialed
+
+	hostsMu  sync.RWMutex // guards hosts
+	hosts    map[hostKey]*host
+	lastHost atomic.Pointer[host] // most identities talk to one host
+
+	retired  atomic.Bool
+	closed   atomic.Bool   // no more dials; set with closedCh closed and cause
+	closedCh chan struct{} // closed once, by Close
+
+	mu          sync.Mutex  // guards cause, drainTimer and idleRecheck
+	cause       error       // what Close was given
+	drainTimer  *time.Timer // closes a retired Transports at the end of its drain
+	idleRecheck *time.Timer // closes idle connections once more after a retired request ends
+
+	// Under a cap: shortRequests counts the requests in flight that are not
+	// watches; yieldingCap is set when a newer Transports needs the cap, and
+	// the HTTP/2 connections close once shortRequests is zero.
+	shortRequests atomic.Int64
+	yieldingCap   atomic.Bool
+}
+
+// New builds Transports for c, as client-go's tlsTransportCache builds its
+// own (utilnet.SetTransportDefaults: HTTP/2 with health checks, the
+// environment's proxy), with keep-alive set before HTTP/2 is configured, so
+// that the HTTP/2 pool reads it. prev, when set, is the Transports this one
+// takes over from: the two share what they know of the hosts, and under a
+// cap prev and its own predecessors yield their connections to this one.
+func New(c Config, prev *Transports) *Transports {
+	t := &Transports{
+		maxConns: c.MaxConnsPerHost,
+		counters: c.Counters,
+		protos:   &protocols{},
+		conns:    &connSet{conns: map[*Conn]struct{}{}},
+		hosts:    map[hostKey]*host{},
+		closedCh: make(chan struct{}),
+	}
+	if prev != nil {
+		t.protos = prev.protos
+		t.older = append([]*Transports{prev}, slices.DeleteFunc(slices.Clone(prev.older), func(o *Transports) bool { return o.closed.Load() })...)
+	}
+	tlsConfig := c.TLS
+	if tlsConfig != nil {
+		tlsConfig = tlsConfig.Clone()
+		tlsConfig.NextProtos = slices.Clone(tlsConfig.NextProtos) // net/http may write the list at first use
+		if c.ResumeSessions {
+			tlsConfig.ClientSessionCache = tls.NewLRUClientSessionCache(sessionCacheSize)
+		}
+		tlsConfig.VerifyConnection = t.countHandshake
+	}
+	http1TLS := http1Only(tlsConfig) // before HTTP/2 set-up adds h2 to tlsConfig
+	// With keep-alive off every request has a connection of its own:
+	// HTTP/2 brings nothing, and Go's HTTP/2 pool dials surplus connections
+	// under concurrency. Plain http has no HTTP/2 to offer either.
+	if c.KeepAlive && tlsConfig != nil {
+		t.shared = t.newTransport(c, tlsConfig)
+		t.http2 = speaksHTTP2(t.shared)
+	}
+	if !t.http2 {
+		t.shared = t.newTransport(c, http1TLS)
+		t.http1 = t.shared
+		return t
+	}
+	// One dial at a time per host: a request that finds no stream where
+	// the count saw one (GOAWAY, fewer streams than thought) makes net/http
+	// dial, and the requests behind it wait for that connection instead of
+	// dialing one each. A connection that cannot take a stream leaves
+	// net/http's count, so the next can be dialed while it drains.
+	t.shared.MaxConnsPerHost = max(t.maxConns, 1)
+	t.http1 = t.newTransport(c, http1TLS)
+	return t
+}
+
+// newTransport builds one transport of t as client-go's cache builds its own.
+func (t *Transports) newTransport(c Config, tlsConfig *tls.Config) *http.Transport {
+	dial := c.Dial
+	if dial == nil {
+		dial = clientGoDialer.DialContext
+	}
+	rt := utilnet.SetOldTransportDefaults(&http.Transport{
+		Proxy:               c.Proxy, // nil: SetOldTransportDefaults installs the environment's, like client-go
+		TLSHandshakeTimeout: tlsHandshakeTimeout,
+		TLSClientConfig:     tlsConfig,
+		MaxIdleConnsPerHost: idleConnsPerHost,
+		MaxConnsPerHost:     t.maxConns,
+		DialContext:         t.dialer(dial),
+		DisableCompression:  c.DisableCompression,
+		DisableKeepAlives:   !c.KeepAlive,
+		ProxyConnectHeader:  c.ProxyConnectHeader,
+	})
+	if !c.DisableHTTP2 {
+		configureHTTP2(rt)
+	}
+	// Where net/http's own HTTP/2 serves rt, net/http rewrites
+	// TLSClientConfig.NextProtos once, at first use: done now, before rt is
+	// shared, the list can be read without racing that write. rt has no
+	// connections, so nothing is closed.
+	rt.CloseIdleConnections()
+	return rt
+}
+
+var clientGoDialer = &net.Dialer{Timeout: dialTimeout, KeepAlive: tcpKeepAlive}
+
+// speaksHTTP2 reports whether HTTP/2 was turned on for rt: x/net registers
+// its own under TLSNextProto["h2"], or, where it wraps net/http's, sets
+// rt.Protocols (read first: net/http writes TLSNextProto at first use).
+func speaksHTTP2(rt *http.Transport) bool {
+	if rt.Protocols != nil && rt.Protocols.HTTP2() {
+		return true
+	}
+	_, ok := rt.TLSNextProto["h2"]
+	return ok
+}
+
+// http1Only returns a copy of tlsConfig that offers HTTP/1.1 alone, unless
+// it names protocols of its own, which are the config's to keep.
+func http1Only(tlsConfig *tls.Config) *tls.Config {
+	if tlsConfig == nil {
+		return nil
+	}
+	c := tlsConfig.Clone()
+	if len(c.NextProtos) == 0 {
+		c.NextProtos = []string{"http/1.1"}
+	}
+	return c
+}
+
+// configureHTTP2 turns HTTP/2 on for rt as utilnet.SetTransportDefaults
+// does, with the same health checks, but not for an ALPN list without h2.
+// DISABLE_HTTP2 is left to the caller (Config.DisableHTTP2).
+func configureHTTP2(rt *http.Transport) {
+	if c := rt.TLSClientConfig; c != nil && len(c.NextProtos) > 0 && !slices.Contains(c.NextProtos, http2.NextProtoTLS) {
+		return
+	}
+	t2, err := http2.ConfigureTransports(rt)
+	if err != nil {
+		return // SetTransportDefaults logs and goes on over HTTP/1.1
+	}
+	t2.ReadIdleTimeout = envSeconds("HTTP2_READ_IDLE_TIMEOUT_SECONDS", 30)
+	t2.PingTimeout = envSeconds("HTTP2_PING_TIMEOUT_SECONDS", 15)
+}
+
+// envSeconds reads a duration in seconds as apimachinery reads its HTTP/2
+// health-check settings: def when unset or not a number.
+func envSeconds(name string, def int) time.Duration {
+	n, err := strconv.Atoi(os.Getenv(name))
+	if err != nil {
+		n = def
+	}
+	return time.Duration(n) * time.Second
+}
+
+func (t *Transports) countHandshake(cs tls.ConnectionState) error {
+	for _, c := range t.counters {
+		if cs.DidResume {
+			c.Resumptions.Add(1)
+		} else {
+			c.Handshakes.Add(1)
+		}
+	}
+	return nil
+}
+
+// Shared is the transport that carries every request but upgrades: what
+// utilnet.TLSClientConfig and a caller's WrappedRoundTripper should see.
+func (t *Transports) Shared() *http.Transport { return t.shared }
+
+// Hosts lists the hosts the identity has talked to, as scheme://host, sorted.
+func (t *Transports) Hosts() []string { return t.protos.names() }
+
+// Retire takes t out of use for new requests: idle connections close now,
+// busy ones as they become idle, and what is left when drain ends.
+func (t *Transports) Retire(drain time.Duration) {
+	t.retired.Store(true)
+	t.CloseIdle()
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.drainTimer == nil {
+		t.drainTimer = time.AfterFunc(drain, func() { t.close(nil) })
+	}
+}
+
+// Close closes every connection of t and of the Transports it took over
+// from, busy ones included. Requests refused from then on, and response
+// bodies cut, fail with cause.
+func (t *Transports) Close(cause error) {
+	t.close(cause)
+	for _, o := range t.older {
+		o.close(cause)
+	}
+}
+
+func (t *Transports) close(cause error) {
+	t.mu.Lock()
+	if t.closed.Load() {
+		t.mu.Unlock()
+		return
+	}
+	t.cause = cause
+	t.closed.Store(true)
+	close(t.closedCh)
+	for _, timer := range []*time.Timer{t.drainTimer, t.idleRecheck} {
+		if timer != nil {
+			timer.Stop()
+		}
+	}
+	t.mu.Unlock()
+	t.retired.Store(true)
+	t.closeIdle()
+	for _, c := range t.conns.close() {
+		c.Close()
+	}
+}
+
+// closedBy is the cause Close was given; nil while t is open, or when its
+// drain closed it.
+func (t *Transports) closedBy() error {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return t.cause
+}
+
+// CloseIdle closes the idle connections of t and of the Transports it took
+// over from.
+func (t *Transports) CloseIdle() {
+	t.closeIdle()
+	for _, o := range t.older {
+		o.closeIdle()
+	}
+}
+
+func (t *Transports) closeIdle() {
+	t.shared.CloseIdleConnections()
+	if t.http1 != t.shared {
+		t.http1.CloseIdleConnections()
+	}
+}
+
+// requestEnded is called when a request counted as short (not a watch)
+// ends, and for every request of a retired t, when it ends.
+func (t *Transports) requestEnded(short bool) {
+	if short && t.shortRequests.Add(-1) == 0 && t.yieldingCap.Load() {
+		t.closeStreams()
+	}
+	if !t.retired.Load() {
+		return
+	}
+	// Closes idle connections now and once more when the stream is free.
+	t.closeIdle()
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	switch {
+	case t.closed.Load():
+	case t.idleRecheck == nil:
+		t.idleRecheck = time.AfterFunc(idleRecheckDelay, t.closeIdle)
+	default:
+		t.idleRecheck.Reset(idleRecheckDelay)
+	}
+}
+
+// takeCap is called under a cap before a request that may dial: the
+// Transports t took over from close their HTTP/2 connections as soon as
+// only watches run on them, instead of at the end of their drain. Their
+// watches end then and are resumed on t, as after client-go's own
+// certificate rotation, which closes every connection at once.
+func (t *Transports) takeCap() {
+	if t.retired.Load() {
+		return
+	}
+	for _, o := range t.older {
+		o.yieldingCap.Store(true)
+		if o.shortRequests.Load() == 0 {
+			o.closeStreams()
+		}
+	}
+}
+
+// closeStreams closes t's HTTP/2 connections, the ones requests were seen
+// on, and leaves upgraded connections (exec, port-forward) to their callers.
+func (t *Transports) closeStreams() {
+	for _, c := range t.conns.all() {
+		if c.carriesStreams() {
+			c.Close()
+		}
+	}
+}
+
+// dialer wraps dial: it counts connections, keeps them so that Close can
+// close them, and refuses to dial once t is closed. It dials whenever
+// net/http, x/net or apimachinery (an upgrade) ask.
+func (t *Transports) dialer(dial func(ctx context.Context, network, address string) (net.Conn, error)) func(ctx context.Context, network, address string) (net.Conn, error) {
+	return func(ctx context.Context, network, address string) (net.Conn, error) {
+		if t.closed.Load() {
+			return nil, t.refusal(address)
+		}
+		nc, err := dial(ctx, network, address)
+		if err != nil {
+			return nil, err
+		}
+		c := &Conn{Conn: nc, set: t.conns, counters: t.counters}
+		for _, n := range t.counters {
+			n.Dials.Add(1)
+			n.Open.Add(1)
+		}
+		if !t.conns.add(c) {
+			c.Close() // t closed while this dial ran
+			return nil, t.refusal(address)
+		}
+		return c, nil
+	}
+}
+
+// refusal is the error of a dial t no longer makes: Close's cause, or
+// ErrRetired when the drain closed t, which the caller answers by sending
+// the request on the newer Transports.
+func (t *Transports) refusal(address string) error {
+	if cause := t.closedBy(); cause != nil {
+		return fmt.Errorf("%w: dial %s", cause, address)
+	}
+	return fmt.Errorf("%w (dial %s)", ErrRetired, address)
+}
+
+// connSet is the connections a Transports dialed.
+type connSet struct {
+	mu     sync.Mutex // guards conns and closed
+	conns  map[*Conn]struct{}
+	closed bool
+}
+
+// add keeps c, unless the set was closed.
+func (s *connSet) add(c *Conn) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if !s.closed {
+		s.conns[c] = struct{}{}
+	}
+	return !s.closed
+}
+
+func (s *connSet) remove(c *Conn) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	delete(s.conns, c)
+}
+
+func (s *connSet) all() []*Conn {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	out := make([]*Conn, 0, len(s.conns))
+	for c := range s.conns {
+		out = append(out, c)
+	}
+	return out
+}
+
+// close closes the set to new connections and returns the ones it holds.
+func (s *connSet) close() []*Conn {
+	s.mu.Lock()
+	s.closed = true
+	s.mu.Unlock()
+	return s.all()
+}
+
+// Conn is a connection a Transports dialed. It hides behind a *tls.Conn's
+// NetConn.
+type Conn struct {
+	net.Conn
+	set      *connSet
+	counters []*Counters
+
+	mu     sync.Mutex // guards closed and host
+	closed bool
+	// host is set when the connection speaks HTTP/2 and a request sent to
+	// get a connection got it. Go hands such a request the first connection
+	// with a free stream, not necessarily the one dialed for it, so a
+	// connection counts when seen in use: a surplus one never counts.
+	host *host
+}
+
+func (c *Conn) Close() error {
+	c.mu.Lock()
+	first := !c.closed
+	c.closed = true
+	h := c.host
+	c.mu.Unlock()
+	if first {
+		for _, n := range c.counters {
+			n.Open.Add(-1)
+		}
+		c.set.remove(c)
+		if h != nil {
+			h.connClosed()
+		}
+	}
+	return c.Conn.Close()
+}
+
+// Open reports whether c has not been closed.
+func (c *Conn) Open() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return !c.closed
+}
+
+// carriesStreams reports whether c is an open HTTP/2 connection of a host.
+func (c *Conn) carriesStreams() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.host != nil && !c.closed
+}
+
+// claim makes c one of h's connections. It reports whether c is new to h;
+// mine reports whether c is h's (new or not).
+func (c *Conn) claim(h *host) (isNew, mine bool) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	switch {
+	case c.closed:
+		return false, false
+	case c.host == h:
+		return false, true
+	case c.host != nil:
+		return false, false
+	}
+	c.host = h
+	return true, true
+}
