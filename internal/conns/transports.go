@@ -89,9 +89,8 @@ type Transports struct {
 	http2    bool            // shared speaks HTTP/2
 	maxConns int
 	counters []*Counters
-	protos   *protocols    // shared with the identity's other Transports
-	older    []*Transports // taken over from and maybe still draining; fixed at New
-	conns    *connSet      // every connection dialed
+	protos   *protocols // shared with the identity's other Transports
+	conns    *connSet   // every connection dialed
 
 	hostsMu  sync.RWMutex // guards hosts
 	hosts    map[hostKey]*host
@@ -101,7 +100,10 @@ type Transports struct {
 	closed   atomic.Bool   // no more dials; set with closedCh closed and cause
 	closedCh chan struct{} // closed once, by Close
 
-	mu          sync.Mutex  // guards cause, drainTimer and idleRecheck
+	mu sync.Mutex // guards older, cause, drainTimer and idleRecheck
+	// older are the Transports this one took over from that may still be
+	// draining; none once it is retired itself, as the newer one holds them.
+	older       []*Transports
 	cause       error       // what Close was given
 	drainTimer  *time.Timer // closes a retired Transports at the end of its drain
 	idleRecheck *time.Timer // closes idle connections once more after a retired request ends
@@ -130,7 +132,7 @@ func New(c Config, prev *Transports) *Transports {
 	}
 	if prev != nil {
 		t.protos = prev.protos
-		t.older = append([]*Transports{prev}, slices.DeleteFunc(slices.Clone(prev.older), func(o *Transports) bool { return o.closed.Load() })...)
+		t.older = append(prev.olderOpen(), prev)
 	}
 	tlsConfig := c.TLS
 	if tlsConfig != nil {
@@ -265,9 +267,10 @@ func (t *Transports) Hosts() []string { return t.protos.names() }
 // busy ones as they become idle, and what is left when drain ends.
 func (t *Transports) Retire(drain time.Duration) {
 	t.retired.Store(true)
-	t.CloseIdle()
+	t.closeIdle()
 	t.mu.Lock()
 	defer t.mu.Unlock()
+	t.older = nil
 	if t.drainTimer == nil {
 		t.drainTimer = time.AfterFunc(drain, func() { t.close(nil) })
 	}
@@ -277,10 +280,18 @@ func (t *Transports) Retire(drain time.Duration) {
 // from, busy ones included. Requests refused from then on, and response
 // bodies cut, fail with cause.
 func (t *Transports) Close(cause error) {
+	older := t.olderOpen()
 	t.close(cause)
-	for _, o := range t.older {
+	for _, o := range older {
 		o.close(cause)
 	}
+}
+
+// olderOpen returns the Transports t took over from that are not closed.
+func (t *Transports) olderOpen() []*Transports {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return slices.DeleteFunc(slices.Clone(t.older), func(o *Transports) bool { return o.closed.Load() })
 }
 
 func (t *Transports) close(cause error) {
@@ -317,7 +328,7 @@ func (t *Transports) closedBy() error {
 // over from.
 func (t *Transports) CloseIdle() {
 	t.closeIdle()
-	for _, o := range t.older {
+	for _, o := range t.olderOpen() {
 		o.closeIdle()
 	}
 }
@@ -360,7 +371,7 @@ func (t *Transports) takeCap() {
 	if t.retired.Load() {
 		return
 	}
-	for _, o := range t.older {
+	for _, o := range t.olderOpen() {
 		o.yieldingCap.Store(true)
 		if o.shortRequests.Load() == 0 {
 			o.closeStreams()
