@@ -144,7 +144,24 @@ type sharing struct {
 	// function was asked about: only requests to it ride the shared
 	// transport.
 	onlyHost string
+	// pass says why the config passes through to client-go; with
+	// proxyFailed, proxyErr is what its Proxy function returned.
+	pass     passReason
+	proxyErr error
 }
+
+// passReason says why a config passes through to client-go untouched.
+type passReason int
+
+const (
+	shares             passReason = iota
+	ownTransport                  // the caller's own Transport is never replaced
+	noTLS                         // client-go uses http.DefaultTransport, already shared
+	unnamedDial                   // a custom Dial WithDialIdentity does not name
+	undeclaredWrappers            // wrappers the pool cannot read
+	proxyFailed                   // a Proxy function that fails
+	functionsInWrap               // Wrap cannot tell a Proxy or Dial function from a copy's
+)
 
 // sharingFor computes what the pool makes of cfg. share is false for configs
 // that pass through to client-go untouched: their own Transport, no TLS at
@@ -155,7 +172,8 @@ func (p *Pool) sharingFor(cfg *rest.Config, g given) (s sharing, share bool, err
 		return s, false, errors.New("sharedtransport: called with a nil *rest.Config")
 	}
 	if cfg.Transport != nil {
-		return s, false, nil // pass through: the caller's own Transport is never replaced
+		s.pass = ownTransport
+		return s, false, nil
 	}
 	req, err := hostRequest(cfg)
 	if err != nil {
@@ -167,21 +185,22 @@ func (p *Pool) sharingFor(cfg *rest.Config, g given) (s sharing, share bool, err
 	if cfg.Proxy != nil {
 		s.onlyHost = req.URL.Host
 	}
-	s.id, share, err = p.identityOf(cfg, s.tc, g, req)
-	return s, share, err
+	s.id, s.pass, s.proxyErr, err = p.identityOf(cfg, s.tc, g, req)
+	return s, s.pass == shares && err == nil, err
 }
 
-// identityOf computes the identity of cfg, whose transport config is tc.
-// share is false, with a nil identity, for a config that passes through.
-// req is a request to cfg's host, for asking cfg's Proxy function.
-func (p *Pool) identityOf(cfg *rest.Config, tc *transport.Config, g given, req *http.Request) (id *identity, share bool, err error) {
+// identityOf computes the identity of cfg, whose transport config is tc,
+// or why it passes through (with the Proxy function's error when that
+// failed). req is a request to cfg's host, for asking cfg's Proxy function.
+// It neither logs nor counts: its callers do.
+func (p *Pool) identityOf(cfg *rest.Config, tc *transport.Config, g given, req *http.Request) (id *identity, pass passReason, proxyErr, err error) {
 	hasTLS := tc.HasCA() || tc.HasCertAuth() || tc.HasCertCallback() || tc.TLS.Insecure ||
 		tc.TLS.ServerName != "" || len(tc.TLS.NextProtos) > 0
 	if !hasTLS && tc.DialHolder == nil && tc.Proxy == nil {
-		return nil, false, nil // pass through: client-go uses http.DefaultTransport, already shared
+		return nil, noTLS, nil, nil
 	}
 	if tc.HasCA() && tc.TLS.Insecure {
-		return nil, false, errors.New("sharedtransport: a config cannot set both a CA and insecure: remove one of them")
+		return nil, shares, nil, errors.New("sharedtransport: a config cannot set both a CA and insecure: remove one of them")
 	}
 
 	id = &identity{
@@ -195,62 +214,37 @@ func (p *Pool) identityOf(cfg *rest.Config, tc *transport.Config, g given, req *
 	}
 	id.key.noHTTP2 = noHTTP2()
 	if err := p.setMaterial(id, tc); err != nil {
-		return nil, false, err
+		return nil, shares, nil, err
 	}
 	dialName, share := p.setDialer(id, cfg, tc)
 	if !share {
-		return nil, false, nil // pass through: a custom Dial WithDialIdentity does not name
+		return nil, unnamedDial, nil, nil
 	}
 	if cfg.WrapTransport != nil && !g.declared {
-		p.undeclaredWrappers(cfg)
-		return nil, false, nil // pass through: code the pool cannot read
+		return nil, undeclaredWrappers, nil, nil
 	}
 	id.connectHeader = g.connectHeader
-	proxy, share := p.setProxy(id, cfg, req)
-	if !share {
-		return nil, false, nil // pass through: a Proxy function that fails
+	proxy, err := setProxy(id, cfg, req)
+	if err != nil {
+		return nil, proxyFailed, err, nil
 	}
 	id.completeKey(dialName, proxy)
-	return id, true, nil
+	return id, shares, nil, nil
 }
 
 // setProxy sets the proxy function of id's transport from cfg.Proxy, and
-// returns the route that keys it (see identityKey.proxy). share is false when
-// cfg.Proxy fails.
-func (p *Pool) setProxy(id *identity, cfg *rest.Config, req *http.Request) (proxy string, share bool) {
+// returns the route that keys it (see identityKey.proxy), or what cfg.Proxy
+// failed with.
+func setProxy(id *identity, cfg *rest.Config, req *http.Request) (proxy string, err error) {
 	if cfg.Proxy == nil {
-		return "", true
+		return "", nil
 	}
 	r, err := proxyRoute(cfg, req)
-	if err != nil {
-		p.opts.logger.V(2).Info("Config passes through: its Proxy function failed", "host", redactHost(cfg.Host), "err", redactError(err))
-		return "", false
-	}
-	if r.env {
-		return "", true
+	if err != nil || r.env {
+		return "", err
 	}
 	id.proxy = r.fixed
-	return r.url, true
-}
-
-// undeclaredWrappers logs, once per pool, that a config passes through
-// because of wrappers nobody declared, and how to share it.
-func (p *Pool) undeclaredWrappers(cfg *rest.Config) {
-	p.undeclaredOnce.Do(func() {
-		p.opts.logger.V(2).Info("Config passes through: its WrapTransport holds wrappers the pool cannot read; "+
-			"declare what they do with WithPerRequestWrappers or WithProxyConnectHeader to share its transport (logged once)", "host", redactHost(cfg.Host))
-	})
-}
-
-// functionsPassThrough counts a config Wrap leaves to client-go for its Proxy
-// or Dial function, and logs the first of them once per pool with how to
-// share it.
-func (p *Pool) functionsPassThrough(cfg *rest.Config) {
-	p.stats.passThrough.Add(1)
-	p.functionsOnce.Do(func() {
-		p.opts.logger.V(2).Info("Config passes through Wrap: it has a Proxy or Dial function, which the hook cannot tell from a copy's; "+
-			"build its clients with HTTPClientFor or TransportFor to share its transport (logged once)", "host", redactHost(cfg.Host))
-	})
+	return r.url, nil
 }
 
 // completeKey derives the rest of id's key from its material, for a custom

@@ -125,7 +125,7 @@ func (p *Pool) wrap(cfg *rest.Config, g given) error {
 		return ErrClosed
 	}
 	if cfg != nil && cfg.Transport == nil && (cfg.Proxy != nil || cfg.Dial != nil) {
-		p.functionsPassThrough(cfg)
+		p.passedThrough(cfg, sharing{pass: functionsInWrap})
 		return nil
 	}
 	s, share, err := p.sharingFor(cfg, g)
@@ -133,7 +133,7 @@ func (p *Pool) wrap(cfg *rest.Config, g given) error {
 		return err
 	}
 	if !share {
-		p.stats.passThrough.Add(1)
+		p.passedThrough(cfg, s)
 		return nil
 	}
 	l, err := p.acquire(s.id) // reads and checks the material first: its errors name the file
@@ -152,6 +152,28 @@ func (p *Pool) wrap(cfg *rest.Config, g given) error {
 	runtime.AddCleanup(cfg, holdLease, l)
 	cfg.WrapTransport = transport.Wrappers(h.wrap, cfg.WrapTransport)
 	return nil
+}
+
+// passedThrough counts a config left to client-go, and logs why where its
+// caller can share it after all: once per pool for what is the caller's
+// choice, every time for a Proxy function that fails.
+func (p *Pool) passedThrough(cfg *rest.Config, s sharing) {
+	p.stats.passThrough.Add(1)
+	log := p.opts.logger.V(2)
+	switch s.pass {
+	case proxyFailed:
+		log.Info("Config passes through: its Proxy function failed", "host", redactHost(cfg.Host), "err", redactError(s.proxyErr))
+	case undeclaredWrappers:
+		p.undeclaredOnce.Do(func() {
+			log.Info("Config passes through: its WrapTransport holds wrappers the pool cannot read; "+
+				"declare what they do with WithPerRequestWrappers or WithProxyConnectHeader to share its transport (logged once)", "host", redactHost(cfg.Host))
+		})
+	case functionsInWrap:
+		p.functionsOnce.Do(func() {
+			log.Info("Config passes through Wrap: it has a Proxy or Dial function, which the hook cannot tell from a copy's; "+
+				"build its clients with HTTPClientFor or TransportFor to share its transport (logged once)", "host", redactHost(cfg.Host))
+		})
+	}
 }
 
 // Close closes every connection of the pool, stops watching files and waits

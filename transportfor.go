@@ -70,7 +70,7 @@ func (p *Pool) transportFor(cfg *rest.Config, g given) (http.RoundTripper, error
 		return nil, err
 	}
 	if !share {
-		p.stats.passThrough.Add(1)
+		p.passedThrough(cfg, s)
 		if s.tc == nil {
 			return rest.TransportFor(cfg)
 		}
