@@ -23,22 +23,16 @@ import (
 )
 
 // entry is one identity's place in the pool: its current transport
-// generation, its file watches, and how many wrapped configs refer to it.
+// generation and its file watches.
 type entry struct {
 	pool    *Pool
 	id      *identity
 	current atomic.Pointer[generation]
 	since   atomic.Int64 // when current took effect, in Unix nanoseconds
 	closed  atomic.Bool
-	// filesBad is set while the identity's files fail to load (the last good
-	// material serves meanwhile): client-go's transports would read the same
-	// files, without the pool's bounds, so they are not asked.
-	filesBad atomic.Bool
-	files    filesState // the last read of the identity's files (rotation.go)
+	files   filesState // what the entry knows of its files (rotation.go)
 
-	refs      int            // wrapped configs and clients holding a lease; guarded by pool.mu
-	idleTimer *time.Timer    // releases the entry after the idle grace; guarded by pool.mu
-	watch     *identityWatch // set before the entry is in the pool, then fixed; nil unless id.watchesFiles()
+	watch *identityWatch // set before the entry is in the pool, then fixed; nil unless id.watchesFiles()
 
 	// clientGo is what hooks of the identity's configs found client-go's
 	// cache to hold for them (hook.agrees), while clientGoFor was current:
@@ -48,8 +42,7 @@ type entry struct {
 	clientGo    []http.RoundTripper
 	clientGoFor weak.Pointer[generation]
 
-	stats      identityCounters              // the identity's share of the pool's counters
-	lastReload atomic.Pointer[reloadFailure] // the last reload rejected; nil: none
+	stats identityCounters // the identity's share of the pool's counters
 
 	// mu orders rotate and close: rotate swaps current and close sets
 	// closed while holding it, so a generation is never taken into use
@@ -97,12 +90,16 @@ func (p *Pool) leaseEntry(id *identity) (*entry, error) {
 	if p.closed {
 		return nil, ErrClosed
 	}
-	e, ok := p.entries[id.key]
+	h, ok := p.entries[id.key]
 	if !ok {
 		return nil, nil
 	}
-	p.leaseLocked(e)
-	return e, nil
+	h.refs++
+	if h.idle != nil {
+		h.idle.Stop() // a pending release
+		h.idle = nil
+	}
+	return h.e, nil
 }
 
 // buildOnce puts an entry for id in the pool unless one is there. Concurrent
@@ -134,7 +131,7 @@ func (p *Pool) addEntry(id *identity) (added bool, err error) {
 		e.close()
 		return false, ErrClosed
 	}
-	p.entries[id.key] = e
+	p.entries[id.key] = &held{e: e}
 	p.stats.misses.Add(1)
 	return true, nil
 }
@@ -164,13 +161,11 @@ func (p *Pool) build(id *identity) (*entry, error) {
 	return e, nil
 }
 
-// leaseLocked counts a new reference to e and cancels a pending release.
-func (p *Pool) leaseLocked(e *entry) {
-	e.refs++
-	if e.idleTimer != nil {
-		e.idleTimer.Stop()
-		e.idleTimer = nil
-	}
+// held is an entry in a pool's map and the leases that hold it.
+type held struct {
+	e    *entry
+	refs int         // leases not yet collected
+	idle *time.Timer // releases the entry when the idle grace after the last lease ends
 }
 
 // release drops a reference; runtime.AddCleanup calls it when a lease is
@@ -178,18 +173,20 @@ func (p *Pool) leaseLocked(e *entry) {
 func (p *Pool) release(e *entry) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	e.refs--
-	if e.refs > 0 || p.closed || p.entries[e.id.key] != e {
-		return
+	h := p.entries[e.id.key]
+	if h == nil || h.e != e || p.closed {
+		return // closed, or expired with no lease left
 	}
-	e.idleTimer = time.AfterFunc(p.opts.idleTimeout, func() { p.expire(e) })
+	if h.refs--; h.refs == 0 {
+		h.idle = time.AfterFunc(p.opts.idleTimeout, func() { p.expire(e) })
+	}
 }
 
 // expire releases e when its idle grace ends, unless a lease was taken
 // meanwhile.
 func (p *Pool) expire(e *entry) {
 	p.mu.Lock()
-	if e.refs > 0 || p.entries[e.id.key] != e {
+	if h := p.entries[e.id.key]; h == nil || h.e != e || h.refs > 0 {
 		p.mu.Unlock()
 		return
 	}

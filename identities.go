@@ -7,8 +7,6 @@ package sharedtransport
 import (
 	"cmp"
 	"slices"
-	"strconv"
-	"strings"
 	"sync/atomic"
 	"time"
 
@@ -101,30 +99,6 @@ type identityCounters struct {
 	rotations, rotationErrors atomic.Uint64
 }
 
-// reloadFailure is a rejected reload.
-type reloadFailure struct {
-	err, file string
-	at        time.Time
-}
-
-// recordReloadError counts err against e and keeps it as its last, and
-// returns the text kept: the pool's own text, which names files, never
-// URLs. The file is the first of e's files the error names: every reload
-// error names the file it is about.
-func (e *entry) recordReloadError(err error, at time.Time) string {
-	e.stats.rotationErrors.Add(1)
-	msg := err.Error()
-	f := &reloadFailure{err: msg, at: at}
-	for _, path := range []string{e.id.key.certFile, e.id.key.keyFile, e.id.key.caFile} {
-		if path != "" && strings.Contains(msg, strconv.Quote(path)) {
-			f.file = path
-			break
-		}
-	}
-	e.lastReload.Store(f)
-	return msg
-}
-
 // Identities returns a snapshot of the pool's live identities, sorted by
 // name. Counters of one identity are read one after another, not at one
 // instant.
@@ -135,8 +109,8 @@ func (p *Pool) Identities() []IdentityInfo {
 	}
 	p.mu.Lock()
 	entries := make([]live, 0, len(p.entries))
-	for _, e := range p.entries {
-		entries = append(entries, live{e, e.watch})
+	for _, h := range p.entries {
+		entries = append(entries, live{h.e, h.e.watch})
 	}
 	p.mu.Unlock()
 
@@ -187,7 +161,7 @@ func (e *entry) info(watch *identityWatch) IdentityInfo {
 	if watch != nil {
 		info.Watch = watch.mode()
 	}
-	if f := e.lastReload.Load(); f != nil {
+	if f := e.files.lastFailure(); f != nil {
 		info.LastError, info.LastErrorTime, info.LastErrorFile = f.err, f.at, f.file
 	}
 	if id.watchesFiles() {

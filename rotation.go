@@ -8,20 +8,55 @@ package sharedtransport
 
 import (
 	"errors"
+	"strconv"
+	"strings"
 	"sync"
 	"time"
 )
 
-// filesState is what an entry knows of its files from their last read.
+// filesState is everything an entry knows of its files: the last read,
+// the last rejection, and whether a debounced reload is on its way.
 type filesState struct {
-	// mu serializes the reads that may rotate (a reload, a fresh check), so
-	// an older read never replaces what a newer one took; it guards the
-	// fields below. See Pool for the order of locks.
-	mu       sync.Mutex
-	readAt   time.Time // when the files were last read (options.now)
-	err      error     // why that read was rejected; nil: the files hold the material in use
-	badSince time.Time // when the reads began to be rejected
-	rejected *material // the material rejected last, so unchanged bad files are counted once
+	// reloading serializes the reads that may rotate (a reload, a fresh
+	// check), so an older read never replaces what a newer one took. It is
+	// held across the read; only other such reads wait for it.
+	reloading sync.Mutex
+
+	mu       sync.Mutex // guards the fields below; never held across a read
+	readAt   time.Time  // when the files were last read (options.now)
+	err      error      // why that read was rejected; nil: the files hold the material in use
+	badSince time.Time  // when the reads began to be rejected
+	rejected *material  // the material rejected last, so unchanged bad files are counted once
+	last     *reloadFailure
+	due      bool // a debounced reload is on its way to the watcher's queue
+}
+
+// reloadFailure is a rejected reload, as Identities shows it.
+type reloadFailure struct {
+	err, file string
+	at        time.Time
+}
+
+// bad reports whether the last read of the files was rejected: the last
+// good material serves meanwhile.
+func (st *filesState) bad() bool {
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	return st.err != nil
+}
+
+func (st *filesState) lastFailure() *reloadFailure {
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	return st.last
+}
+
+// setDue marks a debounced reload on its way, and reports whether none was.
+func (st *filesState) setDue(due bool) (was bool) {
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	was, st.due = st.due, due
+	return was
 }
 
 // reload re-reads the identity's files for the watcher. Every poll and event
@@ -32,9 +67,9 @@ func (iw *identityWatch) reload() {
 	if e.closed.Load() {
 		return
 	}
-	e.files.mu.Lock()
-	e.refreshLocked(iw.w.done)
-	e.files.mu.Unlock()
+	e.files.reloading.Lock()
+	e.refresh(iw.w.done)
+	e.files.reloading.Unlock()
 	e.checkExpiry()
 }
 
@@ -52,10 +87,15 @@ func (e *entry) fresh() error {
 	}
 	p, st := e.pool, &e.files
 	for waited := false; ; waited = true {
+		st.reloading.Lock()
 		st.mu.Lock()
-		if st.err != nil || p.opts.now().Sub(st.readAt) >= p.opts.debounce {
-			e.refreshLocked(e.watch.w.done)
+		stale := st.err != nil || p.opts.now().Sub(st.readAt) >= p.opts.debounce
+		st.mu.Unlock()
+		if stale {
+			e.refresh(e.watch.w.done)
 		}
+		st.reloading.Unlock()
+		st.mu.Lock()
 		err, wait := st.err, st.badSince.Add(p.opts.debounce).Sub(p.opts.now())
 		st.mu.Unlock()
 		if err == nil || waited || wait <= 0 {
@@ -71,16 +111,17 @@ func (e *entry) fresh() error {
 	}
 }
 
-// refreshLocked reads e's files and takes valid new material into use.
-// Unchanged bytes are no reload, and cost a read and a comparison. Invalid
-// material keeps the last good one and is counted once.
-func (e *entry) refreshLocked(done <-chan struct{}) {
+// refresh reads e's files and takes valid new material into use; the
+// caller holds e.files.reloading. Unchanged bytes are no reload, and cost a
+// read and a comparison. Invalid material keeps the last good one and is
+// counted once.
+func (e *entry) refresh(done <-chan struct{}) {
 	p := e.pool
 	m, err := p.readMaterial(e.id, done)
 	now := p.opts.now()
 	switch {
 	case err == nil && m.equal(e.current.Load().material):
-		e.goodLocked(now)
+		e.files.good(now)
 		return
 	case err == nil:
 		// Checked again even when these bytes were rejected before: a
@@ -91,13 +132,13 @@ func (e *entry) refreshLocked(done <-chan struct{}) {
 	case errors.Is(err, ErrClosed):
 		return
 	case err != nil:
-		e.rejectLocked(err, m, now)
+		e.reject(err, m, now)
 		return
 	}
 	if !m.equal(e.current.Load().material) {
 		g, err := p.newGeneration(e, m, e.current.Load())
 		if err != nil {
-			e.rejectLocked(err, m, now)
+			e.reject(err, m, now)
 			return
 		}
 		if !e.rotate(g, p.opts.drainTimeout) {
@@ -107,33 +148,50 @@ func (e *entry) refreshLocked(done <-chan struct{}) {
 		e.stats.rotations.Add(1)
 		p.opts.logger.V(2).Info("Rotated TLS material", "identity", e.id.key, "files", []string{e.id.key.caFile, e.id.key.certFile, e.id.key.keyFile})
 	}
-	e.goodLocked(now)
+	e.files.good(now)
 }
 
-func (e *entry) goodLocked(now time.Time) {
-	st := &e.files
+func (st *filesState) good(now time.Time) {
+	st.mu.Lock()
+	defer st.mu.Unlock()
 	st.readAt, st.err, st.badSince, st.rejected = now, nil, time.Time{}, nil
-	e.filesBad.Store(false)
 }
 
-// rejectLocked counts and logs a rejected read, m the material rejected (nil
-// if the files could not be read), unless the same bytes were rejected last;
+// reject counts and logs a rejected read, m the material rejected (nil if
+// the files could not be read), unless the same bytes were rejected last;
 // the last good material stays.
-func (e *entry) rejectLocked(err error, m *material, now time.Time) {
-	st := &e.files
+func (e *entry) reject(err error, m *material, now time.Time) {
+	if !e.files.rejectedAgain(err, m, now, e.id.key) {
+		e.pool.stats.rotationErrors.Add(1)
+		e.stats.rotationErrors.Add(1)
+		e.pool.opts.logger.Info("Keeping the last good TLS material", "identity", e.id.key, "reason", err.Error())
+	}
+}
+
+// rejectedAgain records a rejected read and reports whether the same bytes
+// were rejected last. A new failure is kept for Identities with the first of
+// the identity's files its text names: every reload error names the file it
+// is about.
+func (st *filesState) rejectedAgain(err error, m *material, now time.Time, k identityKey) bool {
+	st.mu.Lock()
+	defer st.mu.Unlock()
 	again := st.err != nil && m != nil && st.rejected != nil && m.equal(st.rejected)
 	if st.err == nil {
 		st.badSince = now
 	}
 	st.readAt, st.err, st.rejected = now, err, m
-	e.filesBad.Store(true)
 	if again {
-		return
+		return true
 	}
-	p := e.pool
-	p.stats.rotationErrors.Add(1)
-	msg := e.recordReloadError(err, now)
-	p.opts.logger.Info("Keeping the last good TLS material", "identity", e.id.key, "reason", msg)
+	msg := err.Error()
+	st.last = &reloadFailure{err: msg, at: now}
+	for _, path := range []string{k.certFile, k.keyFile, k.caFile} {
+		if path != "" && strings.Contains(msg, strconv.Quote(path)) {
+			st.last.file = path
+			break
+		}
+	}
+	return false
 }
 
 // filesError is the error configs built now fail with: the files' error once

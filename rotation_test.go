@@ -304,8 +304,8 @@ func TestRotationRejectedOnce(t *testing.T) {
 func filesBad(p *Pool) bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	for _, e := range p.entries {
-		if e.filesBad.Load() {
+	for _, h := range p.entries {
+		if h.e.files.bad() {
 			return true
 		}
 	}

@@ -218,10 +218,10 @@ func (sc *secretsScan) printed(t *testing.T) {
 	t.Helper()
 	p := sc.p
 	p.mu.Lock()
-	for k, e := range p.entries {
+	for k, h := range p.entries {
 		sc.note("key String", k.String())
 		sc.note("key %v", fmt.Sprintf("%v %+v %s", k, k, k))
-		sc.note("entry key", e.id.key)
+		sc.note("entry key", h.e.id.key)
 	}
 	p.mu.Unlock()
 	sc.note("Stats", fmt.Sprintf("%+v %#v", p.Stats(), p.Stats()))

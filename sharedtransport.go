@@ -32,19 +32,19 @@ var ErrClosed = errors.New("sharedtransport: pool is closed")
 // not usable; create pools with [New]. A Pool is safe for concurrent use.
 //
 // Locks are taken in this order, never the other way: the pool's mu, or an
-// identity's file state (filesState.mu, rotation.go, held across the reads
-// it serializes), never both; then an entry's mu (entry.go); then the
-// watcher's (watch.go); the connection layer's (internal/conns) last: it
-// never calls back up. A hook's mu (wrapper.go) and an entry's clientGoMu
-// are taken alone.
+// identity's filesState.reloading (rotation.go: held across the file reads
+// it serializes, and nothing else waits on it), never both; then an entry's
+// mu (entry.go); then the watcher's (watch.go); then the connection layer's
+// (internal/conns), which never calls back up. A filesState's mu, a hook's
+// mu (wrapper.go) and an entry's clientGoMu are held alone, across no call.
 type Pool struct {
 	opts  options
 	group singleflight.Group // one build per identity under concurrent first use
 	reads stuckReads         // bounds reads of certificate files
 	stats counters
 
-	mu      sync.Mutex // guards entries, closed, watcher, and every entry's refs and idleTimer
-	entries map[identityKey]*entry
+	mu      sync.Mutex // guards entries, closed and watcher
+	entries map[identityKey]*held
 	closed  bool
 	watcher *fileWatcher // nil until a config names certificate files
 
@@ -63,7 +63,7 @@ func New(opts ...Option) *Pool {
 	for _, opt := range opts {
 		opt(&o)
 	}
-	return &Pool{opts: o, entries: make(map[identityKey]*entry)}
+	return &Pool{opts: o, entries: make(map[identityKey]*held)}
 }
 
 var defaultPool = sync.OnceValue(func() *Pool { return New() })
@@ -191,12 +191,12 @@ func (p *Pool) shutdown() error {
 	p.mu.Lock()
 	p.closed = true
 	entries := p.entries
-	p.entries = map[identityKey]*entry{}
+	p.entries = map[identityKey]*held{}
 	w := p.watcher
 	p.mu.Unlock()
 
-	for _, e := range entries {
-		e.close()
+	for _, h := range entries {
+		h.e.close()
 	}
 	if w != nil {
 		return w.close()

@@ -12,7 +12,6 @@ import (
 	"path/filepath"
 	"slices"
 	"sync"
-	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -58,8 +57,7 @@ type watchedDir struct {
 type identityWatch struct {
 	w    *fileWatcher
 	e    *entry
-	dirs []string    // the directories of the entry's files
-	due  atomic.Bool // a debounced reload is on its way to the queue
+	dirs []string // the directories of the entry's files
 }
 
 func (p *Pool) fileWatcher() (*fileWatcher, error) {
@@ -272,9 +270,9 @@ func (w *fileWatcher) onEvent(ev fsnotify.Event) {
 	}
 	w.mu.Unlock()
 	for _, iw := range due {
-		if iw.due.CompareAndSwap(false, true) {
+		if !iw.e.files.setDue(true) {
 			time.AfterFunc(w.pool.opts.debounce, func() {
-				iw.due.Store(false)
+				iw.e.files.setDue(false)
 				w.queue.Add(iw)
 			})
 		}

@@ -10,7 +10,6 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
-	"runtime"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -181,7 +180,7 @@ func trustsAlike(rt http.RoundTripper, ours *tls.Config) bool {
 // match the transport it held for the files before.
 // It returns the generation it found current.
 func (h *hook) agrees(rt http.RoundTripper, e *entry) (*generation, bool) {
-	if e.filesBad.Load() {
+	if e.files.bad() {
 		// While the pool rejects the files, a client built now does not
 		// ride the material the pool kept: it keeps client-go's transport,
 		// and meets the files as it would without the pool.
@@ -328,71 +327,6 @@ func (c *clientTransport) pick(*http.Request) *generation {
 	}
 	if !c.caMoved.Swap(true) {
 		c.lease.e.pool.stats.passThrough.Add(1)
-	}
-	return nil
-}
-
-// handedOutTransports records client-go's transports that were handed to
-// code above the pool (WrappedRoundTripper), which may change them in place:
-// every client that has one sends through it from then on, as it would
-// without the pool. A record refers weakly to the *http.Transport at the
-// bottom of the transport, and goes when that is collected: the pool keeps
-// none of client-go's transports alive.
-type handedOutTransports struct {
-	any atomic.Bool // there is a record, so that requests need not look
-	mu  sync.Mutex  // guards m
-	m   map[weak.Pointer[http.Transport]]struct{}
-}
-
-// add records t, the *http.Transport under a transport handed out (nil:
-// none was found, nothing to record).
-func (h *handedOutTransports) add(t *http.Transport) {
-	if t == nil {
-		return
-	}
-	w := weak.Make(t)
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	if _, ok := h.m[w]; ok {
-		return
-	}
-	if h.m == nil {
-		h.m = map[weak.Pointer[http.Transport]]struct{}{}
-	}
-	h.m[w] = struct{}{}
-	h.any.Store(true)
-	runtime.AddCleanup(t, h.forget, w)
-}
-
-func (h *handedOutTransports) forget(w weak.Pointer[http.Transport]) {
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	delete(h.m, w)
-}
-
-// has reports whether the transport over t was handed out.
-func (h *handedOutTransports) has(t *http.Transport) bool {
-	if t == nil || !h.any.Load() {
-		return false
-	}
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	_, ok := h.m[weak.Make(t)]
-	return ok
-}
-
-// unwrapToTransport returns the *http.Transport under rt's wrappers, as
-// client-go's helpers find it (utilnet.RoundTripperWrapper), or nil.
-func unwrapToTransport(rt http.RoundTripper) *http.Transport {
-	for range 8 {
-		switch t := rt.(type) {
-		case *http.Transport:
-			return t
-		case utilnet.RoundTripperWrapper:
-			rt = t.WrappedRoundTripper()
-		default:
-			return nil
-		}
 	}
 	return nil
 }

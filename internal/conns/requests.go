@@ -26,14 +26,7 @@ const maxHeldBody = 64 << 10
 // sent; req may then be sent on a newer Transports (Resendable).
 func (t *Transports) RoundTrip(req *http.Request, owner any) (*http.Response, error) {
 	if httpstream.IsUpgradeRequest(req) {
-		// An upgraded connection is the caller's own, not a stream: no place
-		// to hold, and its HTTP/1.1 response tells nothing of HTTP/2.
-		resp, err := t.http1.RoundTrip(req)
-		if err != nil {
-			return nil, err
-		}
-		resp.Body = t.wrapBody(resp.Body, owner, nil, nil, false)
-		return resp, nil
+		return t.upgrade(req, owner)
 	}
 	h := t.hostFor(req)
 	// Counted from before admission, so that Transports yielding the cap
@@ -85,6 +78,18 @@ func (t *Transports) RoundTrip(req *http.Request, owner any) (*http.Response, er
 		h = nil
 	}
 	resp.Body = t.wrapBody(resp.Body, owner, h, set, short)
+	return resp, nil
+}
+
+// upgrade sends an upgrade request (exec, port-forward). An upgraded
+// connection is the caller's own, not a stream: no place to hold, and its
+// HTTP/1.1 response tells nothing of HTTP/2.
+func (t *Transports) upgrade(req *http.Request, owner any) (*http.Response, error) {
+	resp, err := t.http1.RoundTrip(req)
+	if err != nil {
+		return nil, err
+	}
+	resp.Body = t.wrapBody(resp.Body, owner, nil, nil, false)
 	return resp, nil
 }
 
