@@ -44,7 +44,7 @@ func TestOwnConnectClusterSeedLoad(t *testing.T) {
 	for _, limit := range caps {
 		rows = append(rows, runOwnConnectCluster(t, limit))
 	}
-	t.Logf("\n| Karmada v1.12.0's ConnectCluster | tunnels | open after the load | full handshakes | resumed | refused | lost | req/s | test-process CPU per request |\n|---|---|---|---|---|---|---|---|---|")
+	t.Logf("\n| Karmada v1.18.2's ConnectCluster | tunnels | open after the load | full handshakes | resumed | refused | lost | req/s | test-process CPU per request |\n|---|---|---|---|---|---|---|---|---|")
 	for i, r := range rows {
 		name := "as is"
 		switch {
@@ -282,7 +282,7 @@ func TestOwnClusterClientSets(t *testing.T) {
 			if _, err := cs.KubeClient.CoreV1().ConfigMaps("default").List(ctx, metav1.ListOptions{Limit: 1}); err != nil {
 				t.Fatalf("reconcile %d of %s: %v", i, c, err)
 			}
-			dyn, err := util.NewClusterDynamicClientSet(c, host)
+			dyn, err := util.NewClusterDynamicClientSet(c, host, nil)
 			if err != nil {
 				t.Fatalf("reconcile %d of %s: %v", i, c, err)
 			}

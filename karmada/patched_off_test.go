@@ -4,7 +4,7 @@ package karmada
 
 import "github.com/sharedtransport/sharedtransport"
 
-// patched: this build has Karmada v1.12.0 as is.
+// patched: this build has Karmada v1.18.2 as is.
 const patched = false
 
 // clusterTransports is for the patched build only: Karmada as is has no

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds Karmada v1.12.0 with karmada/patches applied (patched-karmada.sh:
+# Builds Karmada v1.18.2 with karmada/patches applied (patched-karmada.sh:
 # Karmada's own unit tests of the changed packages, before and after) and runs
 # karmada/'s tests of Karmada's own code against it (TestOwn..., and the pool
 # modes of TestSeedLoad and TestTLS12Refused): the module is replaced by
