@@ -5,6 +5,7 @@ go 1.26.0
 require (
 	github.com/karmada-io/karmada v1.18.2
 	github.com/sharedtransport/sharedtransport v0.0.0-00010101000000-000000000000
+	golang.org/x/oauth2 v0.34.0
 	k8s.io/api v0.35.3
 	k8s.io/apimachinery v0.35.3
 	k8s.io/apiserver v0.35.3
@@ -75,7 +76,6 @@ require (
 	go.yaml.in/yaml/v2 v2.4.3 // indirect
 	go.yaml.in/yaml/v3 v3.0.4 // indirect
 	golang.org/x/net v0.49.0 // indirect
-	golang.org/x/oauth2 v0.34.0 // indirect
 	golang.org/x/sync v0.19.0 // indirect
 	golang.org/x/sys v0.40.0 // indirect
 	golang.org/x/term v0.39.0 // indirect
