@@ -3,7 +3,11 @@ package karmada
 import (
 	"context"
 	"fmt"
+	"io"
+	"net"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -244,6 +248,8 @@ func TestOwnConnectClusterExec(t *testing.T) {
 // reconcile (util.NewClusterClientSet, util.NewClusterDynamicClientSet) for
 // two members behind one proxy, each with its own ProxyHeader: a tunnel per
 // client set as is; patched, one per member, each with its member's header.
+// A member reached directly has one connection either way: client-go's own
+// cache shares its transport already.
 func TestOwnClusterClientSets(t *testing.T) {
 	const reconciles = 25
 	creds := []string{"Basic b3duLWE=", "Basic b3duLWI="}
@@ -256,22 +262,36 @@ func TestOwnClusterClientSets(t *testing.T) {
 		objs = append(objs, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Namespace: secretNamespace, Name: c}, Data: m.secretData()})
 	}
 	// A member reached directly: a ProxyHeader without a ProxyURL goes
-	// nowhere, as BuildClusterConfig has it.
+	// nowhere, as BuildClusterConfig has it. Its connections are counted by
+	// a relay in front of the member.
+	relay := newCountingRelay(t, strings.TrimPrefix(kube.URL, "https://"))
 	direct := &clusterv1alpha1.Cluster{ObjectMeta: metav1.ObjectMeta{Name: "direct"}, Spec: clusterv1alpha1.ClusterSpec{
-		APIEndpoint: kube.URL, SecretRef: &clusterv1alpha1.LocalSecretReference{Namespace: secretNamespace, Name: "direct"},
+		APIEndpoint: "https://" + relay.addr(), SecretRef: &clusterv1alpha1.LocalSecretReference{Namespace: secretNamespace, Name: "direct"},
 		ProxyHeader: map[string]string{"Proxy-Authorization": "Basic ZGlyZWN0"},
 	}}
 	objs = append(objs, direct, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Namespace: secretNamespace, Name: "direct"}, Data: m.secretData()})
 	host := fakeclient.NewClientBuilder().WithScheme(gclient.NewSchema()).WithObjects(objs...).Build()
 	ctx := context.Background()
-	for i := range 3 {
+	for i := range reconciles {
 		cs, err := util.NewClusterClientSet("direct", host, nil)
 		if err == nil {
 			_, err = cs.KubeClient.CoreV1().ConfigMaps("default").List(ctx, metav1.ListOptions{Limit: 1})
 		}
+		var dyn *util.DynamicClusterClient
+		if err == nil {
+			dyn, err = util.NewClusterDynamicClientSet("direct", host, nil)
+		}
+		if err == nil {
+			_, err = dyn.DynamicClientSet.Resource(corev1.SchemeGroupVersion.WithResource("configmaps")).Namespace("default").List(ctx, metav1.ListOptions{Limit: 1})
+		}
 		if err != nil {
 			t.Fatalf("reconcile %d of the member reached directly: %v", i, err)
 		}
+	}
+	// client-go's own cache already shares a transport for a config without
+	// Proxy: one connection as is, and one patched.
+	if n := relay.accepted(); n != 1 {
+		t.Errorf("%d reconciles of the member reached directly, 2 client sets each: %d connections, want 1", reconciles, n)
 	}
 	for i := range reconciles {
 		for _, c := range creds {
@@ -308,7 +328,7 @@ func TestOwnClusterClientSets(t *testing.T) {
 			t.Errorf("tunnels by header %v, want %d for each member", seen, int(want)/len(creds))
 		}
 	}
-	t.Logf("NewClusterClientSet + NewClusterDynamicClientSet, %d reconciles of each of %d members: %d tunnels, %d refused (407)", reconciles, len(creds), st.Tunnels, st.Rejected)
+	t.Logf("NewClusterClientSet + NewClusterDynamicClientSet, %d reconciles of each of %d members: %d tunnels, %d refused (407); of the member reached directly: %d connections", reconciles, len(creds), st.Tunnels, st.Rejected, relay.accepted())
 }
 
 // TestOwnConnectClusterLogsNoSecrets: with klog at -v=10, requests through
@@ -361,3 +381,57 @@ func TestOwnConnectClusterLogsNoSecrets(t *testing.T) {
 	}
 	t.Logf("%d bytes of log at -v=10", len(out))
 }
+
+// countingRelay forwards TCP connections to a member and counts them: the
+// member's side of a client's connections.
+type countingRelay struct {
+	ln    net.Listener
+	count atomic.Int64
+}
+
+func newCountingRelay(t testing.TB, target string) *countingRelay {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := &countingRelay{ln: ln}
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	var open []net.Conn
+	t.Cleanup(func() {
+		ln.Close()
+		mu.Lock()
+		for _, c := range open {
+			c.Close()
+		}
+		mu.Unlock()
+		wg.Wait()
+	})
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			r.count.Add(1)
+			up, err := net.Dial("tcp", target)
+			if err != nil {
+				c.Close()
+				continue
+			}
+			mu.Lock()
+			open = append(open, c, up)
+			mu.Unlock()
+			wg.Add(2)
+			go func() { defer wg.Done(); io.Copy(up, c); up.Close() }()
+			go func() { defer wg.Done(); io.Copy(c, up); c.Close() }()
+		}
+	}()
+	return r
+}
+
+func (r *countingRelay) addr() string { return r.ln.Addr().String() }
+
+func (r *countingRelay) accepted() int64 { return r.count.Load() }
