@@ -5,9 +5,9 @@ package sharedtransport
 
 import (
 	"crypto/tls"
+	"crypto/x509"
 	"errors"
 	"sync/atomic"
-	"time"
 
 	"k8s.io/client-go/transport"
 
@@ -21,13 +21,18 @@ type generation struct {
 	// ca is the digest of material.caPEM: a client of Wrap rides the
 	// generation only while it trusts what the generation trusts
 	// (clientTransport.pick).
-	ca digest
-	// The client certificate's subject and expiry, for Identities and the
-	// expiry warning; warned says the warning was logged.
-	certCN       string
-	certNotAfter time.Time
-	warned       atomic.Bool
-	conns        *conns.Transports
+	ca     digest
+	warned atomic.Bool // the expiry warning for its certificate was logged
+	conns  *conns.Transports
+}
+
+// certificate is the client certificate the generation authenticates with,
+// nil without one (or with an exec plugin's, which the plugin keeps).
+func (g *generation) certificate() *x509.Certificate {
+	if g.material.cert == nil {
+		return nil
+	}
+	return g.material.cert.Leaf
 }
 
 // newGeneration builds e's transports for material m as client-go's
@@ -59,9 +64,6 @@ func (p *Pool) newGeneration(e *entry, m *material, prev *generation) (*generati
 		tlsConfig = id.tlsConfig // TLSTransport: the caller's own, which holds no material
 	}
 	g := &generation{material: m, ca: digestOf(m.caPEM)}
-	if c := m.cert; c != nil {
-		g.certCN, g.certNotAfter = c.Leaf.Subject.CommonName, c.Leaf.NotAfter
-	}
 	var older *conns.Transports
 	if prev != nil {
 		older = prev.conns

@@ -127,8 +127,6 @@ func (e *entry) info(watch *identityWatch) IdentityInfo {
 	info := IdentityInfo{
 		Name:           id.key.String(),
 		Proxy:          id.key.proxy,
-		CertSubject:    g.certCN,
-		CertNotAfter:   g.certNotAfter,
 		Since:          time.Unix(0, e.since.Load()),
 		OpenConns:      int(e.stats.conn.Open.Load()),
 		Dials:          e.stats.conn.Dials.Load(),
@@ -136,6 +134,9 @@ func (e *entry) info(watch *identityWatch) IdentityInfo {
 		Resumptions:    e.stats.conn.Resumptions.Load(),
 		Rotations:      e.stats.rotations.Load(),
 		RotationErrors: e.stats.rotationErrors.Load(),
+	}
+	if c := g.certificate(); c != nil {
+		info.CertSubject, info.CertNotAfter = c.Subject.CommonName, c.NotAfter
 	}
 	if info.Proxy != "" && info.Proxy != "direct" {
 		info.Proxy = redactHost(info.Proxy)
@@ -197,14 +198,15 @@ func (iw *identityWatch) mode() WatchMode {
 func (e *entry) checkExpiry() {
 	lead := e.pool.opts.expiryWarning
 	g := e.current.Load()
-	if lead <= 0 || g.certNotAfter.IsZero() || g.warned.Load() {
+	c := g.certificate()
+	if lead <= 0 || c == nil || g.warned.Load() {
 		return
 	}
-	left := g.certNotAfter.Sub(e.pool.opts.now())
+	left := c.NotAfter.Sub(e.pool.opts.now())
 	if left > lead || !g.warned.CompareAndSwap(false, true) {
 		return
 	}
 	e.pool.opts.logger.Info("Client certificate expires soon and no newer one has arrived: renew it",
 		"identity", e.id.key, "certificate", describe(e.id.key.certFile, "inline data"),
-		"subject", g.certCN, "notAfter", stamp(g.certNotAfter), "left", left.Round(time.Second))
+		"subject", c.Subject.CommonName, "notAfter", stamp(c.NotAfter), "left", left.Round(time.Second))
 }

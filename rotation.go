@@ -86,15 +86,21 @@ func (e *entry) fresh() error {
 		return nil
 	}
 	p, st := e.pool, &e.files
-	for waited := false; ; waited = true {
-		st.reloading.Lock()
+	stale := func() bool {
 		st.mu.Lock()
-		stale := st.err != nil || p.opts.now().Sub(st.readAt) >= p.opts.debounce
-		st.mu.Unlock()
-		if stale {
-			e.refresh(e.watch.w.done)
+		defer st.mu.Unlock()
+		return st.err != nil || p.opts.now().Sub(st.readAt) >= p.opts.debounce
+	}
+	for waited := false; ; waited = true {
+		// A fresh good read is used without waiting for a reload in flight
+		// (a hung file system holds one for up to the read timeout).
+		if stale() {
+			st.reloading.Lock()
+			if stale() { // not read meanwhile by the reload waited for
+				e.refresh(e.watch.w.done)
+			}
+			st.reloading.Unlock()
 		}
-		st.reloading.Unlock()
 		st.mu.Lock()
 		err, wait := st.err, st.badSince.Add(p.opts.debounce).Sub(p.opts.now())
 		st.mu.Unlock()

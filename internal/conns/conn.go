@@ -15,7 +15,7 @@ import (
 // net/http, x/net or apimachinery (an upgrade) ask.
 func (t *Transports) dialer(dial func(ctx context.Context, network, address string) (net.Conn, error)) func(ctx context.Context, network, address string) (net.Conn, error) {
 	return func(ctx context.Context, network, address string) (net.Conn, error) {
-		if t.closed.Load() {
+		if t.closed() {
 			return nil, t.refusal(address)
 		}
 		nc, err := dial(ctx, network, address)

@@ -96,8 +96,7 @@ type Transports struct {
 	lastHost atomic.Pointer[host] // most identities talk to one host
 
 	retired  atomic.Bool
-	closed   atomic.Bool   // no more dials; set with closedCh closed and cause
-	closedCh chan struct{} // closed once, by Close
+	closedCh chan struct{} // closed once, by Close, with cause set: no more dials
 
 	mu sync.Mutex // guards older, cause, drainTimer and idleRecheck
 	// older are the Transports this one took over from that may still be
@@ -290,17 +289,16 @@ func (t *Transports) Close(cause error) {
 func (t *Transports) olderOpen() []*Transports {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	return slices.DeleteFunc(slices.Clone(t.older), func(o *Transports) bool { return o.closed.Load() })
+	return slices.DeleteFunc(slices.Clone(t.older), func(o *Transports) bool { return o.closed() })
 }
 
 func (t *Transports) close(cause error) {
 	t.mu.Lock()
-	if t.closed.Load() {
+	if t.closed() {
 		t.mu.Unlock()
 		return
 	}
 	t.cause = cause
-	t.closed.Store(true)
 	close(t.closedCh)
 	for _, timer := range []*time.Timer{t.drainTimer, t.idleRecheck} {
 		if timer != nil {
@@ -312,6 +310,16 @@ func (t *Transports) close(cause error) {
 	t.closeIdle()
 	for _, c := range t.conns.close() {
 		c.Close()
+	}
+}
+
+// closed reports whether Close (or the end of the drain) closed t.
+func (t *Transports) closed() bool {
+	select {
+	case <-t.closedCh:
+		return true
+	default:
+		return false
 	}
 }
 
@@ -353,7 +361,7 @@ func (t *Transports) requestEnded(short bool) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	switch {
-	case t.closed.Load():
+	case t.closed():
 	case t.idleRecheck == nil:
 		t.idleRecheck = time.AfterFunc(idleRecheckDelay, t.closeIdle)
 	default:
