@@ -22,8 +22,8 @@ import (
 )
 
 // rotatingSecret is a member's Secret whose token is rotated: a token
-// source over it reads the token in it now, as Karmada's main branch
-// re-reads the cluster's Secret (PR 7663).
+// source over it reads the token in it now, as Karmada's main branch is
+// described to re-read the cluster's Secret (PR 7663).
 type rotatingSecret struct {
 	mu    sync.Mutex
 	token string
@@ -49,11 +49,13 @@ func (s *rotatingSecret) Token() (*oauth2.Token, error) {
 	return &oauth2.Token{AccessToken: string(sec.Data[clusterv1alpha1.SecretTokenKey]), TokenType: "Bearer", Expiry: time.Now().Add(5 * time.Minute)}, nil
 }
 
-// TestTokenSourceRotation: a member config as Karmada's main branch builds
-// it (BuildClusterConfig, its static token cleared, and
-// transport.ResettableTokenSourceWrapTransport over a cached source that
-// reads the cluster's Secret), for a member reached directly and one behind
-// the proxy. The Secret holds a token the member does not know; the first
+// TestTokenSourceRotation: a member config built by Karmada v1.18.2's own
+// BuildClusterConfig, its static token cleared and client-go's own
+// transport.ResettableTokenSourceWrapTransport added over a cached source
+// that reads the cluster's Secret: the shape PR 7663 gives Karmada's main
+// branch, put together here because the module proxy serves no Karmada
+// newer than v1.18.2 (main's code is not imported). For a member reached
+// directly and one behind the proxy. The Secret holds a token the member does not know; the first
 // list is refused (401); the Secret is rotated to a valid token; the next
 // list is refused too and resets the source (client-go keeps a token fetched
 // during the request refused); the lists after it carry the new token and
@@ -128,9 +130,9 @@ func tokenRotation(t *testing.T, viaProxy, pooled bool) {
 			t.Fatalf("list %d after the source was reset: %v", i+1, err)
 		}
 	}
-	// The member closes a connection after a request it refused (401), so
-	// the first client's connections are not counted: the second client,
-	// built after the rotation, is.
+	// Each refused request (401) is followed by a new dial (the pool: 3
+	// dials for 2 refusals), so the first client's connections are not
+	// counted: the second client, built after the rotation, is.
 	tunnels, dials := proxy.Stats().Tunnels, pool.Stats().Dials
 	if err := list(newClient()); err != nil {
 		t.Fatalf("a client built after the rotation: %v", err)
