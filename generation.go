@@ -68,7 +68,7 @@ func (p *Pool) newGeneration(e *entry, m *material, prev *generation) (*generati
 	if prev != nil {
 		older = prev.conns
 	}
-	g.conns = conns.New(conns.Config{
+	g.conns = conns.NewTransports(conns.Config{
 		TLS:                tlsConfig,
 		Dial:               id.dial,
 		Proxy:              id.proxy,

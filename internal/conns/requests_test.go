@@ -42,7 +42,7 @@ func BenchmarkRoundTripNoopBase(b *testing.B) {
 		}
 	})
 	b.Run("Transports", func(b *testing.B) {
-		t := New(Config{TLS: &tls.Config{}, KeepAlive: true}, nil)
+		t := NewTransports(Config{TLS: &tls.Config{}, KeepAlive: true}, nil)
 		defer t.Close(nil)
 		t.shared = noopTransport()
 		h := t.hostFor(req)

@@ -12,23 +12,10 @@ import (
 	"net"
 	"net/http"
 	"net/url"
-	"os"
 	"slices"
-	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
-
-	"golang.org/x/net/http2"
-	utilnet "k8s.io/apimachinery/pkg/util/net"
-)
-
-// client-go's values for the transports it builds (transport/cache.go).
-const (
-	idleConnsPerHost    = 25
-	tlsHandshakeTimeout = 10 * time.Second
-	dialTimeout         = 30 * time.Second
-	tcpKeepAlive        = 30 * time.Second
 )
 
 // sessionCacheSize is how many TLS sessions one Transports keeps: one per
@@ -113,13 +100,13 @@ type Transports struct {
 	yieldingCap   atomic.Bool
 }
 
-// New builds Transports for c, as client-go's tlsTransportCache builds its
+// NewTransports builds Transports for c, as client-go's tlsTransportCache builds its
 // own (utilnet.SetTransportDefaults: HTTP/2 with health checks, the
 // environment's proxy), with keep-alive set before HTTP/2 is configured, so
 // that the HTTP/2 pool reads it. prev, when set, is the Transports this one
 // takes over from: the two share what they know of the hosts, and under a
 // cap prev and its own predecessors yield their connections to this one.
-func New(c Config, prev *Transports) *Transports {
+func NewTransports(c Config, prev *Transports) *Transports {
 	t := &Transports{
 		maxConns: c.MaxConnsPerHost,
 		counters: c.Counters,
@@ -162,96 +149,6 @@ func New(c Config, prev *Transports) *Transports {
 	t.shared.MaxConnsPerHost = max(t.maxConns, 1)
 	t.http1 = t.newTransport(c, http1TLS)
 	return t
-}
-
-// newTransport builds one transport of t as client-go's cache builds its own.
-func (t *Transports) newTransport(c Config, tlsConfig *tls.Config) *http.Transport {
-	dial := c.Dial
-	if dial == nil {
-		dial = clientGoDialer.DialContext
-	}
-	rt := utilnet.SetOldTransportDefaults(&http.Transport{
-		Proxy:               c.Proxy, // nil: SetOldTransportDefaults installs the environment's, like client-go
-		TLSHandshakeTimeout: tlsHandshakeTimeout,
-		TLSClientConfig:     tlsConfig,
-		MaxIdleConnsPerHost: idleConnsPerHost,
-		MaxConnsPerHost:     t.maxConns,
-		DialContext:         t.dialer(dial),
-		DisableCompression:  c.DisableCompression,
-		DisableKeepAlives:   !c.KeepAlive,
-		ProxyConnectHeader:  c.ProxyConnectHeader,
-	})
-	if !c.DisableHTTP2 {
-		configureHTTP2(rt)
-	}
-	// Where net/http's own HTTP/2 serves rt, net/http rewrites
-	// TLSClientConfig.NextProtos once, at first use: done now, before rt is
-	// shared, the list can be read without racing that write. rt has no
-	// connections, so nothing is closed.
-	rt.CloseIdleConnections()
-	return rt
-}
-
-var clientGoDialer = &net.Dialer{Timeout: dialTimeout, KeepAlive: tcpKeepAlive}
-
-// speaksHTTP2 reports whether HTTP/2 was turned on for rt: x/net registers
-// its own under TLSNextProto["h2"], or, where it wraps net/http's, sets
-// rt.Protocols (read first: net/http writes TLSNextProto at first use).
-func speaksHTTP2(rt *http.Transport) bool {
-	if rt.Protocols != nil && rt.Protocols.HTTP2() {
-		return true
-	}
-	_, ok := rt.TLSNextProto["h2"]
-	return ok
-}
-
-// http1Only returns a copy of tlsConfig that offers HTTP/1.1 alone, unless
-// it names protocols of its own, which are the config's to keep.
-func http1Only(tlsConfig *tls.Config) *tls.Config {
-	if tlsConfig == nil {
-		return nil
-	}
-	c := tlsConfig.Clone()
-	if len(c.NextProtos) == 0 {
-		c.NextProtos = []string{"http/1.1"}
-	}
-	return c
-}
-
-// configureHTTP2 turns HTTP/2 on for rt as utilnet.SetTransportDefaults
-// does, with the same health checks, but not for an ALPN list without h2.
-// DISABLE_HTTP2 is left to the caller (Config.DisableHTTP2).
-func configureHTTP2(rt *http.Transport) {
-	if c := rt.TLSClientConfig; c != nil && len(c.NextProtos) > 0 && !slices.Contains(c.NextProtos, http2.NextProtoTLS) {
-		return
-	}
-	t2, err := http2.ConfigureTransports(rt)
-	if err != nil {
-		return // SetTransportDefaults logs and goes on over HTTP/1.1
-	}
-	t2.ReadIdleTimeout = envSeconds("HTTP2_READ_IDLE_TIMEOUT_SECONDS", 30)
-	t2.PingTimeout = envSeconds("HTTP2_PING_TIMEOUT_SECONDS", 15)
-}
-
-// envSeconds reads a duration in seconds as apimachinery reads its HTTP/2
-// health-check settings: def when unset or not a number.
-func envSeconds(name string, def int) time.Duration {
-	n, err := strconv.Atoi(os.Getenv(name))
-	if err != nil {
-		n = def
-	}
-	return time.Duration(n) * time.Second
-}
-
-func (t *Transports) countHandshake(cs tls.ConnectionState) error {
-	for _, c := range t.counters {
-		if cs.DidResume {
-			c.Resumptions.Add(1)
-		} else {
-			c.Handshakes.Add(1)
-		}
-	}
-	return nil
 }
 
 // Shared is the transport that carries every request but upgrades: what

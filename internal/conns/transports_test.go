@@ -13,10 +13,10 @@ import (
 // follow; the current one still reaches the ones draining.
 func TestRotationsKeepNothing(t *testing.T) {
 	cfg := Config{TLS: &tls.Config{}, KeepAlive: true}
-	cur := New(cfg, nil)
+	cur := NewTransports(cfg, nil)
 	first := weak.Make(cur)
 	for range 5 {
-		next := New(cfg, cur)
+		next := NewTransports(cfg, cur)
 		cur.Retire(0)
 		for deadline := time.Now().Add(10 * time.Second); !cur.closed(); time.Sleep(time.Millisecond) {
 			if time.Now().After(deadline) {
@@ -25,7 +25,7 @@ func TestRotationsKeepNothing(t *testing.T) {
 		}
 		cur = next
 	}
-	draining := New(cfg, cur)
+	draining := NewTransports(cfg, cur)
 	cur.Retire(time.Hour)
 	defer draining.Close(nil)
 	if got := draining.olderOpen(); len(got) != 1 || got[0] != cur {
