@@ -64,9 +64,9 @@ func waitReleased(t testing.TB, p *Pool) {
 
 // watchesLeft is the number of identities p's file watcher still serves.
 func watchesLeft(p *Pool) int {
-	p.mu.Lock()
-	w := p.watcher
-	p.mu.Unlock()
+	p.reg.mu.Lock()
+	w := p.reg.watcher
+	p.reg.mu.Unlock()
 	if w == nil {
 		return 0
 	}

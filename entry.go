@@ -1,9 +1,9 @@
-// An identity's place in a pool and its lifetime: the entry built at first
-// use (one build under concurrent first use), the leases wrapped configs and
-// their clients hold on it, the idle grace that releases it once the last
-// lease is collected, and the lease as a round tripper, which sends a request
-// on the current generation when a rotation closed its own before it was
-// sent.
+// An identity's place in a pool and its lifetime: the registry of entries by
+// identity, the entry built at first use (one build under concurrent first
+// use), the leases wrapped configs and their clients hold on it, the idle
+// grace that releases it once the last lease is collected, and the lease as
+// a round tripper, which sends a request on the current generation when a
+// rotation closed its own before it was sent.
 
 package sharedtransport
 
@@ -17,15 +17,46 @@ import (
 	"time"
 	"weak"
 
+	"golang.org/x/sync/singleflight"
 	utilnet "k8s.io/apimachinery/pkg/util/net"
 
 	"github.com/sharedtransport/sharedtransport/internal/conns"
 )
 
+// ErrClosed is returned by [Pool.Wrap] and [Pool.TransportFor] on a closed
+// pool, by requests sent through a closed pool's transports, and by requests
+// and response bodies whose connection [Pool.Close] closed under them.
+var ErrClosed = errors.New("sharedtransport: pool is closed")
+
+// registry holds a pool's entries by identity.
+//
+// Locks are taken in this order, never the other way: the registry's mu, or
+// an identity's filesState.reloading (rotation.go: held across the file
+// reads it serializes, and nothing else waits on it), never both; then an
+// entry's mu; then the watcher's (watch.go); then the connection layer's
+// (internal/conns), which never calls back up. A filesState's mu, a hook's
+// mu (wrapper.go) and an entry's clientGoMu are held alone, across no call.
+type registry struct {
+	*env
+	group singleflight.Group // one build per identity under concurrent first use
+
+	mu      sync.Mutex // guards entries, closed and watcher
+	entries map[identityKey]*held
+	closed  bool
+	watcher *fileWatcher // nil until a config names certificate files
+}
+
+// held is an entry in the registry and the leases that hold it.
+type held struct {
+	e    *entry
+	refs int         // leases not yet collected
+	idle *time.Timer // releases the entry when the idle grace after the last lease ends
+}
+
 // entry is one identity's place in the pool: its current transport
 // generation and its file watches.
 type entry struct {
-	pool    *Pool
+	env     *env
 	id      *identity
 	current atomic.Pointer[generation]
 	since   atomic.Int64 // when current took effect, in Unix nanoseconds
@@ -54,25 +85,27 @@ type entry struct {
 // Concurrent first uses of one identity share one build. An entry that is
 // there already serves a config built now only as long as its files hold
 // what it uses (see entry.fresh).
-func (p *Pool) acquire(id *identity) (*lease, error) {
+func (r *registry) acquire(id *identity) (*lease, error) {
 	built := false
 	for {
-		e, err := p.leaseEntry(id)
+		e, err := r.leaseEntry(id)
 		if err != nil {
 			return nil, err
 		}
 		if e != nil {
 			if err := e.fresh(); err != nil {
-				p.release(e)
+				r.release(e)
 				return nil, err
 			}
 			if !built {
-				p.stats.hits.Add(1)
+				r.stats.hits.Add(1)
 			}
 			e.checkExpiry()
-			return newLease(e), nil
+			l := &lease{e: e}
+			runtime.AddCleanup(l, r.release, e)
+			return l, nil
 		}
-		b, err := p.buildOnce(id)
+		b, err := r.buildOnce(id)
 		if err != nil {
 			return nil, err
 		}
@@ -83,14 +116,14 @@ func (p *Pool) acquire(id *identity) (*lease, error) {
 }
 
 // leaseEntry counts a new reference to id's entry and returns it, or nil
-// when the pool has none.
-func (p *Pool) leaseEntry(id *identity) (*entry, error) {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if p.closed {
+// when there is none.
+func (r *registry) leaseEntry(id *identity) (*entry, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.closed {
 		return nil, ErrClosed
 	}
-	h, ok := p.entries[id.key]
+	h, ok := r.entries[id.key]
 	if !ok {
 		return nil, nil
 	}
@@ -102,48 +135,48 @@ func (p *Pool) leaseEntry(id *identity) (*entry, error) {
 	return h.e, nil
 }
 
-// buildOnce puts an entry for id in the pool unless one is there. Concurrent
-// callers for one identity share one build; built reports that this call's
-// build put it there.
-func (p *Pool) buildOnce(id *identity) (built bool, err error) {
-	_, err, _ = p.group.Do(string(id.key.mac()), func() (any, error) {
-		built, err = p.addEntry(id)
+// buildOnce puts an entry for id in the registry unless one is there.
+// Concurrent callers for one identity share one build; built reports that
+// this call's build put it there.
+func (r *registry) buildOnce(id *identity) (built bool, err error) {
+	_, err, _ = r.group.Do(string(id.key.mac()), func() (any, error) {
+		built, err = r.addEntry(id)
 		return nil, err
 	})
 	return built, err
 }
 
-// addEntry builds id's entry and puts it in the pool, unless one is there.
-func (p *Pool) addEntry(id *identity) (added bool, err error) {
-	p.mu.Lock()
-	_, ok := p.entries[id.key]
-	p.mu.Unlock()
+// addEntry builds id's entry and puts it in the registry, unless one is there.
+func (r *registry) addEntry(id *identity) (added bool, err error) {
+	r.mu.Lock()
+	_, ok := r.entries[id.key]
+	r.mu.Unlock()
 	if ok {
 		return false, nil
 	}
-	e, err := p.build(id)
+	e, err := r.build(id)
 	if err != nil {
 		return false, err
 	}
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if p.closed {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.closed {
 		e.close()
 		return false, ErrClosed
 	}
-	p.entries[id.key] = &held{e: e}
-	p.stats.misses.Add(1)
+	r.entries[id.key] = &held{e: e}
+	r.stats.misses.Add(1)
 	return true, nil
 }
 
-func (p *Pool) build(id *identity) (*entry, error) {
-	readAt := p.opts.now()
-	m, err := p.loadMaterial(id)
+func (r *registry) build(id *identity) (*entry, error) {
+	readAt := r.opts.now()
+	m, err := loadMaterial(&r.files, id, r.opts.now)
 	if err != nil {
 		return nil, err
 	}
-	e := &entry{pool: p, id: id}
-	g, err := p.newGeneration(e, m, nil)
+	e := &entry{env: r.env, id: id}
+	g, err := newGeneration(id, m, nil, &e.env.opts, &e.env.stats.conn, &e.stats.conn)
 	if err != nil {
 		return nil, err
 	}
@@ -151,49 +184,96 @@ func (p *Pool) build(id *identity) (*entry, error) {
 	e.since.Store(time.Now().UnixNano())
 	e.files.readAt = readAt
 	if id.watchesFiles() {
-		w, err := p.fileWatcher()
+		w, err := r.fileWatcher()
 		if err != nil {
 			g.conns.Close(ErrClosed)
 			return nil, err
 		}
-		e.watch = w.add(e)
+		e.watch = w.add(e, id.key.caFile, id.key.certFile, id.key.keyFile)
 	}
 	return e, nil
 }
 
-// held is an entry in a pool's map and the leases that hold it.
-type held struct {
-	e    *entry
-	refs int         // leases not yet collected
-	idle *time.Timer // releases the entry when the idle grace after the last lease ends
+// fileWatcher returns the registry's watcher, starting it at first use.
+func (r *registry) fileWatcher() (*fileWatcher, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.closed {
+		return nil, ErrClosed
+	}
+	if r.watcher == nil {
+		r.watcher = newFileWatcher(watchSettings{
+			noEvents:     r.opts.disableNotify,
+			poll:         r.opts.pollInterval,
+			fallbackPoll: r.opts.fallbackPoll,
+			debounce:     r.opts.debounce,
+			logger:       r.opts.logger,
+		})
+	}
+	return r.watcher, nil
 }
 
 // release drops a reference; runtime.AddCleanup calls it when a lease is
 // garbage collected. The last reference starts the idle grace.
-func (p *Pool) release(e *entry) {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	h := p.entries[e.id.key]
-	if h == nil || h.e != e || p.closed {
+func (r *registry) release(e *entry) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	h := r.entries[e.id.key]
+	if h == nil || h.e != e || r.closed {
 		return // closed, or expired with no lease left
 	}
 	if h.refs--; h.refs == 0 {
-		h.idle = time.AfterFunc(p.opts.idleTimeout, func() { p.expire(e) })
+		h.idle = time.AfterFunc(r.opts.idleTimeout, func() { r.expire(e) })
 	}
 }
 
 // expire releases e when its idle grace ends, unless a lease was taken
 // meanwhile.
-func (p *Pool) expire(e *entry) {
-	p.mu.Lock()
-	if h := p.entries[e.id.key]; h == nil || h.e != e || h.refs > 0 {
-		p.mu.Unlock()
+func (r *registry) expire(e *entry) {
+	r.mu.Lock()
+	if h := r.entries[e.id.key]; h == nil || h.e != e || h.refs > 0 {
+		r.mu.Unlock()
 		return
 	}
-	delete(p.entries, e.id.key)
-	p.mu.Unlock()
-	p.opts.logger.V(4).Info("Released an identity no client uses", "identity", e.id.key)
+	delete(r.entries, e.id.key)
+	r.mu.Unlock()
+	r.opts.logger.V(4).Info("Released an identity no client uses", "identity", e.id.key)
 	e.close()
+}
+
+// live returns the registry's entries now, and its watcher.
+func (r *registry) live() ([]*entry, *fileWatcher) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	es := make([]*entry, 0, len(r.entries))
+	for _, h := range r.entries {
+		es = append(es, h.e)
+	}
+	return es, r.watcher
+}
+
+func (r *registry) isClosed() bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.closed
+}
+
+// close closes every entry and stops the watcher.
+func (r *registry) close() error {
+	r.mu.Lock()
+	r.closed = true
+	entries := r.entries
+	r.entries = map[identityKey]*held{}
+	w := r.watcher
+	r.mu.Unlock()
+
+	for _, h := range entries {
+		h.e.close()
+	}
+	if w != nil {
+		return w.close()
+	}
+	return nil
 }
 
 // close stops e's watches and closes every connection it holds, draining
@@ -221,12 +301,6 @@ func (e *entry) close() {
 // it, or any client built from them is reachable, so is its lease, and the
 // entry stays. When the last lease is collected the entry's idle grace starts.
 type lease struct{ e *entry }
-
-func newLease(e *entry) *lease {
-	l := &lease{e: e}
-	runtime.AddCleanup(l, e.pool.release, e)
-	return l
-}
 
 // holdLease is the cleanup that attaches a lease to a wrapped config: its
 // argument stays reachable until the config is collected.

@@ -280,7 +280,7 @@ func (fx *identityFixture) checkIdentityPair(t *testing.T, a, b identitySpec) {
 	var keys [2]string
 	for i, s := range []identitySpec{a, b} {
 		cfg := fx.config(s)
-		sh, share, err := fx.pool.sharingFor(cfg, given{})
+		sh, share, err := sharingFor(cfg, given{}, &fx.pool.files, fx.pool.opts.dialIdentity, false)
 		id := sh.id
 		if !share {
 			id = nil
@@ -416,7 +416,7 @@ func FuzzCABundle(f *testing.F) {
 			}
 		}
 		// Through the whole loader, as inline CA data.
-		if _, lerr := p.loadMaterial(&identity{caData: b}); (lerr == nil) != (err == nil || len(b) == 0) {
+		if _, lerr := loadMaterial(&p.files, &identity{caData: b}, p.opts.now); (lerr == nil) != (err == nil || len(b) == 0) {
 			t.Fatalf("loadMaterial: %v, checkCABundle: %v", lerr, err)
 		}
 	})
@@ -457,7 +457,7 @@ func FuzzKeyPair(f *testing.F) {
 	p := New()
 	f.Fuzz(func(t *testing.T, cert, key []byte) {
 		now := time.Now()
-		_, err := p.loadMaterial(&identity{certData: cert, keyData: key})
+		_, err := loadMaterial(&p.files, &identity{certData: cert, keyData: key}, p.opts.now)
 		pair, tlsErr := tls.X509KeyPair(cert, key)
 		// crypto/tls accepts the pair, and its certificate is valid now.
 		valid := tlsErr == nil && !now.After(pair.Leaf.NotAfter) && !now.Add(clockSkew).Before(pair.Leaf.NotBefore)

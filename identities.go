@@ -7,10 +7,7 @@ package sharedtransport
 import (
 	"cmp"
 	"slices"
-	"sync/atomic"
 	"time"
-
-	"github.com/sharedtransport/sharedtransport/internal/conns"
 )
 
 // IdentityInfo describes one identity of a pool at the moment
@@ -92,37 +89,20 @@ const (
 	AuthNone AuthKind = "none"
 )
 
-// identityCounters are one identity's share of the pool's counters, counted
-// at the same places.
-type identityCounters struct {
-	conn                      conns.Counters
-	rotations, rotationErrors atomic.Uint64
-}
-
 // Identities returns a snapshot of the pool's live identities, sorted by
 // name. Counters of one identity are read one after another, not at one
 // instant.
 func (p *Pool) Identities() []IdentityInfo {
-	type live struct {
-		e     *entry
-		watch *identityWatch
-	}
-	p.mu.Lock()
-	entries := make([]live, 0, len(p.entries))
-	for _, h := range p.entries {
-		entries = append(entries, live{h.e, h.e.watch})
-	}
-	p.mu.Unlock()
-
+	entries, _ := p.reg.live()
 	out := make([]IdentityInfo, 0, len(entries))
-	for _, l := range entries {
-		out = append(out, l.e.info(l.watch))
+	for _, e := range entries {
+		out = append(out, e.info())
 	}
 	slices.SortFunc(out, func(a, b IdentityInfo) int { return cmp.Compare(a.Name, b.Name) })
 	return out
 }
 
-func (e *entry) info(watch *identityWatch) IdentityInfo {
+func (e *entry) info() IdentityInfo {
 	id, g := e.id, e.current.Load()
 	info := IdentityInfo{
 		Name:           id.key.String(),
@@ -159,8 +139,8 @@ func (e *entry) info(watch *identityWatch) IdentityInfo {
 	default:
 		info.Auth = AuthNone
 	}
-	if watch != nil {
-		info.Watch = watch.mode()
+	if e.watch != nil {
+		info.Watch = e.watch.mode()
 	}
 	if f := e.files.lastFailure(); f != nil {
 		info.LastError, info.LastErrorTime, info.LastErrorFile = f.err, f.at, f.file
@@ -174,7 +154,7 @@ func (e *entry) info(watch *identityWatch) IdentityInfo {
 // mode says how iw's files are watched; see IdentityInfo.Watch.
 func (iw *identityWatch) mode() WatchMode {
 	w := iw.w
-	events := !w.pool.opts.disableNotify
+	events := !w.set.noEvents
 	w.mu.Lock()
 	for _, d := range iw.dirs {
 		if wd := w.dirs[d]; wd == nil || !wd.watched {
@@ -185,7 +165,7 @@ func (iw *identityWatch) mode() WatchMode {
 	switch {
 	case events:
 		return WatchFileEvents
-	case w.pool.opts.disableNotify && w.pool.opts.pollInterval == 0:
+	case w.set.noEvents && w.set.poll == 0:
 		return WatchNone
 	default:
 		return WatchPolling
@@ -196,17 +176,17 @@ func (iw *identityWatch) mode() WatchMode {
 // expires within the pool's expiry warning lead time: the rotation that
 // should have replaced it has not happened.
 func (e *entry) checkExpiry() {
-	lead := e.pool.opts.expiryWarning
+	lead := e.env.opts.expiryWarning
 	g := e.current.Load()
 	c := g.certificate()
 	if lead <= 0 || c == nil || g.warned.Load() {
 		return
 	}
-	left := c.NotAfter.Sub(e.pool.opts.now())
+	left := c.NotAfter.Sub(e.env.opts.now())
 	if left > lead || !g.warned.CompareAndSwap(false, true) {
 		return
 	}
-	e.pool.opts.logger.Info("Client certificate expires soon and no newer one has arrived: renew it",
+	e.env.opts.logger.Info("Client certificate expires soon and no newer one has arrived: renew it",
 		"identity", e.id.key, "certificate", describe(e.id.key.certFile, "inline data"),
 		"subject", c.Subject.CommonName, "notAfter", stamp(c.NotAfter), "left", left.Round(time.Second))
 }

@@ -150,29 +150,20 @@ type sharing struct {
 	proxyErr error
 }
 
-// passReason says why a config passes through to client-go untouched.
-type passReason int
-
-const (
-	shares             passReason = iota
-	ownTransport                  // the caller's own Transport is never replaced
-	noTLS                         // client-go uses http.DefaultTransport, already shared
-	unnamedDial                   // a custom Dial WithDialIdentity does not name
-	undeclaredWrappers            // wrappers the pool cannot read
-	proxyFailed                   // a Proxy function that fails
-	functionsInWrap               // Wrap cannot tell a Proxy or Dial function from a copy's
-)
-
 // sharingFor computes what the pool makes of cfg. share is false for configs
 // that pass through to client-go untouched: their own Transport, no TLS at
 // all, an unnamed custom Dial, undeclared wrappers, a Proxy function that
-// fails.
-func (p *Pool) sharingFor(cfg *rest.Config, g given) (s sharing, share bool, err error) {
-	if cfg == nil {
+// fails, and, for a config shared through Wrap's hook (viaHook), a Proxy or
+// Dial function.
+func sharingFor(cfg *rest.Config, g given, files *fileReads, dialIdentity func(*rest.Config) string, viaHook bool) (s sharing, share bool, err error) {
+	switch {
+	case cfg == nil:
 		return s, false, errors.New("sharedtransport: called with a nil *rest.Config")
-	}
-	if cfg.Transport != nil {
+	case cfg.Transport != nil:
 		s.pass = ownTransport
+		return s, false, nil
+	case viaHook && (cfg.Proxy != nil || cfg.Dial != nil):
+		s.pass = functionsInWrap
 		return s, false, nil
 	}
 	req, err := hostRequest(cfg)
@@ -185,15 +176,17 @@ func (p *Pool) sharingFor(cfg *rest.Config, g given) (s sharing, share bool, err
 	if cfg.Proxy != nil {
 		s.onlyHost = req.URL.Host
 	}
-	s.id, s.pass, s.proxyErr, err = p.identityOf(cfg, s.tc, g, req)
+	s.id, s.pass, s.proxyErr, err = identityOf(cfg, s.tc, g, req, files, dialIdentity)
 	return s, s.pass == shares && err == nil, err
 }
 
 // identityOf computes the identity of cfg, whose transport config is tc,
 // or why it passes through (with the Proxy function's error when that
-// failed). req is a request to cfg's host, for asking cfg's Proxy function.
-// It neither logs nor counts: its callers do.
-func (p *Pool) identityOf(cfg *rest.Config, tc *transport.Config, g given, req *http.Request) (id *identity, pass passReason, proxyErr, err error) {
+// failed). req is a request to cfg's host, for asking cfg's Proxy function;
+// files reads the certificate files read once, and dialIdentity names a
+// custom Dial. It neither logs nor counts: its callers do.
+func identityOf(cfg *rest.Config, tc *transport.Config, g given, req *http.Request,
+	files *fileReads, dialIdentity func(*rest.Config) string) (id *identity, pass passReason, proxyErr, err error) {
 	hasTLS := tc.HasCA() || tc.HasCertAuth() || tc.HasCertCallback() || tc.TLS.Insecure ||
 		tc.TLS.ServerName != "" || len(tc.TLS.NextProtos) > 0
 	if !hasTLS && tc.DialHolder == nil && tc.Proxy == nil {
@@ -213,10 +206,10 @@ func (p *Pool) identityOf(cfg *rest.Config, tc *transport.Config, g given, req *
 		nextProtos: tc.TLS.NextProtos,
 	}
 	id.key.noHTTP2 = noHTTP2()
-	if err := p.setMaterial(id, tc); err != nil {
+	if err := setMaterial(id, tc, files); err != nil {
 		return nil, shares, nil, err
 	}
-	dialName, share := p.setDialer(id, cfg, tc)
+	dialName, share := setDialer(id, cfg, tc, dialIdentity)
 	if !share {
 		return nil, unnamedDial, nil, nil
 	}
@@ -260,7 +253,7 @@ func (id *identity) completeKey(dialName, route string) {
 // setMaterial records where id's CA and client certificate come from. Like
 // client-go, files are reloaded only when named without inline data (and, for
 // the client certificate, when both halves are files); a mix is read once.
-func (p *Pool) setMaterial(id *identity, tc *transport.Config) error {
+func setMaterial(id *identity, tc *transport.Config, files *fileReads) error {
 	var err error
 	if tc.TLS.CAFile != "" && len(tc.TLS.CAData) == 0 {
 		if id.key.caFile, err = filepath.Abs(tc.TLS.CAFile); err != nil {
@@ -278,10 +271,10 @@ func (p *Pool) setMaterial(id *identity, tc *transport.Config) error {
 		}
 		return nil
 	}
-	if id.certData, err = p.dataOrFile(tc.TLS.CertData, tc.TLS.CertFile, "client certificate"); err != nil {
+	if id.certData, err = files.dataOrFile(tc.TLS.CertData, tc.TLS.CertFile, "client certificate"); err != nil {
 		return err
 	}
-	if id.keyData, err = p.dataOrFile(tc.TLS.KeyData, tc.TLS.KeyFile, "client key"); err != nil {
+	if id.keyData, err = files.dataOrFile(tc.TLS.KeyData, tc.TLS.KeyFile, "client key"); err != nil {
 		return err
 	}
 	if len(id.certData) == 0 || len(id.keyData) == 0 {
@@ -295,10 +288,10 @@ func (p *Pool) setMaterial(id *identity, tc *transport.Config) error {
 // setDialer sets the dialer the identity's transport uses and returns the
 // name that keys a custom Dial. share is false for a custom Dial without a
 // name: dialers cannot be compared.
-func (p *Pool) setDialer(id *identity, cfg *rest.Config, tc *transport.Config) (name string, share bool) {
+func setDialer(id *identity, cfg *rest.Config, tc *transport.Config, dialIdentity func(*rest.Config) string) (name string, share bool) {
 	if cfg.Dial != nil {
-		if p.opts.dialIdentity != nil {
-			name = p.opts.dialIdentity(cfg)
+		if dialIdentity != nil {
+			name = dialIdentity(cfg)
 		}
 		if name == "" {
 			return "", false
@@ -355,14 +348,24 @@ func proxyRoute(cfg *rest.Config, req *http.Request) (route, error) {
 }
 
 // hostRequest is a request to cfg's host, for asking cfg's proxy function
-// where it sends it. Its error names the host, redacted.
+// where it sends it.
 func hostRequest(cfg *rest.Config) (*http.Request, error) {
 	u, _, err := rest.DefaultServerUrlFor(cfg)
 	if err != nil {
-		return nil, fmt.Errorf("sharedtransport: host %q is not a valid URL: fix the config's Host", redactHost(cfg.Host))
+		return nil, badHostError{cfg.Host}
 	}
 	return &http.Request{Method: http.MethodGet, URL: u, Header: http.Header{}, Host: u.Host}, nil
 }
+
+// badHostError is a config's Host that is not a valid URL. It prints the
+// host redacted, however it is printed.
+type badHostError struct{ host string }
+
+func (e badHostError) Error() string {
+	return fmt.Sprintf("sharedtransport: host %q is not a valid URL: fix the config's Host", redactHost(e.host))
+}
+
+func (e badHostError) GoString() string { return e.Error() }
 
 func urlString(u *url.URL) string {
 	if u == nil {

@@ -1,7 +1,8 @@
-// Reading and validating an identity's TLS material (CA bundle, client
-// certificate and key): reads are bounded in size and in time, and torn,
-// mismatched or out-of-date material is rejected with an error that names
-// the file and says what to do.
+// An identity's TLS material (CA bundle, client certificate and key): read,
+// validated, and built into a generation of transports (internal/conns)
+// configured as client-go configures its own. Torn, mismatched or
+// out-of-date material is rejected with an error that names the file and
+// says what to do.
 
 package sharedtransport
 
@@ -12,18 +13,13 @@ import (
 	"encoding/pem"
 	"errors"
 	"fmt"
-	"io"
-	"io/fs"
-	"os"
-	"sync"
-	"syscall"
+	"sync/atomic"
 	"time"
-)
 
-// maxMaterialFile bounds what is read of a certificate, key or CA file. A
-// bundle of every public root CA is about 250 KB; a file far larger is not
-// TLS material (a log, a disk image) and is not read to its end.
-const maxMaterialFile = 4 << 20
+	"k8s.io/client-go/transport"
+
+	"github.com/sharedtransport/sharedtransport/internal/conns"
+)
 
 // clockSkew is how far in the future a certificate's NotBefore may lie and
 // still be taken: this machine's clock may run behind the signer's.
@@ -43,35 +39,35 @@ func (m *material) equal(o *material) bool {
 }
 
 // loadMaterial reads an identity's files and validates everything, inline
-// data included. Errors name the file and say what is wrong, never what it
-// holds.
-func (p *Pool) loadMaterial(id *identity) (*material, error) {
-	m, err := p.readMaterial(id, nil)
+// data included, at the time clock gives. Errors name the file and say what
+// is wrong, never what it holds.
+func loadMaterial(r *fileReads, id *identity, clock func() time.Time) (*material, error) {
+	m, err := readMaterial(r, id, nil)
 	if err == nil {
-		m, err = p.checkRead(id, m, p.opts.now(), nil)
+		m, err = checkRead(r, id, m, clock, nil)
 	}
 	return m, err
 }
 
-// checkRead checks m, read from id's files, at now. The reads of a
-// certificate and its key are not atomic: a writer swapping both (kubelet's
-// ..data symlink) between them gives a torn pair, so a mismatch is read once
-// more before it counts. It returns the material checked last, nil if the
-// second read failed.
-func (p *Pool) checkRead(id *identity, m *material, now time.Time, done <-chan struct{}) (*material, error) {
-	err := checkMaterial(id, m, now)
+// checkRead checks m, read from id's files. The reads of a certificate and
+// its key are not atomic: a writer swapping both (kubelet's ..data symlink)
+// between them gives a torn pair, so a mismatch is read once more before it
+// counts. It returns the material checked last, nil if the second read
+// failed.
+func checkRead(r *fileReads, id *identity, m *material, clock func() time.Time, done <-chan struct{}) (*material, error) {
+	err := checkMaterial(id, m, clock())
 	if !errors.As(err, new(*pairError)) || id.key.certFile == "" {
 		return m, err
 	}
-	if m, err = p.readMaterial(id, done); err != nil {
+	if m, err = readMaterial(r, id, done); err != nil {
 		return nil, err
 	}
-	return m, checkMaterial(id, m, p.opts.now())
+	return m, checkMaterial(id, m, clock())
 }
 
 // readMaterial reads id's files, without validating them, and takes its
-// inline data as it is. The read is bounded: see stuckReads.
-func (p *Pool) readMaterial(id *identity, done <-chan struct{}) (*material, error) {
+// inline data as it is.
+func readMaterial(r *fileReads, id *identity, done <-chan struct{}) (*material, error) {
 	m := &material{caPEM: id.caData, certPEM: id.certData, keyPEM: id.keyData}
 	var files []fileToRead
 	if id.key.caFile != "" {
@@ -80,7 +76,7 @@ func (p *Pool) readMaterial(id *identity, done <-chan struct{}) (*material, erro
 	if id.key.certFile != "" {
 		files = append(files, fileToRead{id.key.certFile, "client certificate", &m.certPEM}, fileToRead{id.key.keyFile, "client key", &m.keyPEM})
 	}
-	if err := p.reads.read(p.opts.readTimeout, done, files); err != nil {
+	if err := r.read(done, files); err != nil {
 		return nil, err
 	}
 	return m, nil
@@ -221,134 +217,73 @@ func describe(file, inline string) string {
 	return fmt.Sprintf("file %q", file)
 }
 
-// dataOrFile returns inline data, or the content of file when there is none:
-// client-go's rule for material it does not reload. The file is read as every
-// certificate file is, bounded in time (see stuckReads).
-func (p *Pool) dataOrFile(data []byte, file, what string) ([]byte, error) {
-	if len(data) > 0 || file == "" {
-		return data, nil
-	}
-	var b []byte
-	err := p.reads.read(p.opts.readTimeout, nil, []fileToRead{{file, what, &b}})
-	return b, err
+// generation is one version of an identity's TLS material and its
+// transports. A rotation builds the next and retires this one.
+type generation struct {
+	material *material
+	// ca is the digest of material.caPEM: a client of Wrap rides the
+	// generation only while it trusts what the generation trusts
+	// (clientTransport.pick).
+	ca     digest
+	warned atomic.Bool // the expiry warning for its certificate was logged
+	conns  *conns.Transports
 }
 
-// readFile reads a regular file of at most maxMaterialFile bytes. Anything
-// else is refused before it is read: a named pipe would wait for a writer
-// (O_NONBLOCK keeps its open from waiting), /dev/zero would never end.
-func readFile(path, what string) ([]byte, error) {
-	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NONBLOCK, 0)
+// certificate is the client certificate the generation authenticates with,
+// nil without one (or with an exec plugin's, which the plugin keeps).
+func (g *generation) certificate() *x509.Certificate {
+	if g.material.cert == nil {
+		return nil
+	}
+	return g.material.cert.Leaf
+}
+
+// newGeneration builds id's transports for material m as client-go's
+// tlsTransportCache builds its own (transport.TLSConfigFor), with the pool's
+// options, counting into counters. prev is the generation they take over
+// from; nil for the first.
+func newGeneration(id *identity, m *material, prev *generation, opts *options, counters ...*conns.Counters) (*generation, error) {
+	if len(m.certPEM) > 0 && m.cert == nil {
+		return nil, errors.New("sharedtransport: internal error: a client certificate was not checked before use")
+	}
+	getCert := id.key.getCert
+	if m.cert != nil {
+		// The pair checkMaterial parsed, handed to client-go as a callback
+		// rather than as bytes to parse again. Inline data takes precedence
+		// over an exec plugin's callback in client-go; here too.
+		getCert = &transport.GetCertHolder{GetCert: func() (*tls.Certificate, error) { return m.cert, nil }}
+	}
+	tlsConfig, err := transport.TLSConfigFor(&transport.Config{TLS: transport.TLSConfig{
+		Insecure:      id.key.insecure,
+		ServerName:    id.key.serverName,
+		NextProtos:    id.nextProtos,
+		CAData:        m.caPEM,
+		GetCertHolder: getCert,
+	}})
 	if err != nil {
-		return nil, fmt.Errorf("sharedtransport: read %s file %q: %w", what, path, err)
+		return nil, err
 	}
-	defer f.Close()
-	fi, err := f.Stat()
-	if err != nil {
-		return nil, fmt.Errorf("sharedtransport: read %s file %q: %w", what, path, err)
+	if id.tlsConfig != nil {
+		tlsConfig = id.tlsConfig // TLSTransport: the caller's own, which holds no material
 	}
-	switch mode := fi.Mode(); {
-	case mode.IsDir():
-		return nil, fmt.Errorf("sharedtransport: read %s file %q: is a directory", what, path)
-	case !mode.IsRegular():
-		return nil, fmt.Errorf("sharedtransport: %s file %q is %s, not a regular file: point the config at the file itself", what, path, fileKind(mode))
+	g := &generation{material: m, ca: digestOf(m.caPEM)}
+	var older *conns.Transports
+	if prev != nil {
+		older = prev.conns
 	}
-	b, err := io.ReadAll(io.LimitReader(f, maxMaterialFile+1))
-	if err != nil {
-		return nil, fmt.Errorf("sharedtransport: read %s file %q: %w", what, path, err)
-	}
-	if len(b) > maxMaterialFile {
-		return nil, fmt.Errorf("sharedtransport: %s file %q holds more than the %d bytes a certificate file may hold", what, path, maxMaterialFile)
-	}
-	if len(bytes.TrimSpace(b)) == 0 {
-		return nil, fmt.Errorf("sharedtransport: %s file %q is empty", what, path)
-	}
-	return b, nil
-}
-
-func fileKind(m fs.FileMode) string {
-	switch {
-	case m&fs.ModeNamedPipe != 0:
-		return "a named pipe"
-	case m&fs.ModeSocket != 0:
-		return "a socket"
-	case m&fs.ModeDevice != 0:
-		return "a device"
-	default:
-		return "a special file"
-	}
-}
-
-// stuckReads bounds the reads of one pool's certificate files in time. A
-// read that does not return (a hung network mount, a FUSE daemon that does not
-// answer) cannot be cancelled: it is left to finish on its goroutine while its
-// caller moves on, and its file is refused until it has, so a hung file holds
-// one goroutine and one thread however often it is asked for.
-type stuckReads struct {
-	mu    sync.Mutex
-	since map[string]time.Time // files whose read outlived its wait, and since when
-}
-
-// fileToRead is one file of a read, and where its content goes.
-type fileToRead struct {
-	path, what string
-	into       *[]byte
-}
-
-// read reads files in order until they are read, timeout has passed, or done
-// is closed (ErrClosed).
-func (s *stuckReads) read(timeout time.Duration, done <-chan struct{}, files []fileToRead) error {
-	deadline := time.NewTimer(timeout)
-	defer deadline.Stop()
-	for _, f := range files {
-		s.mu.Lock()
-		since, stuck := s.since[f.path]
-		s.mu.Unlock()
-		if stuck {
-			return fmt.Errorf("sharedtransport: read %s file %q: an earlier read has not returned for %v (a hung network file system?)",
-				f.what, f.path, time.Since(since).Round(time.Second))
-		}
-		var b []byte
-		got := make(chan error, 1)
-		go func() {
-			var err error
-			b, err = readFile(f.path, f.what)
-			got <- err
-			s.mark(f.path, false)
-		}()
-		var err error
-		select {
-		case err = <-got:
-			if err != nil {
-				return err
-			}
-			*f.into = b
-			continue
-		case <-done:
-			err = ErrClosed
-		case <-deadline.C:
-			err = fmt.Errorf("sharedtransport: read %s file %q: no answer after %v (a hung network file system?)", f.what, f.path, timeout)
-		}
-		s.mark(f.path, true)
-		select {
-		case <-got: // it returned after all
-			s.mark(f.path, false)
-		default:
-		}
-		return err
-	}
-	return nil
-}
-
-func (s *stuckReads) mark(path string, stuck bool) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	switch _, ok := s.since[path]; {
-	case stuck && !ok:
-		if s.since == nil {
-			s.since = map[string]time.Time{}
-		}
-		s.since[path] = time.Now()
-	case !stuck:
-		delete(s.since, path)
-	}
+	g.conns = conns.NewTransports(conns.Config{
+		TLS:                tlsConfig,
+		Dial:               id.dial,
+		Proxy:              id.proxy,
+		ProxyConnectHeader: id.connectHeader,
+		DisableCompression: id.key.disableCompression,
+		DisableHTTP2:       id.key.noHTTP2,
+		KeepAlive:          opts.keepAlive,
+		// An exec plugin's certificate can change without a new generation,
+		// and a resumed session would go on authenticating as the old one.
+		ResumeSessions:  opts.sessionResumption && id.key.getCert == nil,
+		MaxConnsPerHost: opts.maxConnsPerHost,
+		Counters:        counters,
+	}, older)
+	return g, nil
 }

@@ -1,13 +1,43 @@
-// The options New takes, and their defaults.
+// The options New takes, their defaults, and the environment every layer of
+// a pool shares: options, counters and the reads of certificate files.
 
 package sharedtransport
 
 import (
+	"sync"
+	"sync/atomic"
 	"time"
 
 	"k8s.io/client-go/rest"
 	"k8s.io/klog/v2"
+
+	"github.com/sharedtransport/sharedtransport/internal/conns"
 )
+
+// env is what every layer of a pool reads and counts into. A Pool owns one;
+// its registry, entries, hooks and watcher refer to it, never to the Pool.
+type env struct {
+	opts      options
+	stats     counters
+	files     fileReads           // reads of certificate files, bounded in time
+	handedOut handedOutTransports // client-go's transports handed to code above the pool
+
+	undeclaredOnce sync.Once // logs the first config passed through for undeclared wrappers
+	functionsOnce  sync.Once // logs the first config Wrap passes through for its Proxy or Dial
+}
+
+type counters struct {
+	hits, misses, passThrough, wrapErrors atomic.Uint64
+	rotations, rotationErrors             atomic.Uint64
+	conn                                  conns.Counters
+}
+
+// identityCounters are one identity's share of the pool's counters, counted
+// at the same places.
+type identityCounters struct {
+	conn                      conns.Counters
+	rotations, rotationErrors atomic.Uint64
+}
 
 // An Option configures a [Pool]. Options are applied by [New] in order, after
 // the defaults are set.

@@ -62,16 +62,17 @@ func (st *filesState) setDue(due bool) (was bool) {
 // reload re-reads the identity's files for the watcher. Every poll and event
 // also looks at the expiry of the certificate in use: when no newer file
 // arrives, that is the certificate that expires.
-func (iw *identityWatch) reload() {
-	e := iw.e
+func (e *entry) reload(done <-chan struct{}) {
 	if e.closed.Load() {
 		return
 	}
 	e.files.reloading.Lock()
-	e.refresh(iw.w.done)
+	e.refresh(done)
 	e.files.reloading.Unlock()
 	e.checkExpiry()
 }
+
+func (e *entry) markDue(due bool) (was bool) { return e.files.setDue(due) }
 
 // fresh holds a config built now to what e's files hold now: it re-reads
 // them when their last read is older than the debounce or was rejected (a
@@ -85,11 +86,11 @@ func (e *entry) fresh() error {
 	if !e.id.watchesFiles() {
 		return nil
 	}
-	p, st := e.pool, &e.files
+	opts, st := &e.env.opts, &e.files
 	stale := func() bool {
 		st.mu.Lock()
 		defer st.mu.Unlock()
-		return st.err != nil || p.opts.now().Sub(st.readAt) >= p.opts.debounce
+		return st.err != nil || opts.now().Sub(st.readAt) >= opts.debounce
 	}
 	for waited := false; ; waited = true {
 		// A fresh good read is used without waiting for a reload in flight
@@ -102,7 +103,7 @@ func (e *entry) fresh() error {
 			st.reloading.Unlock()
 		}
 		st.mu.Lock()
-		err, wait := st.err, st.badSince.Add(p.opts.debounce).Sub(p.opts.now())
+		err, wait := st.err, st.badSince.Add(opts.debounce).Sub(opts.now())
 		st.mu.Unlock()
 		if err == nil || waited || wait <= 0 {
 			return err
@@ -122,9 +123,9 @@ func (e *entry) fresh() error {
 // read and a comparison. Invalid material keeps the last good one and is
 // counted once.
 func (e *entry) refresh(done <-chan struct{}) {
-	p := e.pool
-	m, err := p.readMaterial(e.id, done)
-	now := p.opts.now()
+	v := e.env
+	m, err := readMaterial(&v.files, e.id, done)
+	now := v.opts.now()
 	switch {
 	case err == nil && m.equal(e.current.Load().material):
 		e.files.good(now)
@@ -132,27 +133,27 @@ func (e *entry) refresh(done <-chan struct{}) {
 	case err == nil:
 		// Checked again even when these bytes were rejected before: a
 		// certificate not valid yet becomes valid.
-		m, err = p.checkRead(e.id, m, now, done)
+		m, err = checkRead(&v.files, e.id, m, v.opts.now, done)
 	}
 	switch {
-	case errors.Is(err, ErrClosed):
+	case errors.Is(err, errStopped):
 		return
 	case err != nil:
 		e.reject(err, m, now)
 		return
 	}
 	if !m.equal(e.current.Load().material) {
-		g, err := p.newGeneration(e, m, e.current.Load())
+		g, err := newGeneration(e.id, m, e.current.Load(), &v.opts, &v.stats.conn, &e.stats.conn)
 		if err != nil {
 			e.reject(err, m, now)
 			return
 		}
-		if !e.rotate(g, p.opts.drainTimeout) {
+		if !e.rotate(g, v.opts.drainTimeout) {
 			return
 		}
-		p.stats.rotations.Add(1)
+		v.stats.rotations.Add(1)
 		e.stats.rotations.Add(1)
-		p.opts.logger.V(2).Info("Rotated TLS material", "identity", e.id.key, "files", []string{e.id.key.caFile, e.id.key.certFile, e.id.key.keyFile})
+		v.opts.logger.V(2).Info("Rotated TLS material", "identity", e.id.key, "files", []string{e.id.key.caFile, e.id.key.certFile, e.id.key.keyFile})
 	}
 	e.files.good(now)
 }
@@ -168,9 +169,9 @@ func (st *filesState) good(now time.Time) {
 // the last good material stays.
 func (e *entry) reject(err error, m *material, now time.Time) {
 	if !e.files.rejectedAgain(err, m, now, e.id.key) {
-		e.pool.stats.rotationErrors.Add(1)
+		e.env.stats.rotationErrors.Add(1)
 		e.stats.rotationErrors.Add(1)
-		e.pool.opts.logger.Info("Keeping the last good TLS material", "identity", e.id.key, "reason", err.Error())
+		e.env.opts.logger.Info("Keeping the last good TLS material", "identity", e.id.key, "reason", err.Error())
 	}
 }
 
@@ -206,7 +207,7 @@ func (e *entry) filesError() string {
 	st := &e.files
 	st.mu.Lock()
 	defer st.mu.Unlock()
-	if st.err == nil || e.pool.opts.now().Sub(st.badSince) < e.pool.opts.debounce {
+	if st.err == nil || e.env.opts.now().Sub(st.badSince) < e.env.opts.debounce {
 		return ""
 	}
 	return st.err.Error()

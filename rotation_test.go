@@ -302,9 +302,9 @@ func TestRotationRejectedOnce(t *testing.T) {
 // filesBad reports whether one of p's identities holds files that failed to
 // load.
 func filesBad(p *Pool) bool {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	for _, h := range p.entries {
+	p.reg.mu.Lock()
+	defer p.reg.mu.Unlock()
+	for _, h := range p.reg.entries {
 		if h.e.files.bad() {
 			return true
 		}
@@ -335,7 +335,7 @@ func TestRotationSharedWatch(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	w := p.watcher
+	w := p.reg.watcher
 	if got := w.notify.WatchList(); len(got) != 1 || got[0] != dir {
 		t.Errorf("fsnotify watches %v, want only %s", got, dir)
 	}
@@ -929,7 +929,7 @@ func (l *logLines) has(parts ...string) bool {
 // the kernel refused an inotify instance.
 func TestWatcherSetsNoWatchAfterClose(t *testing.T) {
 	p := New(WithLogger(klog.Background().V(10)))
-	w, err := p.fileWatcher()
+	w, err := p.reg.fileWatcher()
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -217,13 +217,13 @@ func (sc *secretsScan) badMaterial(t *testing.T, basicCfg *rest.Config, token st
 func (sc *secretsScan) printed(t *testing.T) {
 	t.Helper()
 	p := sc.p
-	p.mu.Lock()
-	for k, h := range p.entries {
+	p.reg.mu.Lock()
+	for k, h := range p.reg.entries {
 		sc.note("key String", k.String())
 		sc.note("key %v", fmt.Sprintf("%v %+v %s", k, k, k))
 		sc.note("entry key", h.e.id.key)
 	}
-	p.mu.Unlock()
+	p.reg.mu.Unlock()
 	sc.note("Stats", fmt.Sprintf("%+v %#v", p.Stats(), p.Stats()))
 	identities := fmt.Sprintf("%+v %#v", p.Identities(), p.Identities())
 	if !strings.Contains(identities, "Proxy:http://127.0.0.1:1 ") || !strings.Contains(identities, "LastError:sharedtransport: ") {
@@ -292,7 +292,7 @@ func TestIdentityNamesResistGuessing(t *testing.T) {
 		proxy, _ := url.Parse("http://proxyuser:" + password + "@127.0.0.1:3128")
 		cfg := &rest.Config{Host: "https://127.0.0.1:6443", Proxy: http.ProxyURL(proxy)}
 		cfg.Insecure = true
-		sh, share, err := New().sharingFor(cfg, given{})
+		sh, share, err := sharingFor(cfg, given{}, &fileReads{timeout: time.Second}, nil, false)
 		id := sh.id
 		if err != nil || !share {
 			t.Fatalf("identityFor: %v, share %v", err, share)

@@ -6,64 +6,36 @@
 package sharedtransport
 
 import (
-	"errors"
 	"fmt"
 	"runtime"
 	"sync"
-	"sync/atomic"
-	"weak"
 
-	"golang.org/x/sync/singleflight"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 	"k8s.io/client-go/transport"
-
-	"github.com/sharedtransport/sharedtransport/internal/conns"
 )
-
-// ErrClosed is returned by [Pool.Wrap] and [Pool.TransportFor] on a closed
-// pool, by requests sent through a closed pool's transports, and by requests
-// and response bodies whose connection [Pool.Close] closed under them.
-var ErrClosed = errors.New("sharedtransport: pool is closed")
 
 // A Pool shares one HTTP transport, and so one connection pool, among all the
 // [rest.Config]s it wrapped that have the same TLS identity. The zero value is
 // not usable; create pools with [New]. A Pool is safe for concurrent use.
-//
-// Locks are taken in this order, never the other way: the pool's mu, or an
-// identity's filesState.reloading (rotation.go: held across the file reads
-// it serializes, and nothing else waits on it), never both; then an entry's
-// mu (entry.go); then the watcher's (watch.go); then the connection layer's
-// (internal/conns), which never calls back up. A filesState's mu, a hook's
-// mu (wrapper.go) and an entry's clientGoMu are held alone, across no call.
 type Pool struct {
-	opts  options
-	group singleflight.Group // one build per identity under concurrent first use
-	reads stuckReads         // bounds reads of certificate files
-	stats counters
-
-	mu      sync.Mutex // guards entries, closed and watcher
-	entries map[identityKey]*held
-	closed  bool
-	watcher *fileWatcher // nil until a config names certificate files
+	*env
+	reg *registry
 
 	closeOnce sync.Once
 	closeErr  error // what the first Close returned
 
-	handedOut handedOutTransports // client-go's transports handed to code above the pool
-
-	undeclaredOnce sync.Once // logs the first config passed through for undeclared wrappers
-	functionsOnce  sync.Once // logs the first config Wrap passes through for its Proxy or Dial
 }
 
 // New returns a pool configured by opts.
 func New(opts ...Option) *Pool {
-	o := defaultOptions()
+	v := &env{opts: defaultOptions()}
 	for _, opt := range opts {
-		opt(&o)
+		opt(&v.opts)
 	}
-	return &Pool{opts: o, entries: make(map[identityKey]*held)}
+	v.files.timeout = v.opts.readTimeout
+	return &Pool{env: v, reg: &registry{env: v, entries: make(map[identityKey]*held)}}
 }
 
 var defaultPool = sync.OnceValue(func() *Pool { return New() })
@@ -124,56 +96,29 @@ func (p *Pool) wrap(cfg *rest.Config, g given) error {
 	if p.isClosed() {
 		return ErrClosed
 	}
-	if cfg != nil && cfg.Transport == nil && (cfg.Proxy != nil || cfg.Dial != nil) {
-		p.passedThrough(cfg, sharing{pass: functionsInWrap})
-		return nil
-	}
-	s, share, err := p.sharingFor(cfg, g)
+	s, share, err := sharingFor(cfg, g, &p.files, p.opts.dialIdentity, true)
 	if err != nil {
 		return err
 	}
 	if !share {
-		p.passedThrough(cfg, s)
+		p.passedThrough(cfg, s.pass, s.proxyErr)
 		return nil
 	}
-	l, err := p.acquire(s.id) // reads and checks the material first: its errors name the file
+	l, err := p.reg.acquire(s.id) // reads and checks the material first: its errors name the file
 	if err != nil {
 		return err
 	}
 	// The generation first, then client-go's transport: a rotation between
 	// the two makes the hook ask client-go again at the first client.
-	h, err := p.newHook(s, l.e, l.e.current.Load())
+	h, err := newHook(p.reg, s, l)
 	if err != nil {
 		return err
 	}
-	h.lease = weak.Make(l)
 	// The config holds its lease; the hook it carries refers to it only
 	// weakly, because client-go may keep the hook for good (see hook).
 	runtime.AddCleanup(cfg, holdLease, l)
 	cfg.WrapTransport = transport.Wrappers(h.wrap, cfg.WrapTransport)
 	return nil
-}
-
-// passedThrough counts a config left to client-go, and logs why where its
-// caller can share it after all: once per pool for what is the caller's
-// choice, every time for a Proxy function that fails.
-func (p *Pool) passedThrough(cfg *rest.Config, s sharing) {
-	p.stats.passThrough.Add(1)
-	log := p.opts.logger.V(2)
-	switch s.pass {
-	case proxyFailed:
-		log.Info("Config passes through: its Proxy function failed", "host", redactHost(cfg.Host), "err", redactError(s.proxyErr))
-	case undeclaredWrappers:
-		p.undeclaredOnce.Do(func() {
-			log.Info("Config passes through: its WrapTransport holds wrappers the pool cannot read; "+
-				"declare what they do with WithPerRequestWrappers or WithProxyConnectHeader to share its transport (logged once)", "host", redactHost(cfg.Host))
-		})
-	case functionsInWrap:
-		p.functionsOnce.Do(func() {
-			log.Info("Config passes through Wrap: it has a Proxy or Dial function, which the hook cannot tell from a copy's; "+
-				"build its clients with HTTPClientFor or TransportFor to share its transport (logged once)", "host", redactHost(cfg.Host))
-		})
-	}
 }
 
 // Close closes every connection of the pool, stops watching files and waits
@@ -183,25 +128,8 @@ func (p *Pool) passedThrough(cfg *rest.Config, s sharing) {
 // call, concurrent ones included, returns once the pool is closed, with the
 // first call's result.
 func (p *Pool) Close() error {
-	p.closeOnce.Do(func() { p.closeErr = p.shutdown() })
+	p.closeOnce.Do(func() { p.closeErr = p.reg.close() })
 	return p.closeErr
-}
-
-func (p *Pool) shutdown() error {
-	p.mu.Lock()
-	p.closed = true
-	entries := p.entries
-	p.entries = map[identityKey]*held{}
-	w := p.watcher
-	p.mu.Unlock()
-
-	for _, h := range entries {
-		h.e.close()
-	}
-	if w != nil {
-		return w.close()
-	}
-	return nil
 }
 
 // String summarizes the pool in one line: what it holds now and what it
@@ -219,11 +147,7 @@ func (p *Pool) String() string {
 // GoString keeps %#v as short as %v.
 func (p *Pool) GoString() string { return p.String() }
 
-func (p *Pool) isClosed() bool {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	return p.closed
-}
+func (p *Pool) isClosed() bool { return p.reg.isClosed() }
 
 // Stats are plain counters of what a pool did since it was created.
 type Stats struct {
@@ -261,19 +185,15 @@ type Stats struct {
 	UnwatchedDirs int
 }
 
-type counters struct {
-	hits, misses, passThrough, wrapErrors atomic.Uint64
-	rotations, rotationErrors             atomic.Uint64
-	conn                                  conns.Counters
-}
-
 // Stats returns a snapshot of the pool's counters.
 func (p *Pool) Stats() Stats {
-	p.mu.Lock()
-	n := len(p.entries)
-	p.mu.Unlock()
+	entries, w := p.reg.live()
+	unwatched := 0
+	if w != nil {
+		unwatched = w.unwatchedDirs()
+	}
 	return Stats{
-		Identities:     n,
+		Identities:     len(entries),
 		Hits:           p.stats.hits.Load(),
 		Misses:         p.stats.misses.Load(),
 		PassThrough:    p.stats.passThrough.Load(),
@@ -284,18 +204,8 @@ func (p *Pool) Stats() Stats {
 		Resumptions:    p.stats.conn.Resumptions.Load(),
 		Rotations:      p.stats.rotations.Load(),
 		RotationErrors: p.stats.rotationErrors.Load(),
-		UnwatchedDirs:  p.unwatchedDirs(),
+		UnwatchedDirs:  unwatched,
 	}
-}
-
-func (p *Pool) unwatchedDirs() int {
-	p.mu.Lock()
-	w := p.watcher
-	p.mu.Unlock()
-	if w == nil {
-		return 0
-	}
-	return w.unwatchedDirs()
 }
 
 // WrapConfigFn wraps cfg and returns it, in the shape of cli-runtime's

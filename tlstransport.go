@@ -67,7 +67,7 @@ func (p *Pool) TLSTransport(c TLSTransportConfig) (http.RoundTripper, error) {
 	if err != nil {
 		return nil, err
 	}
-	l, err := p.acquire(id)
+	l, err := p.reg.acquire(id)
 	if err != nil {
 		return nil, err
 	}

@@ -65,18 +65,18 @@ func (p *Pool) transportFor(cfg *rest.Config, g given) (http.RoundTripper, error
 	if p.isClosed() {
 		return nil, ErrClosed
 	}
-	s, share, err := p.sharingFor(cfg, g)
+	s, share, err := sharingFor(cfg, g, &p.files, p.opts.dialIdentity, false)
 	if err != nil {
 		return nil, err
 	}
 	if !share {
-		p.passedThrough(cfg, s)
+		p.passedThrough(cfg, s.pass, s.proxyErr)
 		if s.tc == nil {
 			return rest.TransportFor(cfg)
 		}
 		return transport.New(s.tc)
 	}
-	l, err := p.acquire(s.id)
+	l, err := p.reg.acquire(s.id)
 	if err != nil {
 		return nil, err
 	}
@@ -315,7 +315,7 @@ func (c *configTransport) WrappedRoundTripper() http.RoundTripper {
 	if c.clientGo == nil {
 		return c.lease
 	}
-	p := c.lease.e.pool
+	p := c.lease.e.env
 	if !c.handedOut.Swap(true) {
 		p.stats.passThrough.Add(1)
 	}

@@ -17,6 +17,7 @@ import (
 
 	"github.com/fsnotify/fsnotify"
 	"k8s.io/client-go/util/workqueue"
+	"k8s.io/klog/v2"
 )
 
 // maxLoads is the number of workers running reloads: a poll of thousands of
@@ -32,7 +33,7 @@ const maxLoads = 4
 // a read and a comparison. A file that is a link into another directory is
 // seen by the poll.
 type fileWatcher struct {
-	pool *Pool
+	set watchSettings
 	// queue holds the identities due a reload: each once however often it
 	// is added, and one asked for while its reload runs follows it, so
 	// reloads of one identity never race each other.
@@ -53,47 +54,57 @@ type watchedDir struct {
 	watched    bool                        // its inotify watch is in place
 }
 
-// identityWatch is one entry's interest in its files.
+// identityWatch is one identity's interest in its files.
 type identityWatch struct {
 	w    *fileWatcher
-	e    *entry
-	dirs []string // the directories of the entry's files
+	r    reloader
+	dirs []string // the directories of the identity's files
 }
 
-func (p *Pool) fileWatcher() (*fileWatcher, error) {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if p.closed {
-		return nil, ErrClosed
-	}
-	if p.watcher != nil {
-		return p.watcher, nil
-	}
+// A reloader is what the watcher reloads: an identity's entry.
+type reloader interface {
+	// markDue marks a debounced reload on its way (or, with false, no
+	// longer), and reports whether one was.
+	markDue(due bool) (was bool)
+	// reload re-reads the files; done closes when the watcher stops.
+	reload(done <-chan struct{})
+}
+
+// watchSettings are a watcher's settings, from the pool's options.
+type watchSettings struct {
+	noEvents     bool          // poll only; fsnotify is not used
+	poll         time.Duration // how often every identity is re-read (0: never)
+	fallbackPoll time.Duration // how often directories without a watch are re-read
+	debounce     time.Duration // how long events settle before a reload
+	logger       klog.Logger
+}
+
+// newFileWatcher starts a watcher and its workers.
+func newFileWatcher(set watchSettings) *fileWatcher {
 	w := &fileWatcher{
-		pool:          p,
+		set:           set,
 		queue:         workqueue.NewTyped[*identityWatch](),
 		done:          make(chan struct{}),
 		notifyChanged: make(chan struct{}, 1),
 		dirs:          map[string]*watchedDir{},
 	}
-	if !p.opts.disableNotify {
+	if !set.noEvents {
 		// A refusal (fs.inotify.max_user_instances) is logged when the first
 		// directory goes without its watch, and tried again by the fallback.
 		w.notify, _ = fsnotify.NewWatcher()
 	}
-	p.watcher = w
 	w.running.Add(1 + maxLoads)
 	go w.run()
 	for range maxLoads {
 		go w.work()
 	}
-	return w, nil
+	return w
 }
 
-// add starts watching e's files.
-func (w *fileWatcher) add(e *entry) *identityWatch {
-	iw := &identityWatch{w: w, e: e}
-	for _, f := range []string{e.id.key.caFile, e.id.key.certFile, e.id.key.keyFile} {
+// add starts watching files ("" for none) for r.
+func (w *fileWatcher) add(r reloader, files ...string) *identityWatch {
+	iw := &identityWatch{w: w, r: r}
+	for _, f := range files {
 		if d := filepath.Dir(f); f != "" && !slices.Contains(iw.dirs, d) {
 			iw.dirs = append(iw.dirs, d)
 		}
@@ -105,7 +116,7 @@ func (w *fileWatcher) add(e *entry) *identityWatch {
 		if wd == nil {
 			wd = &watchedDir{identities: map[*identityWatch]struct{}{}}
 			w.dirs[d] = wd
-			if !w.pool.opts.disableNotify {
+			if !w.set.noEvents {
 				w.unwatched++
 				w.watchLocked(d, wd)
 			}
@@ -130,7 +141,7 @@ func (iw *identityWatch) stop() {
 		switch {
 		case wd.watched:
 			_ = w.notify.Remove(d) // the kernel drops the watch of a removed directory itself
-		case !w.pool.opts.disableNotify:
+		case !w.set.noEvents:
 			w.unwatched--
 		}
 	}
@@ -178,19 +189,19 @@ func (w *fileWatcher) logRefusalLocked(d string, err error) {
 	case errors.Is(err, syscall.ENOSPC):
 		hint = "raise fs.inotify.max_user_watches"
 	}
-	w.pool.opts.logger.Info("File events unavailable for a watched directory; polling it instead until its watch can be set",
-		"dir", d, "err", err.Error(), "pollInterval", w.pool.opts.fallbackPoll, "hint", hint)
+	w.set.logger.Info("File events unavailable for a watched directory; polling it instead until its watch can be set",
+		"dir", d, "err", err.Error(), "pollInterval", w.set.fallbackPoll, "hint", hint)
 }
 
 func (w *fileWatcher) logRecoveryLocked() {
 	if w.unwatched == 0 && w.refusalLogged {
 		w.refusalLogged = false
-		w.pool.opts.logger.Info("File events available again for every watched directory")
+		w.set.logger.Info("File events available again for every watched directory")
 	}
 }
 
 // close stops the watcher and waits for its goroutines, not for a read stuck
-// in the kernel (see stuckReads). Pool.Close calls it once.
+// in the kernel (see fileReads). Pool.Close calls it once.
 func (w *fileWatcher) close() error {
 	close(w.done)
 	w.queue.ShutDown()
@@ -206,14 +217,13 @@ func (w *fileWatcher) close() error {
 // run turns file events, polls and fallback polls into reloads.
 func (w *fileWatcher) run() {
 	defer w.running.Done()
-	opts := &w.pool.opts
 	var poll <-chan time.Time
-	if opts.pollInterval > 0 {
-		t := time.NewTicker(opts.pollInterval)
+	if w.set.poll > 0 {
+		t := time.NewTicker(w.set.poll)
 		defer t.Stop()
 		poll = t.C
 	}
-	fallback := time.NewTicker(opts.fallbackPoll)
+	fallback := time.NewTicker(w.set.fallbackPoll)
 	defer fallback.Stop()
 	var notify *fsnotify.Watcher
 	var events <-chan fsnotify.Event
@@ -243,7 +253,7 @@ func (w *fileWatcher) run() {
 				continue
 			}
 			// Typically a queue overflow: events were lost.
-			opts.logger.Info("File watch error; re-reading every watched file", "err", err)
+			w.set.logger.Info("File watch error; re-reading every watched file", "err", err)
 			w.reload(w.all())
 		case <-poll:
 			w.reload(w.all())
@@ -270,9 +280,9 @@ func (w *fileWatcher) onEvent(ev fsnotify.Event) {
 	}
 	w.mu.Unlock()
 	for _, iw := range due {
-		if !iw.e.files.setDue(true) {
-			time.AfterFunc(w.pool.opts.debounce, func() {
-				iw.e.files.setDue(false)
+		if !iw.r.markDue(true) {
+			time.AfterFunc(w.set.debounce, func() {
+				iw.r.markDue(false)
 				w.queue.Add(iw)
 			})
 		}
@@ -313,7 +323,7 @@ func (w *fileWatcher) work() {
 		if shutdown {
 			return
 		}
-		iw.reload()
+		iw.r.reload(w.done)
 		w.queue.Done(iw)
 	}
 }

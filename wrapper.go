@@ -61,8 +61,8 @@ import (
 // (Wrap attaches it), clients hold it through their round tripper, and a hook
 // whose lease was collected takes a new one.
 type hook struct {
-	pool *Pool
-	id   *identity
+	reg *registry
+	id  *identity
 	// base is the transport config of the wrapped config as Wrap found it,
 	// for asking client-go's cache which transport it holds for the
 	// config's key.
@@ -78,13 +78,15 @@ type hook struct {
 }
 
 // newHook prepares the hook for a config whose identity and transport config
-// are s.id and s.tc, and asks client-go for its transport as g, the
-// identity's generation now, holds, unless a config of the identity asked
-// while g was current: a config per request would have client-go read the
-// files once more for every config.
-func (p *Pool) newHook(s sharing, e *entry, g *generation) (*hook, error) {
-	h := &hook{pool: p, id: s.id, base: s.tc}
-	wg := weak.Make(g)
+// are s.id and s.tc, holding l weakly, and asks client-go for its transport
+// as the identity's generation now holds, unless a config of the identity
+// asked while that generation was current: a config per request would have
+// client-go read the files once more for every config. r is where the hook
+// takes a new lease once l is collected.
+func newHook(r *registry, s sharing, l *lease) (*hook, error) {
+	h := &hook{reg: r, id: s.id, base: s.tc, lease: weak.Make(l)}
+	e := l.e
+	wg := weak.Make(e.current.Load())
 	if e.clientGoFound(wg, nil) {
 		return h, nil
 	}
@@ -127,8 +129,8 @@ func (h *hook) wrap(rt http.RoundTripper) http.RoundTripper {
 	case errors.Is(err, ErrClosed):
 		return closedRoundTripper{}
 	case err != nil:
-		h.pool.opts.logger.Error(err, "Config left to client-go's own transport")
-		h.pool.stats.passThrough.Add(1)
+		h.reg.opts.logger.Error(err, "Config left to client-go's own transport")
+		h.reg.stats.passThrough.Add(1)
 		return rt
 	}
 	if l.e.closed.Load() {
@@ -137,8 +139,8 @@ func (h *hook) wrap(rt http.RoundTripper) http.RoundTripper {
 	g, ok := h.agrees(rt, l.e)
 	pinCA := h.id.key.caFile != "" && !caFileByPath()
 	bottom := unwrapToTransport(rt)
-	if !ok || pinCA && !trustsAlike(rt, g.conns.Shared().TLSClientConfig) || h.pool.handedOut.has(bottom) {
-		h.pool.stats.passThrough.Add(1)
+	if !ok || pinCA && !trustsAlike(rt, g.conns.Shared().TLSClientConfig) || h.reg.handedOut.has(bottom) {
+		h.reg.stats.passThrough.Add(1)
 		return rt // SPDY, websocket, a caller's own transport, another identity
 	}
 	c := &clientTransport{lease: l, pinCA: pinCA, ca: g.ca, clientGo: h.id.withWrapperHeader(rt)}
@@ -262,7 +264,7 @@ func (h *hook) current() (*lease, error) {
 	if l != nil {
 		return l, nil
 	}
-	l, err := h.pool.acquire(h.id)
+	l, err := h.reg.acquire(h.id)
 	if err != nil {
 		return nil, err
 	}
@@ -309,7 +311,7 @@ type clientTransport struct {
 }
 
 func (c *clientTransport) RoundTrip(req *http.Request) (*http.Response, error) {
-	if c.handedOut.Load() || c.cachedBottom != nil && c.lease.e.pool.handedOut.has(c.cachedBottom) {
+	if c.handedOut.Load() || c.cachedBottom != nil && c.lease.e.env.handedOut.has(c.cachedBottom) {
 		return c.clientGo.RoundTrip(req)
 	}
 	return c.lease.roundTrip(req, c, c.clientGo)
@@ -326,7 +328,7 @@ func (c *clientTransport) pick(*http.Request) *generation {
 		return g
 	}
 	if !c.caMoved.Swap(true) {
-		c.lease.e.pool.stats.passThrough.Add(1)
+		c.lease.e.env.stats.passThrough.Add(1)
 	}
 	return nil
 }
@@ -345,7 +347,7 @@ func (c *clientTransport) CloseIdleConnections() {
 // Stats.PassThrough; when it is client-go's cached transport, so do the
 // requests of every client that has it, as they would without the pool.
 func (c *clientTransport) WrappedRoundTripper() http.RoundTripper {
-	p := c.lease.e.pool
+	p := c.lease.e.env
 	if c.cachedBottom != nil {
 		p.handedOut.add(c.cachedBottom)
 	}

@@ -1322,7 +1322,7 @@ func TestHookIdentityAgainstClientGoKey(t *testing.T) {
 	p := newPool(t)
 	keyOf := func(cfg *rest.Config) (identityKey, http.RoundTripper) {
 		t.Helper()
-		s, share, err := p.sharingFor(cfg, given{})
+		s, share, err := sharingFor(cfg, given{}, &p.files, p.opts.dialIdentity, false)
 		if err != nil || !share {
 			t.Fatalf("%v, share %v", err, share)
 		}
