@@ -1,16 +1,31 @@
 package sharedtransport
 
 import (
+	"context"
+	"crypto/rand"
+	"encoding/base64"
+	"encoding/hex"
+	"encoding/pem"
 	"errors"
 	"fmt"
 	"net/http"
 	"net/url"
+	"os"
+	"os/exec"
+	"runtime"
+	"strconv"
 	"strings"
 	"testing"
+	"time"
 
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 	"k8s.io/klog/v2"
+
+	"github.com/sharedtransport/sharedtransport/internal/klogcapture"
+	"github.com/sharedtransport/sharedtransport/internal/memberproxy"
+	"github.com/sharedtransport/sharedtransport/internal/testserver"
 )
 
 // TestRedactHost: hosts as client-go reads them, with and without a scheme,
@@ -130,5 +145,349 @@ func TestRedactError(t *testing.T) {
 		if !strings.HasPrefix(got, c.want) || strings.Contains(got, "secret") || strings.Contains(got, "cret") {
 			t.Errorf("redactError(%v) = %q, want it to begin %q and hold no secret", c.err, got, c.want)
 		}
+	}
+}
+
+// captureKlog sends klog's output, at verbosity v, to the returned buffer
+// until the test ends.
+func captureKlog(t *testing.T, v int) *klogcapture.Buffer { return klogcapture.Start(t, v) }
+
+// secretForms returns the ways a PEM private key could show up in text: the
+// PEM, each line of its base64 body, the whole body (base64 of the DER), the
+// base64 of the PEM (kubeconfig *-data fields), the DER in hex and raw.
+func secretForms(t testing.TB, keyPEM []byte) []string {
+	t.Helper()
+	block, _ := pem.Decode(keyPEM)
+	if block == nil {
+		t.Fatal("not PEM")
+	}
+	forms := []string{
+		string(keyPEM),
+		base64.StdEncoding.EncodeToString(block.Bytes),
+		base64.StdEncoding.EncodeToString(keyPEM),
+		hex.EncodeToString(block.Bytes),
+		hex.EncodeToString(keyPEM),
+		string(block.Bytes),
+		strings.Trim(fmt.Sprint(block.Bytes), "[]"), // %v of a []byte
+		strings.Trim(fmt.Sprint(keyPEM), "[]"),
+	}
+	for _, line := range strings.Split(string(keyPEM), "\n") {
+		if len(line) >= 20 && !strings.HasPrefix(line, "-----") {
+			forms = append(forms, line)
+		}
+	}
+	return forms
+}
+
+func randomSecret(t testing.TB, prefix string) string {
+	t.Helper()
+	b := make([]byte, 16)
+	if _, err := rand.Read(b); err != nil {
+		t.Fatal(err)
+	}
+	return prefix + hex.EncodeToString(b)
+}
+
+// TestSecretsStaySecret: with klog at -v=10, nothing the library or
+// client-go logs, no error, no identity String() and no Stats output
+// contains private key bytes or credentials, through Wrap, requests, a
+// rotation through bad files to good ones, Stats and errors.
+func TestSecretsStaySecret(t *testing.T) {
+	logs := captureKlog(t, 10)
+	token, password := randomSecret(t, "token-"), randomSecret(t, "password-")
+	f := newFixture(t, testserver.Options{Tokens: map[string]string{token: "token-user"}})
+	execKP, err := f.ca.IssueClient("exec-user")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var secrets []string
+	for _, kp := range []*testserver.KeyPair{f.alice, f.bob, f.carol, execKP} {
+		secrets = append(secrets, secretForms(t, kp.KeyPEM)...)
+	}
+	proxyPassword, proxyCred := randomSecret(t, "proxy-password-"), randomSecret(t, "proxy-cred-")
+	secrets = append(secrets, token, password, proxyPassword, proxyCred)
+
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	sc := &secretsScan{f: f, p: newPool(t, WithIdleTimeout(0), withDebounce(10*time.Millisecond)), ctx: ctx}
+
+	// Wrap and requests: certificate files, a token, basic auth, an exec
+	// plugin's certificate.
+	paths := f.kubeconfig(t, "alice", f.alice)
+	fileCfg := &rest.Config{Host: f.srv.URL(), BearerToken: token}
+	fileCfg.CAFile, fileCfg.CertFile, fileCfg.KeyFile = paths.CA, paths.Cert, paths.Key
+	basicCfg := f.srv.RestConfig(f.bob)
+	basicCfg.Username, basicCfg.Password = "someone", password
+	execCfg := f.srv.RestConfig(nil)
+	execCfg.ExecProvider = writeExecPlugin(t, f.dir, "exec", execKP)
+	for _, cfg := range []*rest.Config{fileCfg, basicCfg, execCfg} {
+		if err := sc.p.Wrap(cfg); err != nil {
+			t.Fatal(err)
+		}
+		if err := listNodes(ctx, cfg); err != nil {
+			t.Fatal(err)
+		}
+	}
+	proxied := sc.proxied(t, proxyPassword, proxyCred)
+	sc.rotations(t, paths, fileCfg)
+	sc.badMaterial(t, basicCfg, token)
+	sc.printed(t)
+	runtime.KeepAlive([]any{fileCfg, basicCfg, execCfg, proxied}) // their identities were printed above
+	if err := sc.p.Close(); err != nil {
+		t.Fatal(err)
+	}
+	sc.note("after Close", listNodes(ctx, fileCfg))
+	klog.Flush()
+	checkNoSecrets(t, logs.String(), sc.texts, secrets, f.alice.KeyPEM)
+}
+
+// secretsScan is TestSecretsStaySecret's pool and what it saw besides the
+// logs.
+type secretsScan struct {
+	f     *fixture
+	p     *Pool
+	ctx   context.Context
+	texts []string // errors and strings the test saw
+}
+
+func (sc *secretsScan) note(what string, v any) {
+	if v != nil {
+		sc.texts = append(sc.texts, fmt.Sprintf("%s: %v", what, v))
+	}
+}
+
+// proxied gives the pool a config with a proxy with a password in its URL
+// and a CONNECT header from a Karmada-style wrapper, and returns the client
+// built; the proxy is not there, so its request fails.
+func (sc *secretsScan) proxied(t *testing.T, proxyPassword, proxyCred string) kubernetes.Interface {
+	t.Helper()
+	proxyCfg := sc.f.srv.RestConfig(sc.f.alice)
+	proxyURL, _ := url.Parse("http://proxyuser:" + proxyPassword + "@127.0.0.1:1")
+	proxyCfg.Proxy = http.ProxyURL(proxyURL)
+	header := http.Header{"Proxy-Authorization": {"Basic " + proxyCred}}
+	proxyCfg.WrapTransport = memberproxy.ProxyHeaderWrapper(nil, header)
+	cs, err := declaredClientset(sc.p, proxyCfg, WithProxyConnectHeader(header))
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = cs.CoreV1().Nodes().List(sc.ctx, metav1.ListOptions{})
+	sc.note("request through a proxy that is not there", err)
+	return cs
+}
+
+// rotations writes bad files over fileCfg's (rejected and logged), then
+// good ones (taken).
+func (sc *secretsScan) rotations(t *testing.T, paths testserver.Paths, fileCfg *rest.Config) {
+	t.Helper()
+	f, p := sc.f, sc.p
+	rotateTo := func(what string, cert, key []byte, done func(Stats) bool) {
+		t.Helper()
+		if cert != nil {
+			if err := os.WriteFile(paths.Cert, cert, 0o600); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if key != nil {
+			if err := os.WriteFile(paths.Key, key, 0o600); err != nil {
+				t.Fatal(err)
+			}
+		}
+		waitFor(t, what, func() bool { return done(p.Stats()) })
+		sc.note(what+": request", listNodes(sc.ctx, fileCfg))
+	}
+	errorsAfter := func(n uint64) func(Stats) bool { return func(s Stats) bool { return s.RotationErrors > n } }
+	rotateTo("torn key", nil, f.alice.KeyPEM[:len(f.alice.KeyPEM)/2], errorsAfter(p.Stats().RotationErrors))
+	rotateTo("key of another certificate", nil, f.bob.KeyPEM, errorsAfter(p.Stats().RotationErrors))
+	rotateTo("key where the certificate belongs", f.alice.KeyPEM, f.alice.KeyPEM, errorsAfter(p.Stats().RotationErrors))
+	rotateTo("empty key", f.alice.CertPEM, []byte{}, errorsAfter(p.Stats().RotationErrors))
+	rotateTo("good files", f.carol.CertPEM, f.carol.KeyPEM, func(s Stats) bool { return s.Rotations > 0 })
+}
+
+// badMaterial: Wrap of bad inline material and bad files, requests that fail,
+// the adapter's logged error, an identity released by GC.
+func (sc *secretsScan) badMaterial(t *testing.T, basicCfg *rest.Config, token string) {
+	t.Helper()
+	f, p := sc.f, sc.p
+	for _, c := range []*rest.Config{
+		{Host: f.srv.URL(), TLSClientConfig: rest.TLSClientConfig{CertData: f.alice.CertPEM, KeyData: f.bob.KeyPEM}},
+		{Host: f.srv.URL(), TLSClientConfig: rest.TLSClientConfig{CertData: f.alice.KeyPEM, KeyData: f.alice.KeyPEM}},
+		{Host: f.srv.URL(), TLSClientConfig: rest.TLSClientConfig{CAData: f.alice.KeyPEM}},
+		{Host: f.srv.URL(), TLSClientConfig: rest.TLSClientConfig{CertData: f.alice.CertPEM, KeyData: f.alice.KeyPEM[:40]}},
+	} {
+		err := p.Wrap(c)
+		if err == nil {
+			t.Errorf("Wrap of bad material succeeded")
+		}
+		sc.note("Wrap", err)
+		p.WrapConfigFn(c)
+	}
+	wrong := rest.CopyConfig(basicCfg)
+	wrong.CAData = f.alice.CertPEM // verifies nothing: the handshake fails
+	sc.note("request with a wrong CA", listNodes(sc.ctx, wrong))
+	func() {
+		throwaway := f.srv.RestConfig(f.carol)
+		throwaway.BearerToken = token
+		if err := p.Wrap(throwaway); err != nil {
+			t.Fatal(err)
+		}
+	}()
+	waitFor(t, "an identity released", func() bool { runtime.GC(); return p.Stats().Identities <= 4 })
+}
+
+// printed notes the keys' String() and the pool's Stats and Identities.
+func (sc *secretsScan) printed(t *testing.T) {
+	t.Helper()
+	p := sc.p
+	p.reg.mu.Lock()
+	for k, h := range p.reg.entries {
+		sc.note("key String", k.String())
+		sc.note("key %v", fmt.Sprintf("%v %+v %s", k, k, k))
+		sc.note("entry key", h.e.id.key)
+	}
+	p.reg.mu.Unlock()
+	sc.note("Stats", fmt.Sprintf("%+v %#v", p.Stats(), p.Stats()))
+	identities := fmt.Sprintf("%+v %#v", p.Identities(), p.Identities())
+	if !strings.Contains(identities, "Proxy:http://127.0.0.1:1 ") || !strings.Contains(identities, "LastError:sharedtransport: ") {
+		t.Errorf("Identities shows neither the redacted proxy nor the last reload error: the scan does not see what it should:\n%s", identities)
+	}
+	sc.note("Identities", identities)
+}
+
+// checkNoSecrets scans the logs and texts for secrets and PEM blocks, after
+// checking that the scan sees what it should (the logs' expected lines, a
+// printed key).
+func checkNoSecrets(t *testing.T, logText string, texts, secrets []string, keyPEM []byte) {
+	t.Helper()
+	for _, want := range []string{"Keeping the last good TLS material", "Rotated TLS material", "Released an identity", "Authorization: Bearer <masked>", "Response Body"} {
+		if !strings.Contains(logText, want) {
+			t.Errorf("the logs lack %q: the capture does not see what it should", want)
+		}
+	}
+	// The scan is live: printing an identity's key data is caught.
+	if leaky := fmt.Sprintf("%+v", identity{keyData: keyPEM}); !containsAny(leaky, secrets) {
+		t.Errorf("the scan misses a printed key")
+	}
+	lines := strings.Split(logText, "\n")
+	t.Logf("scanned %d log lines (%d bytes) and %d errors and strings for %d secret forms", len(lines), len(logText), len(texts), len(secrets))
+	for _, s := range secrets {
+		for _, line := range lines {
+			if strings.Contains(line, s) {
+				t.Errorf("a log line holds a secret: %.300s", line)
+			}
+		}
+		for _, text := range texts {
+			if strings.Contains(text, s) {
+				t.Errorf("%.300s holds a secret", text)
+			}
+		}
+	}
+	for _, line := range append(lines, texts...) {
+		if strings.Contains(line, "-----BEGIN") { // naming a block type is fine; quoting a block is not
+			t.Errorf("%.300s quotes PEM data", line)
+		}
+	}
+}
+
+func containsAny(text string, secrets []string) bool {
+	for _, s := range secrets {
+		if strings.Contains(text, s) {
+			return true
+		}
+	}
+	return false
+}
+
+// withDebounce shortens how long file events settle before a reload.
+func withDebounce(d time.Duration) Option {
+	return func(o *options) { o.debounce = d }
+}
+
+// TestIdentityNamesResistGuessing: the name an identity is logged with lets
+// no one holding the log test guesses offline. A second process (another
+// run of this test binary, as an attacker's would be) computes the names of
+// configs with every password of a dictionary; none may match the name this
+// process printed.
+func TestIdentityNamesResistGuessing(t *testing.T) {
+	dictionary := []string{"password", "letmein", "hunter2", "secret", "admin", "kubernetes"}
+	nameFor := func(password string) string {
+		proxy, _ := url.Parse("http://proxyuser:" + password + "@127.0.0.1:3128")
+		cfg := &rest.Config{Host: "https://127.0.0.1:6443", Proxy: http.ProxyURL(proxy)}
+		cfg.Insecure = true
+		sh, share, err := sharingFor(cfg, given{}, &fileReads{timeout: time.Second}, nil, false)
+		id := sh.id
+		if err != nil || !share {
+			t.Fatalf("identityFor: %v, share %v", err, share)
+		}
+		return id.key.String()
+	}
+	if os.Getenv("SHAREDTRANSPORT_GUESS") == "1" {
+		for _, word := range dictionary {
+			fmt.Printf("guess %s %s\n", word, nameFor(word))
+		}
+		return
+	}
+	printed := nameFor("hunter2")
+	if again := nameFor("hunter2"); again != printed {
+		t.Fatalf("the name is not stable in one process: %s, then %s", printed, again)
+	}
+	cmd := exec.Command(os.Args[0], "-test.run=^TestIdentityNamesResistGuessing$", "-test.count=1")
+	cmd.Env = append(os.Environ(), "SHAREDTRANSPORT_GUESS=1")
+	out, err := cmd.Output()
+	if err != nil {
+		t.Fatalf("the guessing process: %v\n%s", err, out)
+	}
+	guesses := 0
+	for _, line := range strings.Split(string(out), "\n") {
+		var word, name string
+		if n, _ := fmt.Sscanf(line, "guess %s %s", &word, &name); n != 2 {
+			continue
+		}
+		guesses++
+		if name == printed {
+			t.Errorf("another process recovered the proxy password %q from the printed name %s", word, printed)
+		}
+	}
+	if guesses != len(dictionary) {
+		t.Fatalf("the guessing process made %d guesses, want %d:\n%s", guesses, len(dictionary), out)
+	}
+}
+
+// TestHostPasswordRedacted: a password in a Host that does not parse never
+// reaches an error or a log line, and a bad Host is reported as a bad Host,
+// with Proxy set or not.
+func TestHostPasswordRedacted(t *testing.T) {
+	logs := captureKlog(t, 10)
+	const password = "S3cr%et-pw"
+	p := newPool(t)
+	for _, withProxy := range []bool{false, true} {
+		cfg := &rest.Config{Host: "https://admin:" + password + "@127.0.0.1:6443"}
+		cfg.Insecure = true
+		give := wrapFn(p)
+		if withProxy {
+			cfg.Proxy = nilProxy
+			give = func(cfg *rest.Config) error { _, err := p.TransportFor(cfg); return err } // Wrap passes it through
+		}
+		err := give(cfg)
+		if err == nil {
+			t.Fatalf("Proxy %v: Wrap accepted a Host that does not parse", withProxy)
+		}
+		if !strings.Contains(err.Error(), "not a valid URL") {
+			t.Errorf("Proxy %v: Wrap's error %q does not say the Host is bad", withProxy, err)
+		}
+		// A Host that does not parse is not printed at all.
+		if !strings.Contains(err.Error(), strconv.Quote(unparsableURL)) {
+			t.Errorf("Proxy %v: Wrap's error %q does not stand for the host with %q", withProxy, err, unparsableURL)
+		}
+		if strings.Contains(err.Error(), "S3cr") {
+			t.Errorf("Proxy %v: Wrap's error holds the password: %q", withProxy, err)
+		}
+		p.WrapConfigFn(cfg)
+	}
+	klog.Flush()
+	if !strings.Contains(logs.String(), "not a valid URL") {
+		t.Errorf("WrapConfigFn logged nothing about the bad Host")
+	}
+	if strings.Contains(logs.String(), "S3cr") {
+		t.Errorf("a log line holds the password:\n%s", logs)
 	}
 }
