@@ -30,7 +30,6 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/transport"
-	"k8s.io/klog/v2"
 
 	"github.com/sharedtransport/sharedtransport/internal/testserver"
 )
@@ -304,9 +303,10 @@ func TestAdversaryExecPluginAtConstruction(t *testing.T) {
 }
 
 // TestAdversaryProxyErrorPassword: a config whose Proxy fails passes
-// through, and Wrap logs the function's error verbatim (V(2)). A Proxy that
-// parses a configured proxy address (url.Parse of a flag or a setting) fails
-// with a *url.Error that quotes the whole address, password included.
+// through, and TransportFor logs why (V(2)), the function's error among it.
+// A Proxy that parses a configured proxy address (url.Parse of a flag or a
+// setting) fails with a *url.Error that quotes the whole address, password
+// included.
 // client-go alone logs nothing then: it returns the error to the caller of
 // the request.
 func TestAdversaryProxyErrorPassword(t *testing.T) {
@@ -318,12 +318,21 @@ func TestAdversaryProxyErrorPassword(t *testing.T) {
 	if _, err := cfg.Proxy(&http.Request{URL: &url.URL{Scheme: "https", Host: "api.example:6443"}}); err == nil {
 		t.Fatal("the Proxy function does not fail (the test's premise is wrong)")
 	}
-	if err := newPool(t).Wrap(cfg); err != nil && strings.Contains(err.Error(), password) {
-		t.Errorf("Wrap's error holds the proxy password: %v", err)
+	// Wrap passes a config with a Proxy through without asking it;
+	// TransportFor asks it, and logs why the config passes through.
+	p := newPool(t)
+	if err := p.Wrap(cfg); err != nil {
+		mustNoSecret(t, "Wrap's error", err.Error(), password)
 	}
-	klog.Flush()
-	if strings.Contains(logs.String(), password) {
-		t.Errorf("a log line holds the proxy password:\n%s", logs)
+	if _, err := p.TransportFor(cfg); err != nil {
+		mustNoSecret(t, "TransportFor's error", err.Error(), password)
+	}
+	if st := p.Stats(); st.PassThrough != 2 {
+		t.Fatalf("%d configs passed through, want 2 (the test's premise is wrong)", st.PassThrough)
+	}
+	mustNoSecretLogged(t, logs, password)
+	if !strings.Contains(logs.String(), "its Proxy function failed") {
+		t.Errorf("TransportFor logged nothing about the failed Proxy (the test's premise is wrong):\n%s", logs)
 	}
 }
 
@@ -945,13 +954,8 @@ func TestAdversaryProxyTokenAsUserName(t *testing.T) {
 			if !strings.Contains(identities, "127.0.0.1:3128") {
 				t.Fatalf("Identities names no proxy (the test's premise is wrong): %s", identities)
 			}
-			if strings.Contains(identities, token) {
-				t.Errorf("Identities holds the proxy's credential: %s", identities)
-			}
-			klog.Flush()
-			if strings.Contains(logs.String(), token) {
-				t.Errorf("a log line holds the credential:\n%s", logs)
-			}
+			mustNoSecret(t, "Identities", identities, token)
+			mustNoSecretLogged(t, logs, token)
 		})
 	}
 }
