@@ -110,15 +110,9 @@ func WithSessionResumption(enabled bool) Option {
 // stream while it runs. Upgrades (exec, attach, port-forward sent through the
 // pool's transport) run on connections of their own and are not counted.
 // Zero, the default, means no cap; bursts still open no more connections
-// than their concurrency needs.
-//
-// A negative n is ignored.
+// than their concurrency needs. A negative n is ignored.
 func WithMaxConnsPerHost(n int) Option {
-	return func(o *options) {
-		if n >= 0 {
-			o.maxConnsPerHost = n
-		}
-	}
+	return func(o *options) { setNonNegative(&o.maxConnsPerHost, n) }
 }
 
 // WithIdleTimeout sets how long an identity that no client refers to any more
@@ -126,15 +120,9 @@ func WithMaxConnsPerHost(n int) Option {
 // Callers that build a config per request (an aggregated apiserver proxying to
 // member clusters) rely on this grace to reuse the connection between two
 // sparse requests. The default, 90 seconds, matches the idle-connection
-// timeout of client-go's transports.
-//
-// A negative d is ignored.
+// timeout of client-go's transports. A negative d is ignored.
 func WithIdleTimeout(d time.Duration) Option {
-	return func(o *options) {
-		if d >= 0 {
-			o.idleTimeout = d
-		}
-	}
+	return func(o *options) { setNonNegative(&o.idleTimeout, d) }
 }
 
 // WithDialIdentity lets configs with a custom [rest.Config.Dial] share
@@ -152,15 +140,10 @@ func WithDialIdentity(fn func(cfg *rest.Config) string) Option {
 // systems, bind mounts, a lost watch). A file that did not change costs a
 // read and a comparison. The default is 30 seconds; zero turns polling off.
 // Directories the kernel refuses to watch (its inotify limits) are polled
-// every 10 seconds whatever the interval, until their watch can be set.
-//
-// A negative d is ignored.
+// every 10 seconds whatever the interval, until their watch can be set. A
+// negative d is ignored.
 func WithPollInterval(d time.Duration) Option {
-	return func(o *options) {
-		if d >= 0 {
-			o.pollInterval = d
-		}
-	}
+	return func(o *options) { setNonNegative(&o.pollInterval, d) }
 }
 
 // WithDrainTimeout sets how long connections that were active when a
@@ -172,15 +155,9 @@ func WithPollInterval(d time.Duration) Option {
 // WithMaxConnsPerHost the drain ends sooner, for watches only: when the new
 // material first needs a connection, the old HTTP/2 connections close once
 // nothing but watches runs on them, as client-go's own certificate rotation
-// closes every connection at once.
-//
-// A negative d is ignored.
+// closes every connection at once. A negative d is ignored.
 func WithDrainTimeout(d time.Duration) Option {
-	return func(o *options) {
-		if d >= 0 {
-			o.drainTimeout = d
-		}
-	}
+	return func(o *options) { setNonNegative(&o.drainTimeout, d) }
 }
 
 // WithExpiryWarning sets how long before a client certificate expires the
@@ -189,19 +166,20 @@ func WithDrainTimeout(d time.Duration) Option {
 // every poll and file event (see [WithPollInterval]), and logs once per
 // certificate. The default is 24 hours; identities whose certificates live
 // less than a day warn about every certificate, so set a shorter lead for
-// them. Zero turns the warning off.
-//
-// A negative d is ignored.
+// them. Zero turns the warning off. A negative d is ignored.
 func WithExpiryWarning(d time.Duration) Option {
-	return func(o *options) {
-		if d >= 0 {
-			o.expiryWarning = d
-		}
-	}
+	return func(o *options) { setNonNegative(&o.expiryWarning, d) }
 }
 
 // WithLogger sets the logger. The default is klog's background logger named
 // "sharedtransport". Nothing logged ever contains key material or tokens.
 func WithLogger(logger klog.Logger) Option {
 	return func(o *options) { o.logger = logger }
+}
+
+// setNonNegative sets *dst to v unless v is negative, which options ignore.
+func setNonNegative[T int | time.Duration](dst *T, v T) {
+	if v >= 0 {
+		*dst = v
+	}
 }

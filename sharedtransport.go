@@ -12,7 +12,6 @@ import (
 
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
-	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 	"k8s.io/client-go/transport"
 )
 
@@ -227,9 +226,15 @@ func (p *Pool) WrapClientConfig(cc clientcmd.ClientConfig) clientcmd.ClientConfi
 	return &clientConfig{inner: cc, pool: p}
 }
 
+// inner names the embedded clientcmd.ClientConfig, whose ClientConfig
+// method clientConfig's own wraps.
+type inner = clientcmd.ClientConfig
+
+// clientConfig is a clientcmd.ClientConfig whose configs p wraps; the rest
+// of the interface is the inner one's.
 type clientConfig struct {
-	inner clientcmd.ClientConfig
-	pool  *Pool
+	inner
+	pool *Pool
 }
 
 func (c *clientConfig) ClientConfig() (*rest.Config, error) {
@@ -242,9 +247,3 @@ func (c *clientConfig) ClientConfig() (*rest.Config, error) {
 	}
 	return cfg, nil
 }
-
-func (c *clientConfig) RawConfig() (clientcmdapi.Config, error) { return c.inner.RawConfig() }
-
-func (c *clientConfig) Namespace() (string, bool, error) { return c.inner.Namespace() }
-
-func (c *clientConfig) ConfigAccess() clientcmd.ConfigAccess { return c.inner.ConfigAccess() }

@@ -734,3 +734,60 @@ func TestPoolString(t *testing.T) {
 		t.Errorf("closed: %s", got)
 	}
 }
+
+// TestWrapClientConfig: every config a clientcmd.ClientConfig that
+// WrapClientConfig wrapped returns is wrapped (one identity, taken once per
+// config) and its clients reach the server over one connection, as through
+// client-go alone (the control); the rest of the interface (namespace, raw
+// config) is the inner ClientConfig's.
+func TestWrapClientConfig(t *testing.T) {
+	const configs = 5
+	for _, pool := range []bool{false, true} {
+		t.Run(fmt.Sprintf("pool=%v", pool), func(t *testing.T) {
+			f := newFixture(t, testserver.Options{})
+			paths, err := f.srv.WriteKubeconfig(filepath.Join(t.TempDir(), "kubeconfig"), f.alice, false)
+			if err != nil {
+				t.Fatal(err)
+			}
+			inner := clientcmd.NewNonInteractiveDeferredLoadingClientConfig(
+				&clientcmd.ClientConfigLoadingRules{ExplicitPath: paths.Kubeconfig}, &clientcmd.ConfigOverrides{})
+			cc := inner
+			p := newPool(t)
+			if pool {
+				cc = p.WrapClientConfig(inner)
+			}
+			for range configs {
+				cfg, err := cc.ClientConfig()
+				if err != nil {
+					t.Fatal(err)
+				}
+				if wrapped := cfg.WrapTransport != nil; wrapped != pool {
+					t.Fatalf("config wrapped: %v, want %v", wrapped, pool)
+				}
+				cs, err := kubernetes.NewForConfig(cfg)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if _, err := cs.CoreV1().Nodes().List(context.Background(), metav1.ListOptions{}); err != nil {
+					t.Fatal(err)
+				}
+			}
+			ns, _, err := cc.Namespace()
+			wantNS, _, _ := inner.Namespace()
+			if err != nil || ns != wantNS {
+				t.Errorf("Namespace() = %q, %v; the inner ClientConfig's is %q", ns, err, wantNS)
+			}
+			if raw, err := cc.RawConfig(); err != nil || raw.CurrentContext == "" {
+				t.Errorf("RawConfig(): current context %q, %v", raw.CurrentContext, err)
+			}
+			st, ps := f.srv.Stats(), p.Stats()
+			t.Logf("%d configs: server accepted %d connections; pool %+v", configs, st.Accepted, ps)
+			if st.Accepted != 1 {
+				t.Errorf("%d configs: server accepted %d connections, want 1", configs, st.Accepted)
+			}
+			if pool && (ps.Misses != 1 || ps.Hits != configs-1 || ps.PassThrough != 0) {
+				t.Errorf("pool: %d misses, %d hits, %d passed through; want 1, %d, 0", ps.Misses, ps.Hits, ps.PassThrough, configs-1)
+			}
+		})
+	}
+}
