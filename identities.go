@@ -1,6 +1,5 @@
-// The per-identity view of a pool (Pool.Identities), the per-identity
-// counters behind it, and the warning about a client certificate that expires
-// with no newer one in sight.
+// The per-identity view of a pool (Pool.Identities), and the warning about a
+// client certificate that expires with no newer one in sight.
 
 package sharedtransport
 

@@ -1,5 +1,5 @@
-// What a pool shares transports by: a config's identity, which identityFor
-// computes from the config and identityKey compares.
+// What a pool shares transports by: a config's identity, which sharingFor
+// computes from the config and what it is given, and identityKey compares.
 
 package sharedtransport
 
