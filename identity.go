@@ -348,24 +348,16 @@ func proxyRoute(cfg *rest.Config, req *http.Request) (route, error) {
 }
 
 // hostRequest is a request to cfg's host, for asking cfg's proxy function
-// where it sends it.
+// where it sends it. Its error never quotes the host: a Host client-go
+// cannot read is one redactHost would not print either (it reads a Host the
+// same way), and its text may hold a password in any shape.
 func hostRequest(cfg *rest.Config) (*http.Request, error) {
 	u, _, err := rest.DefaultServerUrlFor(cfg)
 	if err != nil {
-		return nil, badHostError{cfg.Host}
+		return nil, fmt.Errorf("sharedtransport: host %q is not a valid URL: fix the config's Host", unparsableURL)
 	}
 	return &http.Request{Method: http.MethodGet, URL: u, Header: http.Header{}, Host: u.Host}, nil
 }
-
-// badHostError is a config's Host that is not a valid URL. It prints the
-// host redacted, however it is printed.
-type badHostError struct{ host string }
-
-func (e badHostError) Error() string {
-	return fmt.Sprintf("sharedtransport: host %q is not a valid URL: fix the config's Host", redactHost(e.host))
-}
-
-func (e badHostError) GoString() string { return e.Error() }
 
 func urlString(u *url.URL) string {
 	if u == nil {

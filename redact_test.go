@@ -504,3 +504,23 @@ func TestHostPasswordRedacted(t *testing.T) {
 		t.Errorf("WrapConfigFn logged nothing about the bad Host")
 	}
 }
+
+// FuzzBadHostUnprinted: a Host client-go cannot read is one redactHost does
+// not print either, so hostRequest's error, which names no host, loses
+// nothing by it.
+func FuzzBadHostUnprinted(f *testing.F) {
+	for _, h := range []string{"https://u:pw@h:port", "h/path", "u:p@h/x", "%zz", "https://[::1", "http://h:1/ok", "h:6443", " ", ":"} {
+		f.Add(h)
+	}
+	f.Fuzz(func(t *testing.T, host string) {
+		if host == "" {
+			return // client-go reads it as localhost
+		}
+		if _, _, err := rest.DefaultServerUrlFor(&rest.Config{Host: host}); err == nil {
+			return
+		}
+		if got := redactHost(host); got != unparsableURL {
+			t.Errorf("client-go cannot read host %q, but redactHost prints %q", host, got)
+		}
+	})
+}
