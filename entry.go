@@ -1,9 +1,8 @@
-// An identity's place in a pool and its lifetime: the registry of entries by
-// identity, the entry built at first use (one build under concurrent first
-// use), the leases wrapped configs and their clients hold on it, the idle
-// grace that releases it once the last lease is collected, and the lease as
-// a round tripper, which sends a request on the current generation when a
-// rotation closed its own before it was sent.
+// An identity's place in a pool and its lifetime: the registry of entries,
+// each built once at first use; the leases configs and clients hold on it;
+// the idle grace that releases it after the last lease is collected; and
+// the lease as a round tripper, which moves a request a rotation closed
+// under it before it was sent to the current generation.
 
 package sharedtransport
 
@@ -50,41 +49,35 @@ type registry struct {
 type held struct {
 	e    *entry
 	refs int         // leases not yet collected
-	idle *time.Timer // releases the entry when the idle grace after the last lease ends
+	idle *time.Timer // releases the entry at the end of the idle grace
 }
 
-// entry is one identity's place in the pool: its current transport
-// generation and its file watches.
+// entry is one identity's place in the pool: its current generation of
+// transports and its file watches.
 type entry struct {
 	env     *env
 	id      *identity
 	current atomic.Pointer[generation]
 	since   atomic.Int64 // when current took effect, in Unix nanoseconds
 	closed  atomic.Bool
-	files   filesState // what the entry knows of its files (rotation.go)
+	files   filesState     // rotation.go
+	watch   *identityWatch // fixed before the entry is in the pool; nil without files
+	stats   identityCounters
 
-	watch *identityWatch // set before the entry is in the pool, then fixed; nil unless id.watchesFiles()
-
-	// clientGo is what hooks of the identity's configs found client-go's
-	// cache to hold for them (hook.agrees), while clientGoFor was current:
-	// a client handed one of these has a config that agrees with one of
-	// them on every field of client-go's key. Guarded by clientGoMu.
-	clientGoMu  sync.Mutex
+	// clientGo are the transports client-go's cache held for the
+	// identity's configs (hook.agrees) while clientGoFor was current.
+	clientGoMu  sync.Mutex // guards clientGo and clientGoFor
 	clientGo    []http.RoundTripper
 	clientGoFor weak.Pointer[generation]
 
-	stats identityCounters // the identity's share of the pool's counters
-
-	// mu orders rotate and close: rotate swaps current and close sets
-	// closed while holding it, so a generation is never taken into use
+	// mu orders rotate and close, so a generation is never taken into use
 	// after the entry closed.
 	mu sync.Mutex
 }
 
-// acquire returns a lease on id's entry, building the entry on first use.
-// Concurrent first uses of one identity share one build. An entry that is
-// there already serves a config built now only as long as its files hold
-// what it uses (see entry.fresh).
+// acquire returns a lease on id's entry, building the entry at first use
+// (once under concurrent first uses). An entry already there serves a
+// config built now only while its files hold what it uses (entry.fresh).
 func (r *registry) acquire(id *identity) (*lease, error) {
 	built := false
 	for {
@@ -109,9 +102,7 @@ func (r *registry) acquire(id *identity) (*lease, error) {
 		if err != nil {
 			return nil, err
 		}
-		built = built || b
-		// The entry is in the map now. In the unlikely case that it expired
-		// before this goroutine took its lease, the loop builds it again.
+		built = built || b // if it expired before the lease was taken, the loop builds it again
 	}
 }
 
@@ -135,9 +126,8 @@ func (r *registry) leaseEntry(id *identity) (*entry, error) {
 	return h.e, nil
 }
 
-// buildOnce puts an entry for id in the registry unless one is there.
-// Concurrent callers for one identity share one build; built reports that
-// this call's build put it there.
+// buildOnce puts an entry for id in the registry unless one is there, once
+// for concurrent callers; built reports that this call's build put it there.
 func (r *registry) buildOnce(id *identity) (built bool, err error) {
 	_, err, _ = r.group.Do(string(id.key.mac()), func() (any, error) {
 		built, err = r.addEntry(id)
@@ -213,8 +203,8 @@ func (r *registry) fileWatcher() (*fileWatcher, error) {
 	return r.watcher, nil
 }
 
-// release drops a reference; runtime.AddCleanup calls it when a lease is
-// garbage collected. The last reference starts the idle grace.
+// release drops a reference when a lease is collected; the last starts the
+// idle grace.
 func (r *registry) release(e *entry) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -289,27 +279,24 @@ func (e *entry) close() {
 	if e.watch != nil {
 		e.watch.stop()
 	}
-	// A closed entry may stay reachable from leases clients still hold:
-	// it keeps none of client-go's transports alive.
+	// Leases may keep a closed entry reachable: it keeps none of
+	// client-go's transports alive.
 	e.clientGoMu.Lock()
 	e.clientGo, e.clientGoFor = nil, weak.Pointer[generation]{}
 	e.clientGoMu.Unlock()
 	e.current.Load().conns.Close(ErrClosed)
 }
 
-// lease is one wrapped config's hold on an entry. While a config, a copy of
-// it, or any client built from them is reachable, so is its lease, and the
-// entry stays. When the last lease is collected the entry's idle grace starts.
+// lease is a hold on an entry: while a wrapped config, a copy, or a client
+// built from them is reachable, so is its lease, and the entry stays.
 type lease struct{ e *entry }
 
-// holdLease is the cleanup that attaches a lease to a wrapped config: its
-// argument stays reachable until the config is collected.
+// holdLease is the cleanup that keeps a lease reachable until the config
+// it is attached to is collected.
 func holdLease(*lease) {}
 
-// RoundTrip sends req through the identity's current transport. A request
-// whose generation a rotation closed before it was sent (WithDrainTimeout
-// over, or zero) is sent on the current one; ErrClosed means the pool (or
-// the identity) was closed.
+// RoundTrip sends req through the identity's current transports; ErrClosed
+// means the pool or the identity was closed.
 func (l *lease) RoundTrip(req *http.Request) (*http.Response, error) {
 	return l.roundTrip(req, l, nil)
 }
@@ -325,9 +312,9 @@ type picker interface {
 // because its own closed before it was sent.
 const maxResends = 3
 
-// roundTrip sends req through the generation p picks, and, when that
-// generation retired before req reached the server, through the one p picks
-// then. A nil generation sends req through other instead.
+// roundTrip sends req through the generation p picks, or through other when
+// p picks none. A request its generation's close refused before it was
+// sent goes on the one p picks then.
 func (l *lease) roundTrip(req *http.Request, p picker, other http.RoundTripper) (*http.Response, error) {
 	for resends := 0; ; resends++ {
 		if l.e.closed.Load() {
@@ -345,9 +332,7 @@ func (l *lease) roundTrip(req *http.Request, p picker, other http.RoundTripper) 
 		switch {
 		case err == nil:
 			return resp, nil
-		case l.e.closed.Load():
-			// Closed while the request ran: say so, rather than whatever
-			// the connection that Close cut reported.
+		case l.e.closed.Load(): // rather than what the cut connection reported
 			return nil, fmt.Errorf("%w while the request ran: %w", ErrClosed, err)
 		case !errors.Is(err, conns.ErrRetired) || resends == maxResends:
 			return nil, err
@@ -359,15 +344,11 @@ func (l *lease) roundTrip(req *http.Request, p picker, other http.RoundTripper) 
 }
 
 // WrappedRoundTripper lets client-go helpers (utilnet.TLSClientConfig) see
-// the shared transport: the one that carries every request but upgrades,
-// which go over an HTTP/1.1 transport of their own. CloseIdleConnections,
-// below, reaches both.
+// the shared transport, which carries every request but upgrades.
 func (l *lease) WrappedRoundTripper() http.RoundTripper { return l.e.current.Load().conns.Shared() }
 
 var _ utilnet.RoundTripperWrapper = &lease{}
 
 // CloseIdleConnections closes the idle connections of the identity's
-// transports, so utilnet.CloseIdleConnectionsFor on a client reaches every
-// transport its requests go over. Like client-go's shared transports, this
-// also closes what other clients of the identity keep idle.
+// transports, other clients' included, as on client-go's shared transports.
 func (l *lease) CloseIdleConnections() { l.e.current.Load().conns.CloseIdle() }

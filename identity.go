@@ -27,10 +27,9 @@ import (
 	"k8s.io/client-go/transport"
 )
 
-// identityKey is what two configs must agree on to share a transport. It is
-// a comparable struct, as client-go's own cache key is, so a field added to the
-// identity is added here once and compared everywhere. Key material enters
-// it as digests; its String redacts everything.
+// identityKey is what two configs must agree on to share a transport: a
+// comparable struct, as client-go's cache key is. Key material enters it as
+// digests; its String redacts everything.
 type identityKey struct {
 	insecure           bool
 	serverName         string
@@ -44,19 +43,13 @@ type identityKey struct {
 	getCert  *transport.GetCertHolder // an exec plugin's certificate (and dialer: one per authenticator)
 	dialName string                   // a custom Dial, named by WithDialIdentity
 
-	// proxy is "" when the transport uses the environment's proxy, as
-	// client-go does for configs without Proxy; otherwise the URL the
-	// config's Proxy gave for its host ("direct" for none).
-	proxy string
-	// connectHeader digests the headers CONNECT requests to the proxy carry
-	// (proxy credentials, typically).
-	connectHeader digest
-	// noHTTP2: DISABLE_HTTP2 was set when the identity was computed. Every
-	// transport of the identity speaks HTTP/2, or none, whatever the
-	// variable says at a rotation.
-	noHTTP2 bool
+	// proxy is "" for the environment's proxy (a config without Proxy),
+	// else the URL the config's Proxy gave for its host ("direct": none).
+	proxy         string
+	connectHeader digest // of the headers CONNECT requests carry (proxy credentials)
+	noHTTP2       bool   // DISABLE_HTTP2 when the identity was computed: its transports keep to it
 	// fixedTLS keys what a TLSTransport configuration sets beyond the
-	// fields above: versions, and its roots by content (see rootsID).
+	// fields above: versions, and its roots by content (rootsID).
 	fixedTLS string
 }
 
@@ -69,8 +62,8 @@ func digestOf(b []byte) digest {
 	return sha256.Sum256(b)
 }
 
-// nameSecret keys the names identities are printed with. A plain digest of a
-// key would let a log reader test guesses (a proxy password) offline.
+// nameSecret keys the names identities are printed with: a plain digest
+// would let a log reader test guesses (a proxy password) offline.
 var nameSecret = sync.OnceValue(func() []byte {
 	b := make([]byte, 32)
 	if _, err := rand.Read(b); err != nil {
@@ -79,8 +72,8 @@ var nameSecret = sync.OnceValue(func() []byte {
 	return b
 })
 
-// String names the identity without revealing anything that went into it:
-// an HMAC under a random per-process key. The name is stable for the process.
+// String names the identity by an HMAC under a random per-process key:
+// stable for the process, revealing nothing that went into it.
 func (k identityKey) String() string { return "identity:" + hex.EncodeToString(k.mac()[:6]) }
 
 func (k identityKey) mac() []byte {
@@ -94,36 +87,23 @@ func (k identityKey) mac() []byte {
 func (k identityKey) GoString() string { return k.String() }
 
 // identity is everything that decides what a connection is and whom it
-// authenticates as. It is computed once, when a config is wrapped. Per-request
-// credentials (tokens, basic auth, impersonation) and the user agent are not
-// part of it: client-go adds them above WrapTransport.
+// authenticates as, computed once per config. Per-request credentials
+// (tokens, basic auth, impersonation) and the user agent are not part of
+// it: client-go adds them above WrapTransport.
 type identity struct {
-	// key is the identity's comparable part: TLS settings, files, digests
-	// of inline material, the exec plugin's holder, the route. The fields
-	// below are what the transport is built from.
-	key identityKey
+	key identityKey // the comparable part; the fields below build the transport
 
 	nextProtos []string
-
 	// Inline material, fixed for the identity; files (key.caFile ...) are
 	// watched and reloaded.
 	caData, certData, keyData []byte
-
-	dial func(ctx context.Context, network, address string) (net.Conn, error) // nil: the default dialer
-
-	// connectHeader is sent with every CONNECT request to a proxy. For a
-	// config it is what the caller declared its wrappers set
-	// (WithProxyConnectHeader), so client-go's transport, where a client keeps it,
-	// gets it the same way.
+	dial                      func(ctx context.Context, network, address string) (net.Conn, error) // nil: the default dialer
+	// connectHeader goes with every CONNECT request: what the caller
+	// declared its wrappers set (WithProxyConnectHeader).
 	connectHeader http.Header
-
-	// tlsConfig, set for TLSTransport identities, is the caller's TLS
-	// configuration: generations use a copy of it instead of building one.
-	tlsConfig *tls.Config
-
-	// proxy is nil when the transport uses the environment, as client-go
-	// does for configs without Proxy. Otherwise it returns the URL (or nil,
-	// direct) that the config's own Proxy function gave for its host.
+	tlsConfig     *tls.Config // TLSTransport's: generations use it instead of building one
+	// proxy is nil for the environment's proxy; otherwise it gives what the
+	// config's Proxy function gave for its host.
 	proxy func(*http.Request) (*url.URL, error)
 }
 
@@ -131,23 +111,19 @@ type identity struct {
 // are watched for rotation.
 func (id *identity) watchesFiles() bool { return id.key.caFile != "" || id.key.certFile != "" }
 
-// sharing is what the pool makes of one config it is given, computed once.
+// sharing is what the pool makes of one config it is given.
 type sharing struct {
 	id *identity
-	// tc is the transport config client-go derives from the config.
-	// TransportFor builds client-go's per-request layers from it, so that
-	// the exec plugin's certificate the identity holds and the plugin's
-	// wrapper above it come from one authenticator. Nil when the config has
-	// a Transport of its own.
+	// tc is client-go's transport config for the config (nil with a
+	// Transport of its own). TransportFor builds the per-request layers
+	// from it, so an exec plugin's certificate and its wrapper come from
+	// one authenticator.
 	tc *transport.Config
-	// onlyHost, set when the config has a Proxy function, is the host that
-	// function was asked about: only requests to it ride the shared
-	// transport.
+	// onlyHost, with a Proxy function, is the host it was asked about: only
+	// requests to it ride the shared transport.
 	onlyHost string
-	// pass says why the config passes through to client-go; with
-	// proxyFailed, proxyErr is what its Proxy function returned.
 	pass     passReason
-	proxyErr error
+	proxyErr error // with proxyFailed: what the Proxy function returned
 }
 
 // sharingFor computes what the pool makes of cfg. share is false for configs
@@ -180,11 +156,10 @@ func sharingFor(cfg *rest.Config, g given, files *fileReads, dialIdentity func(*
 	return s, s.pass == shares && err == nil, err
 }
 
-// identityOf computes the identity of cfg, whose transport config is tc,
-// or why it passes through (with the Proxy function's error when that
-// failed). req is a request to cfg's host, for asking cfg's Proxy function;
-// files reads the certificate files read once, and dialIdentity names a
-// custom Dial. It neither logs nor counts: its callers do.
+// identityOf computes the identity of cfg, whose transport config is tc, or
+// why it passes through. req is a request to cfg's host for its Proxy
+// function; files reads the files read once; dialIdentity names a custom
+// Dial. It neither logs nor counts: its callers do.
 func identityOf(cfg *rest.Config, tc *transport.Config, g given, req *http.Request,
 	files *fileReads, dialIdentity func(*rest.Config) string) (id *identity, pass passReason, proxyErr, err error) {
 	hasTLS := tc.HasCA() || tc.HasCertAuth() || tc.HasCertCallback() || tc.TLS.Insecure ||
@@ -225,9 +200,8 @@ func identityOf(cfg *rest.Config, tc *transport.Config, g given, req *http.Reque
 	return id, shares, nil, nil
 }
 
-// setProxy sets the proxy function of id's transport from cfg.Proxy, and
-// returns the route that keys it (see identityKey.proxy), or what cfg.Proxy
-// failed with.
+// setProxy sets id's proxy from cfg.Proxy and returns the route that keys
+// it (identityKey.proxy), or what cfg.Proxy failed with.
 func setProxy(id *identity, cfg *rest.Config, req *http.Request) (proxy string, err error) {
 	if cfg.Proxy == nil {
 		return "", nil
@@ -250,9 +224,9 @@ func (id *identity) completeKey(dialName, route string) {
 	k.dialName, k.proxy = dialName, route
 }
 
-// setMaterial records where id's CA and client certificate come from. Like
-// client-go, files are reloaded only when named without inline data (and, for
-// the client certificate, when both halves are files); a mix is read once.
+// setMaterial records where id's CA and client certificate come from. As
+// in client-go, files are reloaded only when named without inline data (for
+// the certificate, both halves); a mix is read once.
 func setMaterial(id *identity, tc *transport.Config, files *fileReads) error {
 	var err error
 	if tc.TLS.CAFile != "" && len(tc.TLS.CAData) == 0 {
@@ -278,16 +252,13 @@ func setMaterial(id *identity, tc *transport.Config, files *fileReads) error {
 		return err
 	}
 	if len(id.certData) == 0 || len(id.keyData) == 0 {
-		// Half a pair: client-go presents no certificate (and reads the
-		// file of the half there is, as above).
-		id.certData, id.keyData = nil, nil
+		id.certData, id.keyData = nil, nil // half a pair: client-go presents none
 	}
 	return nil
 }
 
-// setDialer sets the dialer the identity's transport uses and returns the
-// name that keys a custom Dial. share is false for a custom Dial without a
-// name: dialers cannot be compared.
+// setDialer sets id's dialer and returns the name that keys a custom Dial;
+// share is false for a custom Dial without a name.
 func setDialer(id *identity, cfg *rest.Config, tc *transport.Config, dialIdentity func(*rest.Config) string) (name string, share bool) {
 	if cfg.Dial != nil {
 		if dialIdentity != nil {
@@ -298,18 +269,15 @@ func setDialer(id *identity, cfg *rest.Config, tc *transport.Config, dialIdentit
 		}
 	}
 	if tc.DialHolder != nil {
-		// tc's dialer, not cfg.Dial: for an exec plugin config client-go
-		// wraps it in the tracker its authenticator closes when the
-		// plugin's certificate changes, and the pool's connections must
-		// close with it. Otherwise it is cfg.Dial.
+		// Not cfg.Dial: for an exec plugin, client-go wraps it in the
+		// tracker that closes connections when the certificate changes.
 		id.dial = tc.DialHolder.Dial
 	}
 	return name, true
 }
 
-// noHTTP2 reports whether DISABLE_HTTP2 is set, which client-go reads
-// whenever it builds a transport; an identity keeps what it was when the
-// identity was computed.
+// noHTTP2 reports whether DISABLE_HTTP2 is set, as client-go reads it when
+// it builds a transport.
 func noHTTP2() bool { return os.Getenv("DISABLE_HTTP2") != "" }
 
 func lengthPrefixed(list []string) string {
@@ -327,11 +295,10 @@ type route struct {
 	fixed func(*http.Request) (*url.URL, error)
 }
 
-// proxyRoute samples cfg.Proxy for cfg's host. Proxy functions cannot be
-// compared, so two configs are taken to agree when their functions give the
-// same answer for the host they talk to. Only requests to that host, sent
-// the same way, ever use the shared transport (see configTransport.pick); a
-// config whose Proxy gives what the environment would shares the
+// proxyRoute asks cfg.Proxy about cfg's host. Functions cannot be compared:
+// two configs agree when theirs give the same answer for their host, and
+// only requests to that host sent that way use the shared transport
+// (configTransport). An answer the environment would give shares the
 // environment's transport.
 func proxyRoute(cfg *rest.Config, req *http.Request) (route, error) {
 	got, err := cfg.Proxy(req)
@@ -347,10 +314,9 @@ func proxyRoute(cfg *rest.Config, req *http.Request) (route, error) {
 	}, nil
 }
 
-// hostRequest is a request to cfg's host, for asking cfg's proxy function
-// where it sends it. Its error never quotes the host: a Host client-go
-// cannot read is one redactHost would not print either (it reads a Host the
-// same way), and its text may hold a password in any shape.
+// hostRequest is a request to cfg's host, for cfg's Proxy function. Its
+// error never quotes the host: one client-go cannot read, redactHost would
+// not print either, and its text may hold a password in any shape.
 func hostRequest(cfg *rest.Config) (*http.Request, error) {
 	u, _, err := rest.DefaultServerUrlFor(cfg)
 	if err != nil {

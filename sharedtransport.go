@@ -24,7 +24,6 @@ type Pool struct {
 
 	closeOnce sync.Once
 	closeErr  error // what the first Close returned
-
 }
 
 // New returns a pool configured by opts.
@@ -40,11 +39,9 @@ func New(opts ...Option) *Pool {
 var defaultPool = sync.OnceValue(func() *Pool { return New() })
 
 // Default returns the package's default pool, the one [Wrap],
-// [TransportFor], [HTTPClientFor], [TLSTransport] and
-// [BuildConfigFromFlags] use. It is created with [New]'s defaults at first
-// use. Its [Pool.Stats], [Pool.Identities] and [Pool.Close] work as on any
-// pool; once closed it stays closed, and the package-level functions return
-// [ErrClosed].
+// [TransportFor], [HTTPClientFor], [TLSTransport] and [BuildConfigFromFlags]
+// use, created with [New]'s defaults at first use. Once closed it stays
+// closed, and the package-level functions return [ErrClosed].
 func Default() *Pool { return defaultPool() }
 
 // Wrap installs the package's default pool in cfg: the one-line drop-in for
@@ -70,23 +67,20 @@ func (p *Pool) BuildConfigFromFlags(masterURL, kubeconfigPath string) (*rest.Con
 	return cfg, nil
 }
 
-// Wrap makes every client built from cfg (and from copies of it that keep its
-// TLS identity) share this pool's transport for that identity. It installs a
+// Wrap makes every client built from cfg, and from copies that keep its TLS
+// identity, share this pool's transport for that identity. It installs a
 // hook as the innermost of cfg.WrapTransport, so wrappers set before or after
-// Wrap still see every request, and it never sets cfg.Transport.
+// still see every request, and never sets cfg.Transport.
 //
-// Configs the pool cannot share this way pass through untouched and are
-// counted in [Stats].PassThrough: a config with its own Transport, a config
-// client-go would send through [http.DefaultTransport] anyway, undeclared
-// wrappers (see [CallOption]), and a config with a Proxy or Dial
-// function. The hook sees only the transport client-go built for a client,
-// and for such a config client-go builds one per client whose functions
-// cannot be compared with the wrapped config's: share those with
-// [Pool.HTTPClientFor] or [Pool.TransportFor], which are given the config.
+// Configs it cannot share pass through untouched, counted in
+// [Stats].PassThrough: a config with its own Transport, one client-go sends
+// through [http.DefaultTransport] anyway, undeclared wrappers (see
+// [CallOption]), and a Proxy or Dial function, which the hook cannot tell
+// from a copy's: share those with [Pool.HTTPClientFor] or
+// [Pool.TransportFor], which are given the config.
 //
 // For a config it shares, Wrap reads the certificate, key and CA files cfg
-// names, and returns an error naming the file when one is missing,
-// unreadable or invalid.
+// names; its error names the file that is missing, unreadable or invalid.
 func (p *Pool) Wrap(cfg *rest.Config, opts ...CallOption) error {
 	return p.wrap(cfg, givenBy(opts))
 }
@@ -107,32 +101,29 @@ func (p *Pool) wrap(cfg *rest.Config, g given) error {
 	if err != nil {
 		return err
 	}
-	// The generation first, then client-go's transport: a rotation between
-	// the two makes the hook ask client-go again at the first client.
+	// A rotation between the lease and newHook has the hook ask client-go
+	// again at the first client.
 	h, err := newHook(p.reg, s, l)
 	if err != nil {
 		return err
 	}
-	// The config holds its lease; the hook it carries refers to it only
-	// weakly, because client-go may keep the hook for good (see hook).
-	runtime.AddCleanup(cfg, holdLease, l)
+	runtime.AddCleanup(cfg, holdLease, l) // the hook holds it weakly (see hook)
 	cfg.WrapTransport = transport.Wrappers(h.wrap, cfg.WrapTransport)
 	return nil
 }
 
 // Close closes every connection of the pool, stops watching files and waits
-// for the pool's goroutines to exit. Requests sent afterwards through configs
-// the pool wrapped fail with [ErrClosed], as do requests in flight and reads
-// of response bodies whose connection it closed. Close is idempotent: every
-// call, concurrent ones included, returns once the pool is closed, with the
-// first call's result.
+// for the pool's goroutines to exit. Requests sent afterwards through the
+// pool, requests in flight and reads of bodies whose connection it closed
+// fail with [ErrClosed]. Every call returns once the pool is closed, with
+// the first call's result.
 func (p *Pool) Close() error {
 	p.closeOnce.Do(func() { p.closeErr = p.reg.close() })
 	return p.closeErr
 }
 
-// String summarizes the pool in one line: what it holds now and what it
-// did, never its fields, which hold key material and change under locks.
+// String summarizes the pool in one line, never its fields, which hold key
+// material and change under locks.
 func (p *Pool) String() string {
 	st := p.Stats()
 	closed := ""
@@ -154,19 +145,14 @@ type Stats struct {
 
 	// Hits and Misses count the lookups of an identity's transport: one per
 	// [Pool.Wrap] and [Pool.TransportFor] of a config the pool shares, and
-	// one when a wrapped config's hook takes its identity again for a new
-	// client after the identity was released (see [WithIdleTimeout]). A
-	// miss built the transport; a hit found it, or waited for a concurrent
-	// lookup of the same identity to build it.
+	// one when a hook takes its released identity again ([WithIdleTimeout]).
+	// A miss built the transport; a hit found it, or waited for it.
 	Hits   uint64
 	Misses uint64
-	// PassThrough counts configs and clients left to client-go's own
-	// transport, in one number: each config [Pool.Wrap] or
-	// [Pool.TransportFor] does not share (see [Pool.Wrap]), and each client
-	// of a wrapped config that keeps client-go's transport (a SPDY or
-	// websocket round tripper, a copy of the config whose TLS identity
-	// differs, a client built while the identity's files fail to load). A
-	// client counts once, however many requests it sends.
+	// PassThrough counts what is left to client-go's own transport: each
+	// config [Pool.Wrap] or [Pool.TransportFor] does not share, and, once,
+	// each client of a wrapped config that keeps client-go's transport (SPDY
+	// or websocket, a copy of another identity, files failing to load).
 	PassThrough uint64
 
 	WrapErrors     uint64 // configs the [Pool.WrapConfigFn] adapter left unwrapped
@@ -177,10 +163,9 @@ type Stats struct {
 	Rotations      uint64 // certificate or CA changes taken into use
 	RotationErrors uint64 // reloads rejected (the last good material was kept)
 	// UnwatchedDirs counts the directories of certificate files watched by
-	// polling alone because the kernel refused an inotify instance or watch
-	// (fs.inotify.max_user_instances, max_user_watches) or the directory is
-	// gone; see [WithPollInterval]. It returns to zero when their watches
-	// can be set again.
+	// polling alone ([WithPollInterval]): the kernel refused an inotify
+	// instance or watch (fs.inotify.max_user_instances, max_user_watches),
+	// or the directory is gone. It returns to zero when their watches are set.
 	UnwatchedDirs int
 }
 
@@ -226,12 +211,10 @@ func (p *Pool) WrapClientConfig(cc clientcmd.ClientConfig) clientcmd.ClientConfi
 	return &clientConfig{inner: cc, pool: p}
 }
 
-// inner names the embedded clientcmd.ClientConfig, whose ClientConfig
-// method clientConfig's own wraps.
+// inner names the embedded clientcmd.ClientConfig.
 type inner = clientcmd.ClientConfig
 
-// clientConfig is a clientcmd.ClientConfig whose configs p wraps; the rest
-// of the interface is the inner one's.
+// clientConfig is cc with its configs wrapped by p.
 type clientConfig struct {
 	inner
 	pool *Pool

@@ -33,30 +33,26 @@ func HTTPClientFor(cfg *rest.Config, opts ...CallOption) (*http.Client, error) {
 
 // TransportFor is the pool's [rest.TransportFor]: a round tripper that sends
 // cfg's requests over the pool's transport for cfg's TLS identity, under
-// exactly the per-request layers client-go adds, built by client-go itself
-// (user agent, bearer token and token file, basic auth, impersonation, auth
-// and exec providers, cfg.WrapTransport). The identity is computed from cfg,
-// so client-go builds no TLS transport of its own: for a config built per
-// request or per reconcile this costs what a config client-go can cache
-// costs it. Use it where the code asks for a round tripper or a client
-// itself; [Pool.Wrap] is for code that hands the config to client-go.
+// the per-request layers client-go itself builds for cfg (user agent,
+// bearer token and token file, basic auth, impersonation, auth and exec
+// providers, cfg.WrapTransport). client-go builds no TLS transport for cfg,
+// so a config built per request costs what a config client-go caches costs.
+// Use it where code asks for a round tripper or a client itself; [Pool.Wrap]
+// is for code that hands the config to client-go. The round tripper keeps
+// the identity alive; later changes to cfg do not reach it.
 //
-// The round tripper keeps the identity alive. Later changes to cfg do not
-// reach it.
-// For a config with a Proxy function, the function is asked once to key
-// the identity, and then as net/http asks it: for every request over
-// HTTP/1.1, over HTTP/2 only for a request with no connection to ride.
-// Requests to cfg's host that it sends where the shared transport goes use
-// the shared transport; other requests go through client-go's own
-// transport for cfg, built at the first of them.
+// A config's Proxy function is asked once to key the identity, then as
+// net/http asks it: per request over HTTP/1.1, over HTTP/2 only for a
+// request with no connection to ride. Requests to cfg's host that it sends
+// where the shared transport goes use that transport; others go through
+// client-go's own transport for cfg, built at the first of them.
 //
-// A config the pool cannot share (its own Transport, one client-go would
-// send through [http.DefaultTransport], a custom Dial without
+// A config the pool cannot share (its own Transport, one client-go sends
+// through [http.DefaultTransport], a custom Dial without
 // [WithDialIdentity], a Proxy function that fails) gets what
-// [rest.TransportFor] gives, and is counted in [Stats].PassThrough.
-// TransportFor reads the certificate, key and CA files cfg names, and
-// returns an error naming the file when one is missing, unreadable or
-// invalid.
+// [rest.TransportFor] gives, counted in [Stats].PassThrough. TransportFor
+// reads the certificate, key and CA files cfg names; its error names the
+// file that is missing, unreadable or invalid.
 func (p *Pool) TransportFor(cfg *rest.Config, opts ...CallOption) (http.RoundTripper, error) {
 	return p.transportFor(cfg, givenBy(opts))
 }
@@ -108,35 +104,27 @@ func (p *Pool) httpClientFor(cfg *rest.Config, g given) (*http.Client, error) {
 }
 
 // configTransport is what TransportFor puts under client-go's per-request
-// layers (and TLSTransport returns): the identity's shared transport,
-// through a lease it holds, and client-go's own transport for the config
-// for what the shared one does not carry.
+// layers, and what TLSTransport returns: the identity's shared transport,
+// through a lease, and client-go's own transport for what that one does not
+// carry.
 type configTransport struct {
 	lease *lease
-	// onlyHost, set when the config has a Proxy function, is the host that
-	// function was asked about when the identity was computed.
+	// onlyHost, with a Proxy function, is the host the function was asked
+	// about; proxy is the function, asked as net/http asks it (viaProxy).
 	onlyHost string
-	// proxy is the config's Proxy function, asked as net/http asks it (see
-	// viaProxy).
-	proxy func(*http.Request) (*url.URL, error)
-	// rides is the shared transport's connection that the last request to
-	// onlyHost the function was asked about came back over with HTTP/2:
-	// while it is open, net/http would send the config's requests over it
-	// without asking the function. Weak: a closed connection is not kept.
+	proxy    func(*http.Request) (*url.URL, error)
+	// rides is the shared connection the last request to onlyHost that
+	// asked the function came back over with HTTP/2: while it is open,
+	// net/http sends over it without asking. Weak: a closed one goes.
 	rides atomic.Pointer[weak.Pointer[conns.Conn]]
-	// viaClientGo: a request to onlyHost the function sent elsewhere than
-	// the shared transport came back over HTTP/2 through clientGo, which
-	// carries the config's requests to onlyHost from then on and asks the
-	// function itself when it dials.
+	// viaClientGo: the function sent a request to onlyHost elsewhere and it
+	// came back over HTTP/2 through clientGo, which carries the config's
+	// requests to onlyHost from then on.
 	viaClientGo atomic.Bool
 	// clientGo is client-go's transport for the config, built when first
-	// needed: for requests the shared transport does not carry, and for
-	// every request once WrappedRoundTripper handed it out. Nil for
-	// TLSTransport, which has no config.
-	clientGo *clientGoLater
-	// handedOut: WrappedRoundTripper gave clientGo to code that may change
-	// it in place; every request goes through it from then on.
-	handedOut atomic.Bool
+	// needed; nil for TLSTransport, which has no config.
+	clientGo  *clientGoLater
+	handedOut atomic.Bool // WrappedRoundTripper gave clientGo out: every request goes through it
 }
 
 func (c *configTransport) RoundTrip(req *http.Request) (*http.Response, error) {
@@ -158,10 +146,8 @@ func (c *configTransport) RoundTrip(req *http.Request) (*http.Response, error) {
 }
 
 // viaProxy sends req where the config's Proxy function sends it: over the
-// shared transport when that is where the shared transport goes, else
-// through clientGo. The function is asked as net/http asks it: for a
-// request that has no HTTP/2 connection to ride (every request over
-// HTTP/1.1), and its error fails the request.
+// shared transport when that goes there too, else through clientGo. Its
+// error fails the request, as in net/http.
 func (c *configTransport) viaProxy(req *http.Request) (*http.Response, error) {
 	u, err := c.proxy(req)
 	if err != nil {
@@ -202,9 +188,8 @@ func withConnTrace(req *http.Request, conn *atomic.Pointer[conns.Conn]) *http.Re
 	return req.WithContext(httptrace.WithClientTrace(req.Context(), trace))
 }
 
-// askedProxyKey keys, in a request's context, the answer the config's Proxy
-// function already gave for the request, so that client-go's transport for
-// the config (clientGoLater) does not ask it a second time.
+// askedProxyKey keys, in a request's context, the answer the Proxy function
+// gave for the request, so that clientGoLater's transport does not ask again.
 type askedProxyKey struct{}
 
 type askedProxy struct{ url *url.URL }
@@ -233,10 +218,8 @@ func (c *configTransport) CloseIdleConnections() {
 	utilnet.CloseIdleConnectionsFor(c.lease)
 }
 
-// CancelRequest is here so that client-go's round trippers, which cancel by
-// unwrapping to the first round tripper that has it (http.Client.Timeout),
-// stop here instead of calling WrappedRoundTripper. Requests on the shared
-// transport end with their context, which net/http cancels too.
+// CancelRequest stops client-go's cancellation here (see
+// clientTransport.CancelRequest).
 func (c *configTransport) CancelRequest(req *http.Request) {
 	if c.clientGo != nil && c.clientGo.built.Load() {
 		if cr, ok := c.clientGo.rt.(interface{ CancelRequest(*http.Request) }); ok {
@@ -294,7 +277,7 @@ func (l *clientGoLater) RoundTrip(req *http.Request) (*http.Response, error) {
 }
 
 // CloseIdleConnections closes the transport's idle connections, if it was
-// built: a transport built only to close nothing would be waste.
+// built.
 func (l *clientGoLater) CloseIdleConnections() {
 	if l.built.Load() {
 		utilnet.CloseIdleConnectionsFor(l.rt)
@@ -303,14 +286,12 @@ func (l *clientGoLater) CloseIdleConnections() {
 
 // WrappedRoundTripper returns client-go's transport for the config, what
 // code that unwraps the round tripper (utilnet.TLSClientConfig, a wrapper
-// that changes the *http.Transport it finds) would find without the pool.
-// The pool cannot see what it does with it, so every request goes through
-// it from then on (counted once in Stats.PassThrough), and a change made
-// there reaches no other client of the pool, except Wrap's clients that
-// have the same transport of client-go's (see handedOutTransports), as
-// without the pool. For TLSTransport it is the
-// shared transport, as the caller's own transport would be: apimachinery's
-// UpgradeAwareHandler dials upgrades with its dialer and TLS configuration.
+// that changes the *http.Transport it finds) finds without the pool. Every
+// request goes through it from then on (counted in Stats.PassThrough), so
+// a change made there reaches only the clients that share it without the
+// pool (handedOutTransports). For TLSTransport it is the shared transport,
+// as the caller's own would be: apimachinery's UpgradeAwareHandler dials
+// upgrades with its dialer and TLS configuration.
 func (c *configTransport) WrappedRoundTripper() http.RoundTripper {
 	if c.clientGo == nil {
 		return c.lease

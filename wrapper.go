@@ -1,7 +1,7 @@
-// The hook Wrap installs in a config's WrapTransport, and the rule it applies
-// to every client built from the config or a copy of it: a client rides the
-// shared transport only when client-go hands the hook the transport its own
-// cache holds for the wrapped config.
+// The hook Wrap installs in a config's WrapTransport, and its rule for every
+// client built from the config or a copy: a client rides the shared
+// transport only when client-go hands the hook the transport its own cache
+// holds for the wrapped config.
 
 package sharedtransport
 
@@ -20,19 +20,16 @@ import (
 	"k8s.io/client-go/transport"
 )
 
-// hook is what Wrap installs as the innermost rest.Config.WrapTransport of a
-// config client-go caches (no Proxy, no Dial). client-go calls it with the
-// transport it built for a client of the wrapped config, of a copy of it
-// (rest.CopyConfig copies WrapTransport), or of the config changed in place.
-// It sees only that transport, never the config, and client-go's own cache
-// decides: a client whose transport is the one client-go's cache holds for
-// the wrapped config agrees with it on every field of client-go's key, which
-// covers everything that reaches the connection. Any other transport (a copy
-// with another certificate, a Proxy or Dial added, SPDY) passes through.
-//
-// Every field of the pool's identity is one client-go's key holds the same
-// way, so a match with client-go's cached transport proves it, except the
-// CA of a watched file:
+// hook is the innermost rest.Config.WrapTransport Wrap installs in a config
+// client-go caches (no Proxy, no Dial). client-go calls it with the
+// transport it built for a client of the config, of a copy (rest.CopyConfig
+// copies WrapTransport), or of the config changed in place. The hook sees
+// that transport, never the config: a client whose transport is the one
+// client-go's cache holds for the wrapped config agrees with it on every
+// field of client-go's key, and so on everything that reaches the
+// connection. Any other transport (another certificate, a Proxy or Dial
+// added, SPDY) passes through. Every field of the identity is one
+// client-go's key holds the same way, except the CA of a watched file:
 //
 //	identity (identity.go)      client-go's key (transport/cache.go)
 //	insecure, serverName,       the same fields
@@ -48,41 +45,31 @@ import (
 //
 // Where client-go keys a watched CA file by its bytes (caFileByPath false),
 // a copy carrying those bytes inline, or in another file, is handed the
-// wrapped config's cached transport, and must never follow the file it
-// does not name. There the CA is checked by data: a client rides the
-// shared transport only when client-go's transport for it trusts exactly
-// the roots the shared one trusts (trustsAlike), and only while the
-// identity's CA stays what it was then (clientTransport.pick).
+// wrapped config's cached transport and must never follow the file it does
+// not name: a client rides the shared transport only when client-go's
+// transport for it trusts exactly the shared one's roots (trustsAlike), and
+// only while the identity's CA stays what it was then (clientTransport.pick).
 //
-// The hook refers to its lease weakly: client-go before v0.36 keeps the
+// The hook holds its lease weakly: client-go before v0.36 keeps the
 // WrapTransport of the first config of each cache key for good (the cached
-// transport's certificate callback captures it), so a hook holding its lease
-// would keep the identity alive for good. The wrapped config holds the lease
-// (Wrap attaches it), clients hold it through their round tripper, and a hook
-// whose lease was collected takes a new one.
+// transport's certificate callback captures it). The wrapped config and its
+// clients hold the lease; a hook whose lease was collected takes a new one.
 type hook struct {
-	reg *registry
-	id  *identity
-	// base is the transport config of the wrapped config as Wrap found it,
-	// for asking client-go's cache which transport it holds for the
-	// config's key.
-	base *transport.Config
+	reg  *registry
+	id   *identity
+	base *transport.Config // the wrapped config's, as Wrap found it: what client-go's cache is asked for
 
 	mu    sync.Mutex // guards lease and askedFor
 	lease weak.Pointer[lease]
-	// askedFor is the generation current when the hook asked client-go
-	// which transport its cache holds for base (the answer is the entry's,
-	// see entry.clientGo); weak, so the hook, which client-go may keep for
-	// good, keeps no generation.
+	// askedFor is the generation current when the hook last asked
+	// client-go's cache for base (the answer is kept in entry.clientGo).
 	askedFor weak.Pointer[generation]
 }
 
-// newHook prepares the hook for a config whose identity and transport config
-// are s.id and s.tc, holding l weakly, and asks client-go for its transport
-// as the identity's generation now holds, unless a config of the identity
-// asked while that generation was current: a config per request would have
-// client-go read the files once more for every config. r is where the hook
-// takes a new lease once l is collected.
+// newHook prepares the hook for s, holding l weakly. It asks client-go for
+// its transport for s.tc unless a config of the identity asked while the
+// current generation was: client-go reads the files when asked, and a
+// config per request would have it read them for every config.
 func newHook(r *registry, s sharing, l *lease) (*hook, error) {
 	h := &hook{reg: r, id: s.id, base: s.tc, lease: weak.Make(l)}
 	e := l.e
@@ -99,11 +86,10 @@ func newHook(r *registry, s sharing, l *lease) (*hook, error) {
 	return h, nil
 }
 
-// clientGoTransport returns the transport client-go builds (or takes from
-// its cache) for tc, as it hands it to WrapTransport: what client-go's own
-// stack for the config rests on. The per-request layers above it (user
-// agent, credentials, impersonation) are not built; they are not part of
-// client-go's cache key either.
+// clientGoTransport returns the transport client-go builds, or takes from
+// its cache, for tc, as it hands it to WrapTransport. The per-request layers
+// (user agent, credentials, impersonation), which its key leaves out, are
+// not built.
 func clientGoTransport(tc *transport.Config) (http.RoundTripper, error) {
 	var base http.RoundTripper
 	c := *tc
@@ -151,9 +137,9 @@ func (h *hook) wrap(rt http.RoundTripper) http.RoundTripper {
 }
 
 // caFileByPath reports whether client-go keys a CA file named without data
-// by its path, as it does from v0.36 while its ClientsAllowCARotation gate
-// is on (the default). Before v0.36 the gate is not registered, Enabled
-// panics, and client-go keys the file by the bytes it read.
+// by its path: from v0.36, while ClientsAllowCARotation is on (the default).
+// Before v0.36 Enabled panics on the unknown gate, and the file is keyed by
+// its bytes.
 func caFileByPath() (byPath bool) {
 	defer func() {
 		if recover() != nil {
@@ -175,17 +161,15 @@ func trustsAlike(rt http.RoundTripper, ours *tls.Config) bool {
 }
 
 // agrees reports whether rt is a transport client-go's cache holds now for
-// the wrapped config or another wrapped config of the identity. What client-go was asked holds for the generation
-// current when it was asked: after a rotation it is asked again before any
-// client is compared with it, since client-go (before v0.36) keys its cache
-// by the CA's bytes, and a copy with the old bytes inline would otherwise
-// match the transport it held for the files before.
-// It returns the generation it found current.
+// a wrapped config of the identity, and returns the current generation. An
+// answer holds for the generation current when client-go was asked: after
+// a rotation client-go is asked again, since before v0.36 it keys a CA by
+// its bytes, and a copy with the old bytes inline would match the
+// transport it held for the files before.
 func (h *hook) agrees(rt http.RoundTripper, e *entry) (*generation, bool) {
 	if e.files.bad() {
-		// While the pool rejects the files, a client built now does not
-		// ride the material the pool kept: it keeps client-go's transport,
-		// and meets the files as it would without the pool.
+		// A client built while the files are rejected meets them as it
+		// would without the pool.
 		return nil, false
 	}
 	cur := e.current.Load()
@@ -197,9 +181,8 @@ func (h *hook) agrees(rt http.RoundTripper, e *entry) (*generation, bool) {
 	asked := h.askedFor == g
 	h.mu.Unlock()
 	if !asked {
-		// Asked without the lock: client-go reads the files. The answer is
-		// recorded before askedFor, so a concurrent call that sees askedFor
-		// set finds it below.
+		// Without the lock: client-go reads the files. The answer is kept
+		// before askedFor is set, for concurrent calls that see askedFor.
 		if now, err := clientGoTransport(h.base); err == nil {
 			e.rememberClientGo(g, now)
 		}
@@ -210,9 +193,8 @@ func (h *hook) agrees(rt http.RoundTripper, e *entry) (*generation, bool) {
 	return cur, e.clientGoFound(g, rt)
 }
 
-// clientGoFound reports whether a hook of e's configs found, while g was
-// current, that client-go's cache holds rt for its config; for a nil rt,
-// whether one found any.
+// clientGoFound reports whether client-go's cache held rt for a config of
+// e while g was current; for a nil rt, whether any answer was kept for g.
 func (e *entry) clientGoFound(g weak.Pointer[generation], rt http.RoundTripper) bool {
 	e.clientGoMu.Lock()
 	defer e.clientGoMu.Unlock()
@@ -225,9 +207,8 @@ func (e *entry) clientGoFound(g weak.Pointer[generation], rt http.RoundTripper) 
 	return slices.Contains(e.clientGo, rt)
 }
 
-// rememberClientGo records that client-go's cache holds rt for a config of
-// e while g is current, so that the hooks of e's other configs (a config
-// per request) need not ask client-go, which reads the files, again.
+// rememberClientGo keeps that client-go's cache holds rt for a config of e
+// while g is current.
 func (e *entry) rememberClientGo(g weak.Pointer[generation], rt http.RoundTripper) {
 	e.clientGoMu.Lock()
 	defer e.clientGoMu.Unlock()
@@ -239,10 +220,9 @@ func (e *entry) rememberClientGo(g weak.Pointer[generation], rt http.RoundTrippe
 	}
 }
 
-// withWrapperHeader returns what the config's declared CONNECT-header
-// wrapper (WithProxyConnectHeader) would have made of client-go's transport rt had
-// the pool's round tripper not been below it: a clone with the header, when
-// rt is the bare *http.Transport such a wrapper clones.
+// withWrapperHeader returns what the declared CONNECT-header wrapper
+// (WithProxyConnectHeader) makes of client-go's transport rt without the
+// pool below it: a clone with the header, when rt is a bare *http.Transport.
 func (id *identity) withWrapperHeader(rt http.RoundTripper) http.RoundTripper {
 	t, ok := rt.(*http.Transport)
 	if !ok || len(id.connectHeader) == 0 {
@@ -254,9 +234,8 @@ func (id *identity) withWrapperHeader(rt http.RoundTripper) http.RoundTripper {
 }
 
 // current returns the hook's lease, taking a new one when it was collected.
-// The lock is not held while the lease is taken, which may read the
-// identity's files: a client built meanwhile takes one too, and the lease
-// kept is the first one stored (the other is collected and released).
+// Taking one may read the files, so the lock is not held: of two taken at
+// once, the first stored is kept.
 func (h *hook) current() (*lease, error) {
 	h.mu.Lock()
 	l := h.lease.Value()
@@ -288,25 +267,20 @@ func (closedRoundTripper) RoundTrip(*http.Request) (*http.Response, error) {
 type clientTransport struct {
 	lease    *lease
 	clientGo http.RoundTripper // what client-go built for this client
-	// pinCA: client-go keys the identity's CA file by its bytes, so the
-	// client rides the shared transport only while the identity's CA is ca,
-	// the digest of the CA it had when the client was built, which
-	// client-go's transport for it was found to trust.
-	pinCA bool
-	ca    digest
-	// caMoved: the identity's CA has changed since; the client sends
-	// through clientGo (counted once in Stats.PassThrough).
-	caMoved atomic.Bool
-	// cachedBottom, set when clientGo is client-go's cached transport
-	// itself (which every client of its cache key uses without the pool),
-	// is the *http.Transport under it, found when the client was built so
-	// that requests need not unwrap it.
+	// pinCA: client-go keys the CA file by its bytes, so the client rides
+	// the shared transport only while the identity's CA digest is ca, the
+	// CA client-go's transport for it was found to trust.
+	pinCA   bool
+	ca      digest
+	caMoved atomic.Bool // the CA changed: requests go through clientGo
+	// cachedBottom is the *http.Transport under clientGo when clientGo is
+	// client-go's cached transport itself, which every client of its key
+	// shares without the pool; nil otherwise.
 	cachedBottom *http.Transport
 	// handedOut: WrappedRoundTripper gave clientGo to a wrapper above the
-	// hook, which may change it in place; every request goes through it
-	// from then on, as it would without the pool. When clientGo is
-	// client-go's cached transport, the same holds for every client that
-	// has it (handedOutTransports).
+	// hook, which may change it in place: requests go through it from then
+	// on, as they would without the pool (for cachedBottom, every client's:
+	// see handedOutTransports).
 	handedOut atomic.Bool
 }
 
@@ -317,11 +291,9 @@ func (c *clientTransport) RoundTrip(req *http.Request) (*http.Response, error) {
 	return c.lease.roundTrip(req, c, c.clientGo)
 }
 
-// pick sends req over the identity's current generation while that trusts
-// what the client was built to trust; after a CA change, through
-// client-go's transport, which trusts what client-go alone would (the
-// CA it was given, or, from v0.36, the file it names, re-read by
-// client-go on its own schedule).
+// pick sends req over the current generation while it trusts what the
+// client was built to trust; after a CA change, through client-go's
+// transport, which trusts what client-go alone would.
 func (c *clientTransport) pick(*http.Request) *generation {
 	g := c.lease.e.current.Load()
 	if !c.pinCA || g.ca == c.ca {
@@ -341,11 +313,10 @@ func (c *clientTransport) CloseIdleConnections() {
 }
 
 // WrappedRoundTripper returns client-go's transport for the client, what a
-// wrapper above the hook would find without the pool. The pool cannot see
-// what the caller does with it (change it in place, send through it), so the
-// client's requests go through it from then on and the client counts in
-// Stats.PassThrough; when it is client-go's cached transport, so do the
-// requests of every client that has it, as they would without the pool.
+// wrapper above the hook finds without the pool. The caller may change it
+// in place, so the client's requests go through it from then on (counted
+// in Stats.PassThrough), and, for client-go's cached transport, those of
+// every client that has it.
 func (c *clientTransport) WrappedRoundTripper() http.RoundTripper {
 	p := c.lease.e.env
 	if c.cachedBottom != nil {
@@ -357,11 +328,10 @@ func (c *clientTransport) WrappedRoundTripper() http.RoundTripper {
 	return c.clientGo
 }
 
-// CancelRequest is here so that client-go's round trippers, which cancel by
-// unwrapping to the first round tripper that has it (http.Client.Timeout),
-// stop here instead of calling WrappedRoundTripper. It reaches client-go's
-// transport, where the client's passed-through requests go; the shared
-// transport's requests end with their context, which net/http cancels too.
+// CancelRequest stops client-go's cancellation, which unwraps to the first
+// round tripper that has the method, here rather than at
+// WrappedRoundTripper. Requests on the shared transport end with their
+// context.
 func (c *clientTransport) CancelRequest(req *http.Request) {
 	if cr, ok := c.clientGo.(interface{ CancelRequest(*http.Request) }); ok {
 		cr.CancelRequest(req)
