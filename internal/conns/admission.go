@@ -21,11 +21,9 @@ const (
 	firstStreams = 100
 
 	// growWait is how long a host's HTTP/2 connections stay full, with
-	// requests waiting, before one goes to get another connection: about a
-	// TLS handshake on a busy host.
-	growWait = 10 * time.Millisecond
-
-	// maxGrowWait bounds growAfter (see host).
+	// requests waiting, before one goes to get another: about a TLS
+	// handshake on a busy host. maxGrowWait bounds growAfter (see host).
+	growWait    = 10 * time.Millisecond
 	maxGrowWait = 4 * growWait
 
 	// resetHold bounds how long the place of a request cancelled after it
@@ -59,36 +57,30 @@ type host struct {
 
 	mu              sync.Mutex // guards every field below
 	inFlight        int        // requests holding a place on shared
-	awaitingHeaders int        // those of inFlight whose response headers have not come: streams the server surely holds
+	awaitingHeaders int        // those of inFlight without response headers: streams the server surely holds
 	admitted        uint64     // requests admitted with a place so far
 	conns           int        // live HTTP/2 connections seen in use by leads
 	streamsPerConn  int        // firstStreams, or more once a lead shows it
-	// bodies is the set the open response bodies counted in inFlight belong
-	// to: replaced when they are found to hold no stream (see learnLocked).
-	bodies *bodySet
-	// leading is set while a lead is getting the connection others wait for.
-	leading bool
-	// fullSince is when requests began to wait for a stream; zero if none waits.
-	fullSince time.Time
+	bodies          *bodySet   // the open bodies counted in inFlight (see learnLocked)
+	leading         bool       // a lead is getting the connection others wait for
+	fullSince       time.Time  // when requests began to wait for a stream; zero if none waits
 	// growAfter is how long the connections stay full before a lead goes
 	// to get another: growWait, doubled up to maxGrowWait each time a lead
-	// found room on a connection the host had, so that a load hovering at
-	// the count does not dial (and close as surplus) a connection every
-	// growWait. roomFoundAt is when a lead last found room the count did
-	// not allow for; zero once one got a new connection.
+	// finds room on a connection the host had, so that a load hovering at
+	// the count does not dial a surplus connection every growWait.
+	// roomFoundAt is when a lead last did; zero once one got a new one.
 	growAfter   time.Duration
 	roomFoundAt time.Time
 	queue       []chan struct{} // requests waiting for a place, in order
 	woken       int             // woken from queue and yet to look again
 	// cancelled are the places of requests cancelled after they were sent,
-	// under a cap: Go's HTTP/2 client counts such a stream until the server
-	// answers the PING sent with the reset, so the place stays taken until a
-	// request admitted after the cancel gets its headers, a connection of
-	// the host closes, or resetHold passes.
+	// under a cap: Go counts such a stream until the server answers the PING
+	// sent with the reset, so the place stays taken until a request admitted
+	// later gets its headers, a connection closes, or resetHold passes.
 	cancelled []*cancelledPlace
-	// leadFailures counts the leads that failed before they had the host's
-	// first connection: the requests waiting then go at once, each on a
-	// connection of its own, as they would without the pool.
+	// leadFailures counts the leads that failed before the host's first
+	// connection: the requests waiting then go at once, each on a
+	// connection of its own, as without the pool.
 	leadFailures int
 }
 
@@ -110,9 +102,7 @@ type place struct {
 	seq     uint64 // with counted: its number among the host's admissions
 	lead    bool   // the requests waiting wait for its connection
 	trace   bool   // its connection tells the protocol: trace it
-	// alone: it goes on a connection of its own after a lead failed, and
-	// closes it after: the host's requests go over shared.
-	alone bool
+	alone   bool   // after a failed lead: on a connection of its own, closed after
 }
 
 func (t *Transports) hostFor(req *http.Request) *host {
@@ -145,8 +135,7 @@ func (h *host) protocol() int32 {
 
 // admit returns where a request goes, waiting, bounded by ctx, while it
 // must; ErrRetired when the Transports close meanwhile. Requests go in
-// turn: a place that frees goes to the one that waited longest, not to the
-// next request of a client whose last one just ended.
+// turn: a place that frees goes to the one that waited longest.
 func (h *host) admit(ctx context.Context) (place, error) {
 	h.mu.Lock()
 	failures := h.leadFailures
@@ -171,8 +160,7 @@ func (h *host) admit(ctx context.Context) (place, error) {
 			return place{}, err
 		}
 		if h.leadFailures != failures {
-			// Over http1, which dials for each request; not traced: an
-			// HTTP/1.1 connection tells nothing else.
+			// Over http1, which dials for each request.
 			h.holdLocked()
 			p := place{rt: h.http1, counted: true, seq: h.admitted, alone: true}
 			if front {
@@ -248,7 +236,7 @@ func (h *host) tryAdmitHTTP2Locked() (place, bool) {
 	if h.maxConns > 0 {
 		// A margin under a cap: a response that ends with its headers frees
 		// its stream just after RoundTrip returns, and a request arriving
-		// then would find none free and make net/http dial.
+		// then would make net/http dial.
 		perConn, conns = max(perConn*9/10, 1), min(conns, h.maxConns)
 	}
 	if h.inFlight < conns*perConn {
@@ -290,8 +278,8 @@ func (h *host) tryAdmitHTTP1Locked() (place, bool) {
 	if h.leading || h.maxConns > 0 && h.inFlight >= h.maxConns {
 		return place{}, false
 	}
-	// Without a cap, over http1, which dials as many connections as the
-	// requests need; under one over shared, which dials up to the cap.
+	// Without a cap over http1, which dials what the requests need; under
+	// one over shared, which dials up to the cap.
 	h.holdLocked()
 	if h.inFlight > 1 {
 		if h.maxConns == 0 {
@@ -315,10 +303,9 @@ func (h *host) holdLocked() {
 	h.admitted++
 }
 
-// answered ends an admitted request's wait for its headers and returns the
-// set its body is counted in; a failed request lets go of its place. The
-// headers show that the server read every reset sent before the request
-// was admitted (seq).
+// answered ends a request's wait for its headers, which show that the
+// server read every reset sent before it was admitted (seq), and returns the
+// set its body is counted in; a failed request lets go of its place.
 func (h *host) answered(seq uint64, failed bool) *bodySet {
 	h.mu.Lock()
 	h.awaitingHeaders--

@@ -28,7 +28,7 @@ const (
 	tcpKeepAlive        = 30 * time.Second
 )
 
-// newTransport builds one transport of t as client-go's cache builds its own.
+// newTransport builds a transport of t as client-go's cache builds its own.
 func (t *Transports) newTransport(c Config, tlsConfig *tls.Config) *http.Transport {
 	dial := c.Dial
 	if dial == nil {
@@ -48,10 +48,9 @@ func (t *Transports) newTransport(c Config, tlsConfig *tls.Config) *http.Transpo
 	if !c.DisableHTTP2 {
 		configureHTTP2(rt)
 	}
-	// Where net/http's own HTTP/2 serves rt, net/http rewrites
-	// TLSClientConfig.NextProtos once, at first use: done now, before rt is
-	// shared, the list can be read without racing that write. rt has no
-	// connections, so nothing is closed.
+	// Where net/http's own HTTP/2 serves rt, it rewrites
+	// TLSClientConfig.NextProtos at first use: done now, before rt is
+	// shared, so the list can be read without a race. Nothing is closed.
 	rt.CloseIdleConnections()
 	return rt
 }
@@ -118,9 +117,8 @@ func (t *Transports) countHandshake(cs tls.ConnectionState) error {
 	return nil
 }
 
-// dialer wraps dial: it counts connections, keeps them so that Close can
-// close them, and refuses to dial once t is closed. It dials whenever
-// net/http, x/net or apimachinery (an upgrade) ask.
+// dialer wraps dial: it counts connections, keeps them for Close, and
+// refuses to dial once t is closed.
 func (t *Transports) dialer(dial func(ctx context.Context, network, address string) (net.Conn, error)) func(ctx context.Context, network, address string) (net.Conn, error) {
 	return func(ctx context.Context, network, address string) (net.Conn, error) {
 		if t.closed() {
@@ -144,8 +142,7 @@ func (t *Transports) dialer(dial func(ctx context.Context, network, address stri
 }
 
 // refusal is the error of a dial t no longer makes: Close's cause, or
-// ErrRetired when the drain closed t, which the caller answers by sending
-// the request on the newer Transports.
+// ErrRetired when the drain closed t (the request goes on the newer one).
 func (t *Transports) refusal(address string) error {
 	if cause := t.closedBy(); cause != nil {
 		return fmt.Errorf("%w: dial %s", cause, address)
@@ -203,10 +200,9 @@ type Conn struct {
 
 	mu     sync.Mutex // guards closed and host
 	closed bool
-	// host is set when the connection speaks HTTP/2 and a request sent to
-	// get a connection got it. Go hands such a request the first connection
-	// with a free stream, not necessarily the one dialed for it, so a
-	// connection counts when seen in use: a surplus one never counts.
+	// host is set when a lead got the connection over HTTP/2. Go hands a
+	// request the first connection with a free stream, not the one dialed
+	// for it, so a connection counts when seen in use: a surplus one never.
 	host *host
 }
 

@@ -23,8 +23,8 @@ const (
 	protoHTTP1
 )
 
-// protocols is what an identity knows of its hosts. A rotation changes the
-// client's certificate, not the server, so an identity's Transports share it.
+// protocols is what an identity knows of its hosts' protocols, shared by
+// its Transports: a rotation changes the client, not the server.
 type protocols struct {
 	mu     sync.Mutex // guards byHost
 	byHost map[hostKey]*atomic.Int32
@@ -56,15 +56,12 @@ func (p *protocols) names() []string {
 }
 
 // learnLocked learns from c, the HTTP/2 connection a traced request got. A
-// new one counts among the host's connections: the count held. A lead that
-// got one the host had shows the count missed room:
-//
-//   - More requests await their headers than the count allowed: the server
-//     allows more streams, and a connection is thought to take as many.
-//   - The host's one connection was idle: the open bodies counted hold no
-//     stream (the server ended them) and are no longer counted.
-//   - Otherwise the room may be streams whose bodies are about to end: the
-//     count stands and the next lead waits longer.
+// new one counts among the host's connections. A lead that got one the host
+// had shows the count missed room: when more requests await their headers
+// than it allowed, the server allows more streams; when the host's one
+// connection was idle, the bodies counted hold no stream (the server ended
+// them) and stop counting; otherwise the room may be streams whose bodies
+// are about to end, and the next lead waits longer.
 func (h *host) learnLocked(c *Conn, lead, idle bool) {
 	isNew, mine := c.claim(h)
 	switch {
@@ -96,8 +93,8 @@ func (h *host) connClosed() {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	h.conns--
-	// Its streams are gone, resets pending or not; the requests waiting may
-	// have to get the next connection.
+	// Its streams are gone, resets pending or not; the waiting requests may
+	// need the next connection.
 	h.resetReadLocked(func(*cancelledPlace) bool { return true })
 	h.wakeAllLocked()
 }
@@ -119,9 +116,8 @@ func (ct *connTrace) attach(req *http.Request) *http.Request {
 	return req.WithContext(httptrace.WithClientTrace(req.Context(), &httptrace.ClientTrace{GotConn: ct.gotConn}))
 }
 
-// gotConn learns the protocol ALPN chose and, over HTTP/2, one more
-// connection the host can rely on. A reused HTTP/1.1 connection tells
-// nothing new.
+// gotConn learns the protocol ALPN chose and, over HTTP/2, the connection.
+// A reused HTTP/1.1 connection tells nothing new.
 func (ct *connTrace) gotConn(info httptrace.GotConnInfo) {
 	proto, nc := protoHTTP1, info.Conn
 	if tc, ok := nc.(*tls.Conn); ok {
@@ -156,8 +152,8 @@ func (ct *connTrace) doneLocked() {
 }
 
 // ended is called when the traced request's round trip returns. A lead that
-// failed before it had the host's first connection, not for its own
-// context, has the requests waiting go on connections of their own.
+// failed before the host's first connection, not for its own context, has
+// the waiting requests go on connections of their own.
 func (ct *connTrace) ended(ctx context.Context, err error) {
 	h := ct.h
 	h.mu.Lock()

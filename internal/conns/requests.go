@@ -20,17 +20,17 @@ import (
 // again: a Kubernetes object is far smaller.
 const maxHeldBody = 64 << 10
 
-// RoundTrip sends req. The response body keeps owner reachable until it is
-// collected: a watch runs on after the client that started it is gone, as
-// with client-go alone. It returns ErrRetired when t closed before req was
-// sent; req may then be sent on a newer Transports (Resendable).
+// RoundTrip sends req. The response body keeps owner reachable: a watch
+// runs on after the client that started it is gone, as with client-go
+// alone. ErrRetired means t closed before req was sent; req may then be
+// sent on a newer Transports (Resendable).
 func (t *Transports) RoundTrip(req *http.Request, owner any) (*http.Response, error) {
 	if httpstream.IsUpgradeRequest(req) {
 		return t.upgrade(req, owner)
 	}
 	h := t.hostFor(req)
-	// Counted from before admission, so that Transports yielding the cap
-	// never close their connections under a request they are admitting.
+	// Counted from before admission, so that a Transports yielding the cap
+	// never closes its connections under a request it admits.
 	short := t.maxConns > 0 && !longRunning(req)
 	if short {
 		t.shortRequests.Add(1)
@@ -81,9 +81,8 @@ func (t *Transports) RoundTrip(req *http.Request, owner any) (*http.Response, er
 	return resp, nil
 }
 
-// upgrade sends an upgrade request (exec, port-forward). An upgraded
-// connection is the caller's own, not a stream: no place to hold, and its
-// HTTP/1.1 response tells nothing of HTTP/2.
+// upgrade sends an upgrade request (exec, port-forward) on a connection of
+// its own: the caller's, not a stream, so it holds no place.
 func (t *Transports) upgrade(req *http.Request, owner any) (*http.Response, error) {
 	resp, err := t.http1.RoundTrip(req)
 	if err != nil {
@@ -109,9 +108,9 @@ func longRunning(req *http.Request) bool {
 	return false
 }
 
-// Replayable gives req a GetBody when its body has a known length of at most
-// maxHeldBody and none: a reverse proxy's POST, say. net/http resends a
-// request that a GOAWAY turned away only when it can get its body again.
+// Replayable gives req a GetBody when it has none and its body a known
+// length up to maxHeldBody (a reverse proxy's POST): net/http resends a
+// request a GOAWAY turned away only when it can get its body again.
 func Replayable(req *http.Request) (*http.Request, error) {
 	if req.Body == nil || req.Body == http.NoBody || req.GetBody != nil || req.ContentLength <= 0 || req.ContentLength > maxHeldBody || httpstream.IsUpgradeRequest(req) {
 		return req, nil
@@ -146,9 +145,8 @@ func Resendable(req *http.Request, err error) (*http.Request, error) {
 }
 
 // wrapBody returns body keeping owner reachable. With h set, the body ends
-// its request's place at EOF, an error or Close, whichever comes first. The
-// wrapper keeps the interfaces of the transport's body: a 101 response's
-// body stays writable.
+// its request's place at EOF, an error or Close, whichever comes first. A
+// 101 response's body stays writable.
 func (t *Transports) wrapBody(body io.ReadCloser, owner any, h *host, set *bodySet, short bool) io.ReadCloser {
 	b := responseBody{ReadCloser: body, owner: owner, t: t, h: h, set: set, short: short}
 	if body == http.NoBody {
@@ -189,9 +187,8 @@ func (b *responseBody) Read(p []byte) (int, error) {
 	case err == nil:
 	case err == io.EOF:
 		if b.h != nil {
-			// Go frees the stream just after EOF, in another goroutine,
-			// and Close waits for that: the place ends once the stream is
-			// free, or the next request would find the connection full.
+			// Go frees the stream just after EOF, and Close waits for it:
+			// the next request must not find the connection full.
 			b.eof.Store(true)
 			b.closeBody()
 			b.end()

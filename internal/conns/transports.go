@@ -1,8 +1,7 @@
 // Package conns carries one TLS identity's requests to the wire: the
 // transports built for one version of its material, the connections they
 // dial, and when a request may take a stream, so that a burst opens the
-// connections it needs and no more. It knows nothing of configs, files or
-// the pool that uses it: what it needs comes in a Config.
+// connections it needs and no more. What it needs comes in a Config.
 package conns
 
 import (
@@ -22,9 +21,9 @@ import (
 // server the identity talks to, with room to spare.
 const sessionCacheSize = 64
 
-// idleRecheckDelay is how long after a request of a retired Transports ends
-// its idle connections are closed once more: Go frees an HTTP/2 stream just
-// after the body that used it ends.
+// idleRecheckDelay is how long after a request of a retired Transports
+// ends its idle connections are closed once more: Go frees an HTTP/2 stream
+// just after its body ends.
 const idleRecheckDelay = 50 * time.Millisecond
 
 // ErrRetired is returned for a request whose Transports closed (drain over)
@@ -33,30 +32,22 @@ var ErrRetired = errors.New("sharedtransport: the TLS material this request was 
 
 // Config is what a Transports is built from.
 type Config struct {
-	// TLS configures the connections; nil for plain http. It sets no
-	// VerifyConnection (the handshakes are counted with it) and is not
-	// changed later; Transports works on copies.
-	TLS *tls.Config
-	// Dial opens connections; nil dials as client-go does.
-	Dial func(ctx context.Context, network, address string) (net.Conn, error)
-	// Proxy chooses a request's proxy; nil uses the environment's, as
-	// client-go does.
-	Proxy              func(*http.Request) (*url.URL, error)
+	// TLS configures the connections; nil for plain http. It has no
+	// VerifyConnection (handshakes are counted there); Transports copies it.
+	TLS                *tls.Config
+	Dial               func(ctx context.Context, network, address string) (net.Conn, error) // nil: client-go's dialer
+	Proxy              func(*http.Request) (*url.URL, error)                                // nil: the environment's
 	ProxyConnectHeader http.Header
 	DisableCompression bool
-	// DisableHTTP2 is DISABLE_HTTP2 as the identity first saw it: every
-	// Transports of an identity speaks what its first did.
-	DisableHTTP2 bool
-	KeepAlive    bool
-	// ResumeSessions gives the Transports a TLS session cache of its own:
-	// a resumed session authenticates as the certificate of the handshake
-	// it came from, so the cache must not outlive the material.
+	DisableHTTP2       bool // DISABLE_HTTP2 as the identity first saw it
+	KeepAlive          bool
+	// ResumeSessions gives the Transports a TLS session cache of its own: a
+	// resumed session authenticates as the certificate it came from.
 	ResumeSessions bool
 	// MaxConnsPerHost caps the connections to one host of this Transports
 	// and the ones it took over from together; 0: no cap.
 	MaxConnsPerHost int
-	// Counters count the dials, open connections and handshakes.
-	Counters []*Counters
+	Counters        []*Counters
 }
 
 // Counters are connection figures, counted as connections open and close.
@@ -66,9 +57,8 @@ type Counters struct {
 }
 
 // Transports are one identity's transports for one version of its TLS
-// material. When a rotation builds the next, this one is retired: it serves
-// what it was given and closes connections as they become idle, and the
-// ones still busy when the drain ends.
+// material. Retired when the next is built, it serves what it was given and
+// closes connections as they become idle, and the rest when the drain ends.
 type Transports struct {
 	shared   *http.Transport // every request but upgrades
 	http1    *http.Transport // upgrades, which need HTTP/1.1; shared when that has no HTTP/2
@@ -87,25 +77,23 @@ type Transports struct {
 
 	mu sync.Mutex // guards older, cause, drainTimer and idleRecheck
 	// older are the Transports this one took over from that may still be
-	// draining; none once it is retired itself, as the newer one holds them.
+	// draining; none once it is retired itself (the newer one holds them).
 	older       []*Transports
 	cause       error       // what Close was given
 	drainTimer  *time.Timer // closes a retired Transports at the end of its drain
 	idleRecheck *time.Timer // closes idle connections once more after a retired request ends
 
 	// Under a cap: shortRequests counts the requests in flight that are not
-	// watches; yieldingCap is set when a newer Transports needs the cap, and
-	// the HTTP/2 connections close once shortRequests is zero.
+	// watches; with yieldingCap set, the HTTP/2 connections close once it is 0.
 	shortRequests atomic.Int64
 	yieldingCap   atomic.Bool
 }
 
-// NewTransports builds Transports for c, as client-go's tlsTransportCache builds its
-// own (utilnet.SetTransportDefaults: HTTP/2 with health checks, the
-// environment's proxy), with keep-alive set before HTTP/2 is configured, so
-// that the HTTP/2 pool reads it. prev, when set, is the Transports this one
-// takes over from: the two share what they know of the hosts, and under a
-// cap prev and its own predecessors yield their connections to this one.
+// NewTransports builds Transports for c as client-go's tlsTransportCache
+// builds its own (utilnet.SetTransportDefaults), with keep-alive set before
+// HTTP/2 is configured, so that the HTTP/2 pool reads it. prev, if set, is
+// the Transports this one takes over from: they share what they know of the
+// hosts, and under a cap prev and its predecessors yield their connections.
 func NewTransports(c Config, prev *Transports) *Transports {
 	t := &Transports{
 		maxConns: c.MaxConnsPerHost,
@@ -142,10 +130,9 @@ func NewTransports(c Config, prev *Transports) *Transports {
 		return t
 	}
 	// One dial at a time per host: a request that finds no stream where
-	// the count saw one (GOAWAY, fewer streams than thought) makes net/http
-	// dial, and the requests behind it wait for that connection instead of
-	// dialing one each. A connection that cannot take a stream leaves
-	// net/http's count, so the next can be dialed while it drains.
+	// the count saw one (GOAWAY, fewer streams) makes net/http dial, and
+	// those behind it wait for that connection. A connection that cannot
+	// take a stream leaves net/http's count, so the next can be dialed.
 	t.shared.MaxConnsPerHost = max(t.maxConns, 1)
 	t.http1 = t.newTransport(c, http1TLS)
 	return t
@@ -244,8 +231,8 @@ func (t *Transports) closeIdle() {
 	}
 }
 
-// requestEnded is called when a request counted as short (not a watch)
-// ends, and for every request of a retired t, when it ends.
+// requestEnded is called when a request that held a place, or counted in
+// shortRequests (short), ends.
 func (t *Transports) requestEnded(short bool) {
 	if short && t.shortRequests.Add(-1) == 0 && t.yieldingCap.Load() {
 		t.closeStreams()
@@ -267,10 +254,10 @@ func (t *Transports) requestEnded(short bool) {
 }
 
 // takeCap is called under a cap before a request that may dial: the
-// Transports t took over from close their HTTP/2 connections as soon as
-// only watches run on them, instead of at the end of their drain. Their
-// watches end then and are resumed on t, as after client-go's own
-// certificate rotation, which closes every connection at once.
+// Transports t took over from close their HTTP/2 connections once only
+// watches run on them, rather than at the end of their drain; the watches
+// resume on t, as after client-go's own rotation, which closes every
+// connection at once.
 func (t *Transports) takeCap() {
 	if t.retired.Load() {
 		return
