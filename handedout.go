@@ -1,7 +1,6 @@
-// Transports handed to code above the pool: client-go's transport for a
-// client, given out through WrappedRoundTripper, may be changed in place,
-// and from then on every client that has it sends through it, as without
-// the pool.
+// Transports handed to code above the pool through WrappedRoundTripper,
+// which may change them in place: every client that has one sends through
+// it from then on, as without the pool.
 
 package sharedtransport
 
@@ -15,14 +14,10 @@ import (
 	utilnet "k8s.io/apimachinery/pkg/util/net"
 )
 
-// handedOutTransports records client-go's transports that were handed to
-// code above the pool (WrappedRoundTripper), which may change them in place:
-// every client that has one sends through it from then on, as it would
-// without the pool. A record refers weakly to the *http.Transport at the
-// bottom of the transport, and goes when that is collected: the pool keeps
-// none of client-go's transports alive.
+// handedOutTransports records, weakly, the *http.Transport under each of
+// client-go's transports handed out; a record goes when it is collected.
 type handedOutTransports struct {
-	any atomic.Bool // there is a record, so that requests need not look
+	any atomic.Bool // there is a record: requests need not look otherwise
 	mu  sync.Mutex  // guards m
 	m   map[weak.Pointer[http.Transport]]struct{}
 }

@@ -9,9 +9,9 @@ import (
 	"time"
 )
 
-// IdentityInfo describes one identity of a pool at the moment
-// [Pool.Identities] was called. It holds no key material, no token and no
-// proxy password: it is safe to log and to export as metrics.
+// IdentityInfo describes one identity of a pool when [Pool.Identities] was
+// called. It holds no key material, token or proxy password: it is safe to
+// log and to export as metrics.
 type IdentityInfo struct {
 	// Name is the identity's name in the pool's logs: an HMAC under a random
 	// per-process key, stable for the process.
@@ -20,25 +20,18 @@ type IdentityInfo struct {
 	// "scheme://host:port"; empty until the first request.
 	Hosts []string
 	// Proxy is the proxy the identity's configs set, as "scheme://host"
-	// (user info, the proxy's credential, dropped; see redactHost);
-	// "direct" for none, and "" when the environment's proxy settings
-	// apply.
+	// (without user info, the proxy's credential); "direct" for none, ""
+	// when the environment's proxy settings apply.
 	Proxy string
-	// Files are the CA, client certificate and key files watched for
-	// rotation.
-	Files []string
-	// Watch is how the files are watched; "" without files.
-	Watch WatchMode
-	// Auth is what the identity authenticates with at the TLS layer.
-	Auth AuthKind
+	Files []string  // the CA, client certificate and key files watched for rotation
+	Watch WatchMode // "" without files
+	Auth  AuthKind  // what the identity authenticates with at the TLS layer
 	// CertSubject and CertNotAfter are the common name and expiry of the
 	// client certificate in use; empty for exec plugins and identities
-	// without a certificate.
+	// without one.
 	CertSubject  string
 	CertNotAfter time.Time
-	// Since is when the TLS material in use was taken into use: when the
-	// identity was built, or its last rotation.
-	Since time.Time
+	Since        time.Time // when the material in use was taken into use
 
 	OpenConns   int    // TCP connections open now, draining ones included
 	Dials       uint64 // TCP connections dialed
@@ -46,16 +39,16 @@ type IdentityInfo struct {
 	Resumptions uint64 // resumed TLS handshakes
 	Rotations   uint64 // certificate or CA changes taken into use
 
-	// RotationErrors counts rejected reloads. The last one's error, its
-	// time and the file it names are kept, also after a later rotation
-	// succeeded (compare LastErrorTime with Since).
+	// RotationErrors counts rejected reloads. The last one's error, time
+	// and file are kept after a later rotation too (compare LastErrorTime
+	// with Since).
 	RotationErrors uint64
 	LastError      string
 	LastErrorTime  time.Time
 	LastErrorFile  string
 	// FilesError is set while the files have been rejected for longer
-	// than the debounce (100 ms): configs built now fail with
-	// it, clients built before keep the last good material.
+	// than the debounce (100 ms): configs built now fail with it, clients
+	// built before keep the last good material.
 	FilesError string
 }
 
@@ -171,9 +164,8 @@ func (iw *identityWatch) mode() WatchMode {
 	}
 }
 
-// checkExpiry logs, once per generation, that the client certificate in use
-// expires within the pool's expiry warning lead time: the rotation that
-// should have replaced it has not happened.
+// checkExpiry logs, once per generation, that the client certificate in
+// use expires within the warning's lead time: no rotation replaced it.
 func (e *entry) checkExpiry() {
 	lead := e.env.opts.expiryWarning
 	g := e.current.Load()

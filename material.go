@@ -1,8 +1,7 @@
 // An identity's TLS material (CA bundle, client certificate and key): read,
-// validated, and built into a generation of transports (internal/conns)
-// configured as client-go configures its own. Torn, mismatched or
-// out-of-date material is rejected with an error that names the file and
-// says what to do.
+// validated, and built into a generation of transports configured as
+// client-go configures its own. Torn, mismatched or out-of-date material is
+// rejected with an error that names the file and says what to do.
 
 package sharedtransport
 
@@ -23,12 +22,10 @@ import (
 
 // clockSkew is how far in the future a certificate's NotBefore may lie and
 // still be taken: this machine's clock may run behind the signer's.
-// kube-controller-manager backdates the certificates it signs by the same
-// amount.
+// kube-controller-manager backdates what it signs by as much.
 const clockSkew = 5 * time.Minute
 
-// material is one version of an identity's TLS material: what a generation
-// of its transport hands out in handshakes.
+// material is one version of an identity's TLS material.
 type material struct {
 	caPEM, certPEM, keyPEM []byte
 	cert                   *tls.Certificate // the pair as checkMaterial parsed it; nil without one
@@ -38,9 +35,8 @@ func (m *material) equal(o *material) bool {
 	return bytes.Equal(m.caPEM, o.caPEM) && bytes.Equal(m.certPEM, o.certPEM) && bytes.Equal(m.keyPEM, o.keyPEM)
 }
 
-// loadMaterial reads an identity's files and validates everything, inline
-// data included, at the time clock gives. Errors name the file and say what
-// is wrong, never what it holds.
+// loadMaterial reads id's files and validates all its material at the time
+// clock gives. Errors name the file and what is wrong, never what it holds.
 func loadMaterial(r *fileReads, id *identity, clock func() time.Time) (*material, error) {
 	m, err := readMaterial(r, id, nil)
 	if err == nil {
@@ -49,11 +45,10 @@ func loadMaterial(r *fileReads, id *identity, clock func() time.Time) (*material
 	return m, err
 }
 
-// checkRead checks m, read from id's files. The reads of a certificate and
-// its key are not atomic: a writer swapping both (kubelet's ..data symlink)
-// between them gives a torn pair, so a mismatch is read once more before it
-// counts. It returns the material checked last, nil if the second read
-// failed.
+// checkRead checks m, read from id's files. A writer swapping certificate
+// and key between their reads gives a torn pair, so a mismatch is read once
+// more before it counts. It returns the material checked last, nil if the
+// second read failed.
 func checkRead(r *fileReads, id *identity, m *material, clock func() time.Time, done <-chan struct{}) (*material, error) {
 	err := checkMaterial(id, m, clock())
 	if !errors.As(err, new(*pairError)) || id.key.certFile == "" {
@@ -65,8 +60,7 @@ func checkRead(r *fileReads, id *identity, m *material, clock func() time.Time, 
 	return m, checkMaterial(id, m, clock())
 }
 
-// readMaterial reads id's files, without validating them, and takes its
-// inline data as it is.
+// readMaterial reads id's files, unvalidated, beside its inline data.
 func readMaterial(r *fileReads, id *identity, done <-chan struct{}) (*material, error) {
 	m := &material{caPEM: id.caData, certPEM: id.certData, keyPEM: id.keyData}
 	var files []fileToRead
@@ -130,11 +124,10 @@ func checkValidity(c *x509.Certificate, now time.Time) error {
 }
 
 // checkCABundle accepts what client-go accepts as a CA bundle (PEM blocks
-// with any text around them; blocks that are not certificates, or do not
-// parse, are skipped, as crypto/x509 skips them), as long as one of its
-// certificates can verify a server now. Unlike client-go it rejects a torn
-// block, a "-----BEGIN" without its "-----END": a CA file caught mid-write
-// must not replace a good one.
+// among any text; blocks that are not certificates, or do not parse, are
+// skipped, as crypto/x509 skips them) when one of its certificates can
+// verify a server now. Unlike client-go it rejects a torn block: a CA file
+// caught mid-write must not replace a good one.
 func checkCABundle(b []byte, now time.Time) error {
 	if tornBlock(b) {
 		return errors.New("holds an incomplete PEM block, a -----BEGIN without its -----END (a write in progress?)")
@@ -187,12 +180,9 @@ func tornBlock(b []byte) bool {
 	return len(blocks) > 1 && last == nil
 }
 
-// canVerifyServers reports whether cert can end a server's chain: as a CA or
-// pinned directly (a self-signed serving certificate, which client-go takes
-// as a root too), as long as its extended key usages allow server
-// authentication. crypto/x509 holds every certificate of a chain, the root
-// included, to its extended key usages, so a CA restricted to client
-// authentication verifies no server.
+// canVerifyServers reports whether cert's extended key usages allow server
+// authentication: crypto/x509 holds every certificate of a chain, the root
+// included, to them, so a CA restricted to clients verifies no server.
 func canVerifyServers(cert *x509.Certificate) bool {
 	if len(cert.ExtKeyUsage) == 0 && len(cert.UnknownExtKeyUsage) == 0 {
 		return true
@@ -221,16 +211,13 @@ func describe(file, inline string) string {
 // transports. A rotation builds the next and retires this one.
 type generation struct {
 	material *material
-	// ca is the digest of material.caPEM: a client of Wrap rides the
-	// generation only while it trusts what the generation trusts
-	// (clientTransport.pick).
-	ca     digest
-	warned atomic.Bool // the expiry warning for its certificate was logged
-	conns  *conns.Transports
+	ca       digest      // of material.caPEM (clientTransport.pick)
+	warned   atomic.Bool // the expiry warning for its certificate was logged
+	conns    *conns.Transports
 }
 
-// certificate is the client certificate the generation authenticates with,
-// nil without one (or with an exec plugin's, which the plugin keeps).
+// certificate is the client certificate the generation authenticates with;
+// nil without one, or with an exec plugin's.
 func (g *generation) certificate() *x509.Certificate {
 	if g.material.cert == nil {
 		return nil
@@ -238,19 +225,17 @@ func (g *generation) certificate() *x509.Certificate {
 	return g.material.cert.Leaf
 }
 
-// newGeneration builds id's transports for material m as client-go's
-// tlsTransportCache builds its own (transport.TLSConfigFor), with the pool's
-// options, counting into counters. prev is the generation they take over
-// from; nil for the first.
+// newGeneration builds id's transports for m as client-go's
+// tlsTransportCache builds its own, with the pool's options, counting into
+// counters. prev is the generation they take over from; nil for the first.
 func newGeneration(id *identity, m *material, prev *generation, opts *options, counters ...*conns.Counters) (*generation, error) {
 	if len(m.certPEM) > 0 && m.cert == nil {
 		return nil, errors.New("sharedtransport: internal error: a client certificate was not checked before use")
 	}
 	getCert := id.key.getCert
 	if m.cert != nil {
-		// The pair checkMaterial parsed, handed to client-go as a callback
-		// rather than as bytes to parse again. Inline data takes precedence
-		// over an exec plugin's callback in client-go; here too.
+		// The pair checkMaterial parsed, not bytes to parse again; it takes
+		// precedence over an exec plugin's callback, as in client-go.
 		getCert = &transport.GetCertHolder{GetCert: func() (*tls.Certificate, error) { return m.cert, nil }}
 	}
 	tlsConfig, err := transport.TLSConfigFor(&transport.Config{TLS: transport.TLSConfig{
@@ -279,8 +264,8 @@ func newGeneration(id *identity, m *material, prev *generation, opts *options, c
 		DisableCompression: id.key.disableCompression,
 		DisableHTTP2:       id.key.noHTTP2,
 		KeepAlive:          opts.keepAlive,
-		// An exec plugin's certificate can change without a new generation,
-		// and a resumed session would go on authenticating as the old one.
+		// An exec plugin's certificate changes without a new generation, and
+		// a resumed session would authenticate as the old one.
 		ResumeSessions:  opts.sessionResumption && id.key.getCert == nil,
 		MaxConnsPerHost: opts.maxConnsPerHost,
 		Counters:        counters,

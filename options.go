@@ -54,16 +54,12 @@ type options struct {
 	expiryWarning     time.Duration
 	logger            klog.Logger
 
-	// Test seams, never exported: how long file events settle before a
-	// reload, whether fsnotify is used at all (so a test can prove the poll
-	// alone finds a change), how often directories the kernel refused to
-	// watch are polled, how long a read of a certificate file may take, and
-	// the clock certificates are checked against.
-	debounce      time.Duration
-	disableNotify bool
-	fallbackPoll  time.Duration
-	readTimeout   time.Duration
-	now           func() time.Time
+	// Test seams, never exported.
+	debounce      time.Duration    // how long file events settle before a reload
+	disableNotify bool             // poll only
+	fallbackPoll  time.Duration    // how often directories the kernel will not watch are polled
+	readTimeout   time.Duration    // how long a read of a certificate file may take
+	now           func() time.Time // the clock certificates are checked against
 }
 
 func defaultOptions() options {
@@ -83,18 +79,16 @@ func defaultOptions() options {
 }
 
 // WithKeepAlive turns HTTP keep-alive on (the default) or off for the pool's
-// transports. With keep-alive off every request opens its own connection,
-// closed when the response ends; TLS session resumption (see
-// [WithSessionResumption]) keeps most of those handshakes cheap. Transports
-// client-go built for configs outside the pool are never touched.
+// transports. With it off every request opens its own connection, closed
+// when the response ends; TLS session resumption keeps most of those
+// handshakes cheap. Transports outside the pool are never touched.
 func WithKeepAlive(enabled bool) Option {
 	return func(o *options) { o.keepAlive = enabled }
 }
 
-// WithSessionResumption turns TLS session resumption on (the default) or off.
-// Every identity, and every certificate version of it, gets its own session
-// cache: a resumed session carries the client certificate of the handshake it
-// came from, so a cache is never shared.
+// WithSessionResumption turns TLS session resumption on (the default) or
+// off. Each version of each identity's certificate has its own session
+// cache: a resumed session carries the client certificate it came from.
 func WithSessionResumption(enabled bool) Option {
 	return func(o *options) { o.sessionResumption = enabled }
 }
@@ -115,12 +109,11 @@ func WithMaxConnsPerHost(n int) Option {
 	return func(o *options) { setNonNegative(&o.maxConnsPerHost, n) }
 }
 
-// WithIdleTimeout sets how long an identity that no client refers to any more
-// keeps its connections before they are closed and its memory released.
-// Callers that build a config per request (an aggregated apiserver proxying to
-// member clusters) rely on this grace to reuse the connection between two
-// sparse requests. The default, 90 seconds, matches the idle-connection
-// timeout of client-go's transports. A negative d is ignored.
+// WithIdleTimeout sets how long an identity no client refers to any more
+// keeps its connections before they are closed and its memory released:
+// code that builds a config per request reuses the connection between two
+// sparse requests. The default, 90 seconds, is client-go's idle-connection
+// timeout. A negative d is ignored.
 func WithIdleTimeout(d time.Duration) Option {
 	return func(o *options) { setNonNegative(&o.idleTimeout, d) }
 }
@@ -136,37 +129,34 @@ func WithDialIdentity(fn func(cfg *rest.Config) string) Option {
 }
 
 // WithPollInterval sets how often watched certificate and CA files are
-// re-read even when no file-system event arrived (network and overlay file
-// systems, bind mounts, a lost watch). A file that did not change costs a
-// read and a comparison. The default is 30 seconds; zero turns polling off.
+// re-read without a file-system event (network and overlay file systems,
+// bind mounts, a lost watch); an unchanged file costs a read and a
+// comparison. The default is 30 seconds; zero turns polling off.
 // Directories the kernel refuses to watch (its inotify limits) are polled
-// every 10 seconds whatever the interval, until their watch can be set. A
-// negative d is ignored.
+// every 10 seconds regardless, until their watch can be set. A negative d
+// is ignored.
 func WithPollInterval(d time.Duration) Option {
 	return func(o *options) { setNonNegative(&o.pollInterval, d) }
 }
 
-// WithDrainTimeout sets how long connections that were active when a
-// certificate or CA changed (long watches) keep running on the old material
-// before they are closed. Idle connections close at once, and the others as
-// soon as their requests end; a request not sent yet when they close is sent
-// with the new material. The default is 2 minutes, so informers re-list
-// once, spread out, instead of all at the moment of rotation. Under
-// WithMaxConnsPerHost the drain ends sooner, for watches only: when the new
-// material first needs a connection, the old HTTP/2 connections close once
-// nothing but watches runs on them, as client-go's own certificate rotation
-// closes every connection at once. A negative d is ignored.
+// WithDrainTimeout sets how long connections active when a certificate or
+// CA changed (long watches) keep running on the old material. Idle
+// connections close at once, the others when their requests end; a request
+// not sent yet when they close is sent with the new material. The default
+// is 2 minutes, so informers re-list spread out rather than all at the
+// rotation. Under WithMaxConnsPerHost, when the new material first needs a
+// connection, the old HTTP/2 connections close once only watches run on
+// them, as client-go's own rotation closes every connection at once. A
+// negative d is ignored.
 func WithDrainTimeout(d time.Duration) Option {
 	return func(o *options) { setNonNegative(&o.drainTimeout, d) }
 }
 
 // WithExpiryWarning sets how long before a client certificate expires the
-// pool logs that no newer one has arrived: the rotation that should have
-// replaced it did not happen. The pool looks when a config is wrapped and at
-// every poll and file event (see [WithPollInterval]), and logs once per
-// certificate. The default is 24 hours; identities whose certificates live
-// less than a day warn about every certificate, so set a shorter lead for
-// them. Zero turns the warning off. A negative d is ignored.
+// pool logs, once per certificate, that no newer one has arrived. It looks
+// when a config is wrapped and at every poll and file event. The default is
+// 24 hours: set a shorter lead for certificates that live less than a day.
+// Zero turns the warning off. A negative d is ignored.
 func WithExpiryWarning(d time.Duration) Option {
 	return func(o *options) { setNonNegative(&o.expiryWarning, d) }
 }

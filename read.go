@@ -16,9 +16,8 @@ import (
 	"time"
 )
 
-// maxMaterialFile bounds what is read of a certificate, key or CA file. A
-// bundle of every public root CA is about 250 KB; a file far larger is not
-// TLS material (a log, a disk image) and is not read to its end.
+// maxMaterialFile bounds what is read of a certificate, key or CA file: a
+// bundle of every public root CA is about 250 KB.
 const maxMaterialFile = 4 << 20
 
 // dataOrFile returns inline data, or the content of file when there is none:
@@ -32,9 +31,8 @@ func (r *fileReads) dataOrFile(data []byte, file, what string) ([]byte, error) {
 	return b, err
 }
 
-// readFile reads a regular file of at most maxMaterialFile bytes. Anything
-// else is refused before it is read: a named pipe would wait for a writer
-// (O_NONBLOCK keeps its open from waiting), /dev/zero would never end.
+// readFile reads a regular file of at most maxMaterialFile bytes; anything
+// else is refused unread (O_NONBLOCK: opening a named pipe does not wait).
 func readFile(path, what string) ([]byte, error) {
 	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NONBLOCK, 0)
 	if err != nil {
@@ -78,10 +76,10 @@ func fileKind(m fs.FileMode) string {
 }
 
 // fileReads reads one pool's certificate files, each read bounded in time.
-// A read that does not return (a hung network mount, a FUSE daemon that does
-// not answer) cannot be cancelled: it is left to finish on its goroutine
-// while its caller moves on, and its file is refused until it has, so a hung
-// file holds one goroutine and one thread however often it is asked for.
+// A read that does not return (a hung network mount) cannot be cancelled:
+// it is left to finish on its goroutine while its caller moves on, and its
+// file is refused until it has, so a hung file holds one goroutine however
+// often it is asked for.
 type fileReads struct {
 	timeout time.Duration // how long a read may take
 

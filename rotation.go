@@ -1,8 +1,6 @@
-// Certificate rotation: re-reading an identity's files, from a file event,
-// a poll, or a config built now (see fresh), and taking valid new material
-// into use by swapping in a new generation and draining the old one.
-// Watching the files is in watch.go; reading and validating them in
-// material.go.
+// Certificate rotation: re-reading an identity's files (after a file event,
+// a poll, or for a config built now) and taking valid new material into use
+// by swapping in a new generation and draining the old one.
 
 package sharedtransport
 
@@ -17,9 +15,8 @@ import (
 // filesState is everything an entry knows of its files: the last read,
 // the last rejection, and whether a debounced reload is on its way.
 type filesState struct {
-	// reloading serializes the reads that may rotate (a reload, a fresh
-	// check), so an older read never replaces what a newer one took. It is
-	// held across the read; only other such reads wait for it.
+	// reloading serializes the reads that may rotate, so an older read never
+	// replaces what a newer one took; held across the read.
 	reloading sync.Mutex
 
 	mu       sync.Mutex // guards the fields below; never held across a read
@@ -59,9 +56,8 @@ func (st *filesState) setDue(due bool) (was bool) {
 	return was
 }
 
-// reload re-reads the identity's files for the watcher. Every poll and event
-// also looks at the expiry of the certificate in use: when no newer file
-// arrives, that is the certificate that expires.
+// reload re-reads the identity's files for the watcher, and looks at the
+// expiry of the certificate in use.
 func (e *entry) reload(done <-chan struct{}) {
 	if e.closed.Load() {
 		return
@@ -75,13 +71,12 @@ func (e *entry) reload(done <-chan struct{}) {
 func (e *entry) markDue(due bool) (was bool) { return e.files.setDue(due) }
 
 // fresh holds a config built now to what e's files hold now: it re-reads
-// them when their last read is older than the debounce or was rejected (a
-// config is never refused on a stale read), and fails with the files' error
-// when they have been rejected for longer than the debounce. A
-// rejection younger than that may be a rotation in progress (a pair written
-// one file after the other): fresh waits for the rest of the debounce and
-// reads once more. So a config gets material that was on disk at most the
-// debounce plus one read ago, and a rotation half written never fails one.
+// them when their last read is older than the debounce or was rejected,
+// and fails with the files' error once they have been rejected for longer
+// than the debounce. A younger rejection may be a pair written file after
+// file: fresh waits out the debounce and reads once more. So a config gets
+// material at most the debounce plus one read old, and a rotation half
+// written never fails one.
 func (e *entry) fresh() error {
 	if !e.id.watchesFiles() {
 		return nil
@@ -93,8 +88,8 @@ func (e *entry) fresh() error {
 		return st.err != nil || opts.now().Sub(st.readAt) >= opts.debounce
 	}
 	for waited := false; ; waited = true {
-		// A fresh good read is used without waiting for a reload in flight
-		// (a hung file system holds one for up to the read timeout).
+		// A fresh good read is used without waiting for a reload in flight,
+		// which a hung file system holds up to the read timeout.
 		if stale() {
 			st.reloading.Lock()
 			if stale() { // not read meanwhile by the reload waited for
@@ -119,9 +114,8 @@ func (e *entry) fresh() error {
 }
 
 // refresh reads e's files and takes valid new material into use; the
-// caller holds e.files.reloading. Unchanged bytes are no reload, and cost a
-// read and a comparison. Invalid material keeps the last good one and is
-// counted once.
+// caller holds e.files.reloading. Unchanged bytes cost a read and a
+// comparison. Invalid material keeps the last good one, counted once.
 func (e *entry) refresh(done <-chan struct{}) {
 	v := e.env
 	m, err := readMaterial(&v.files, e.id, done)
@@ -131,8 +125,8 @@ func (e *entry) refresh(done <-chan struct{}) {
 		e.files.good(now)
 		return
 	case err == nil:
-		// Checked again even when these bytes were rejected before: a
-		// certificate not valid yet becomes valid.
+		// Checked even when these bytes were rejected before: a certificate
+		// not valid yet becomes valid.
 		m, err = checkRead(&v.files, e.id, m, v.opts.now, done)
 	}
 	switch {
@@ -164,9 +158,8 @@ func (st *filesState) good(now time.Time) {
 	st.readAt, st.err, st.badSince, st.rejected = now, nil, time.Time{}, nil
 }
 
-// reject counts and logs a rejected read, m the material rejected (nil if
-// the files could not be read), unless the same bytes were rejected last;
-// the last good material stays.
+// reject counts and logs a rejected read of m (nil: unreadable files),
+// unless the same bytes were rejected last.
 func (e *entry) reject(err error, m *material, now time.Time) {
 	if !e.files.rejectedAgain(err, m, now, e.id.key) {
 		e.env.stats.rotationErrors.Add(1)
@@ -176,9 +169,8 @@ func (e *entry) reject(err error, m *material, now time.Time) {
 }
 
 // rejectedAgain records a rejected read and reports whether the same bytes
-// were rejected last. A new failure is kept for Identities with the first of
-// the identity's files its text names: every reload error names the file it
-// is about.
+// were rejected last. A new failure is kept for Identities with the first
+// of the identity's files its text names.
 func (st *filesState) rejectedAgain(err error, m *material, now time.Time, k identityKey) bool {
 	st.mu.Lock()
 	defer st.mu.Unlock()
@@ -213,10 +205,9 @@ func (e *entry) filesError() string {
 	return st.err.Error()
 }
 
-// rotate takes g into use for new requests. The old generation closes its
-// connections as they become idle and the ones still active (long watches)
-// after drain, so informers re-list when the grace ends rather than all at
-// the rotation.
+// rotate takes g into use. The old generation closes its connections as
+// they become idle and the rest (long watches) after drain, so informers
+// re-list spread out rather than all at the rotation.
 func (e *entry) rotate(g *generation, drain time.Duration) bool {
 	e.mu.Lock()
 	if e.closed.Load() {

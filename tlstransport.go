@@ -21,17 +21,15 @@ import (
 	"weak"
 )
 
-// TLSTransportConfig is what a hand-built transport to one server sets:
-// the parts of it the pool keeps, every one of them part of the identity.
+// TLSTransportConfig is what a hand-built transport to one server sets,
+// every field part of the identity.
 type TLSTransportConfig struct {
-	// TLS is the TLS configuration of the connections. RootCAs,
+	// TLS is the connections' TLS configuration. RootCAs,
 	// InsecureSkipVerify, ServerName, NextProtos, MinVersion and MaxVersion
-	// may be set; any other field is refused, since the pool could not tell
+	// may be set; any other field is refused, since the pool cannot tell
 	// two values of it apart. The pool keeps a copy. RootCAs with
-	// InsecureSkipVerify is taken as Go takes it, unverified (a cluster
-	// marked insecure whose Secret still carries a CA); both are part of
-	// the identity, so it never shares a connection with a verifying
-	// configuration.
+	// InsecureSkipVerify is unverified, as in Go, and never shares a
+	// connection with a verifying configuration.
 	TLS *tls.Config
 	// Proxy, when set, is the proxy every request goes through (as
 	// http.ProxyURL(Proxy)); nil uses the environment's proxy as
@@ -48,16 +46,13 @@ func TLSTransport(c TLSTransportConfig) (http.RoundTripper, error) {
 
 // TLSTransport returns a round tripper that sends requests over the pool's
 // shared transport for c. Calls with equal settings share connections: roots
-// are compared with (*x509.CertPool).Equal, headers by value, the proxy by
-// URL. Equal does not see constraints added with AddCertWithConstraint:
-// pass no pool that has them, since the pool cannot tell such pools apart.
-// A call with other roots (a new caBundle) is another identity from that
-// call on; the old one is released when no round tripper of it is left and
-// its idle grace has passed ([WithIdleTimeout]). The dialer is the
-// pool's: code that needs a dialer of its own keeps its own transport.
-//
-// Keep-alive, session resumption and the connection cap are the pool's
-// options. Upgrade requests (exec, port-forward) may be sent through it; they
+// compared with (*x509.CertPool).Equal, headers by value, the proxy by URL.
+// Equal does not see constraints added with AddCertWithConstraint: pass no
+// pool that has them. Other roots (a new caBundle) are another identity;
+// the old one is released when no round tripper of it is left and its idle
+// grace has passed ([WithIdleTimeout]). The dialer is the pool's: code that
+// needs its own keeps its own transport. Keep-alive, session resumption and
+// the connection cap are the pool's options; upgrades (exec, port-forward)
 // get a connection of their own.
 func (p *Pool) TLSTransport(c TLSTransportConfig) (http.RoundTripper, error) {
 	if p.isClosed() {
@@ -108,9 +103,9 @@ func tlsIdentity(c TLSTransportConfig) (*identity, error) {
 // tlsFieldsKept are the fields of a tls.Config TLSTransport keeps.
 var tlsFieldsKept = []string{"RootCAs", "InsecureSkipVerify", "ServerName", "NextProtos", "MinVersion", "MaxVersion"}
 
-// rootsID numbers root pools by content: equal pools (Equal) get one number
-// for as long as the first of them is alive (an identity holds it). Pools are
-// bucketed by a digest of their subjects and compared within a bucket.
+// rootsID numbers root pools by content: Equal pools get one number while
+// the first of them is alive (an identity holds it). Pools are bucketed by
+// a digest of their subjects and compared within a bucket.
 func rootsID(roots *x509.CertPool) uint64 {
 	if roots == nil {
 		return 0
@@ -171,10 +166,9 @@ var (
 	rootsNext atomic.Uint64
 )
 
-// subjectsDigest digests the sorted subjects of the certificates in roots.
-// Pools that are Equal hold the same certificates, so the same subjects. For
-// a system pool Subjects leaves the system's roots out: such pools share a
-// bucket, and Equal still tells them apart.
+// subjectsDigest digests the sorted subjects of roots' certificates, which
+// Equal pools share. A system pool's Subjects leaves the system's roots
+// out: such pools share a bucket, and Equal tells them apart.
 func subjectsDigest(roots *x509.CertPool) [sha256.Size]byte {
 	h := sha256.New()
 	subjects := roots.Subjects() //nolint:staticcheck // see above

@@ -1,7 +1,7 @@
 // Watching an identity's files: one fsnotify watcher per pool watches the
-// directories the configs name their files in, and events, polls and the
-// fallback for directories the kernel will not watch become reloads, run by a
-// few workers from one workqueue. What a reload does is in rotation.go.
+// directories of the files, and events, polls and the fallback poll of
+// directories the kernel will not watch become reloads, run by a few
+// workers from one workqueue.
 
 package sharedtransport
 
@@ -20,23 +20,20 @@ import (
 	"k8s.io/klog/v2"
 )
 
-// maxLoads is the number of workers running reloads: a poll of thousands of
-// identities does not start thousands of reads, and a hung file system holds
-// one worker for at most the read timeout.
+// maxLoads is the number of workers running reloads: a poll of thousands
+// of identities starts four reads at a time.
 const maxLoads = 4
 
-// fileWatcher watches directories, not files: kubelet updates a secret
-// volume by swapping the "..data" symlink beside the names a config holds,
-// and certificate managers rename new files over old ones; a watch on the
-// file would see neither. Any event in a directory reloads, a debounce after
-// the first, every identity with a file there; files that did not change cost
-// a read and a comparison. A file that is a link into another directory is
-// seen by the poll.
+// fileWatcher watches directories, not files: kubelet swaps a secret
+// volume's "..data" symlink beside the names a config holds, and
+// certificate managers rename new files over old ones; a watch on the file
+// sees neither. An event in a directory reloads, a debounce after the
+// first, every identity with a file there. A link into another directory
+// is seen by the poll.
 type fileWatcher struct {
 	set watchSettings
-	// queue holds the identities due a reload: each once however often it
-	// is added, and one asked for while its reload runs follows it, so
-	// reloads of one identity never race each other.
+	// queue holds the identities due a reload, each once; one added while
+	// its reload runs follows it, so reloads of one identity never race.
 	queue   *workqueue.Typed[*identityWatch]
 	done    chan struct{}  // closed by close: goroutines and reads stop
 	running sync.WaitGroup // the run goroutine and the workers
@@ -90,7 +87,7 @@ func newFileWatcher(set watchSettings) *fileWatcher {
 	}
 	if !set.noEvents {
 		// A refusal (fs.inotify.max_user_instances) is logged when the first
-		// directory goes without its watch, and tried again by the fallback.
+		// directory goes without its watch, and retried by the fallback.
 		w.notify, _ = fsnotify.NewWatcher()
 	}
 	w.running.Add(1 + maxLoads)
@@ -126,8 +123,7 @@ func (w *fileWatcher) add(r reloader, files ...string) *identityWatch {
 	return iw
 }
 
-// stop stops watching iw's files (entry.close calls it once); a directory no
-// identity needs any more is unwatched.
+// stop stops watching iw's files, and the directories no identity needs.
 func (iw *identityWatch) stop() {
 	w := iw.w
 	w.mu.Lock()
@@ -148,8 +144,8 @@ func (iw *identityWatch) stop() {
 	w.logRecoveryLocked()
 }
 
-// watchLocked asks the kernel to watch d. Once close has begun it sets none:
-// a watcher made then would never be closed.
+// watchLocked asks the kernel to watch d, unless close has begun (a
+// watcher made then would never be closed).
 func (w *fileWatcher) watchLocked(d string, wd *watchedDir) {
 	select {
 	case <-w.done:
@@ -200,8 +196,8 @@ func (w *fileWatcher) logRecoveryLocked() {
 	}
 }
 
-// close stops the watcher and waits for its goroutines, not for a read stuck
-// in the kernel (see fileReads). Pool.Close calls it once.
+// close stops the watcher and waits for its goroutines, not for a read
+// stuck in the kernel (see fileReads).
 func (w *fileWatcher) close() error {
 	close(w.done)
 	w.queue.ShutDown()
@@ -263,10 +259,9 @@ func (w *fileWatcher) run() {
 	}
 }
 
-// onEvent reloads, a debounce after the first event of a burst (a pair
-// written file after file), the identities with a file in the event's
-// directory. A watched directory that goes away takes its watch with it: it
-// is polled until it is back.
+// onEvent reloads the identities with a file in the event's directory, a
+// debounce after the first event of a burst. A watched directory that goes
+// away takes its watch with it: it is polled until it is back.
 func (w *fileWatcher) onEvent(ev fsnotify.Event) {
 	var due []*identityWatch
 	w.mu.Lock()
@@ -289,10 +284,9 @@ func (w *fileWatcher) onEvent(ev fsnotify.Event) {
 	}
 }
 
-// retryWatches notes the directories whose watch the kernel dropped without
-// an event fsnotify passes on (an unmount), tries again to watch every
-// directory without its watch, and returns the identities with files in
-// those, for the fallback poll.
+// retryWatches notes the directories whose watch the kernel dropped
+// silently (an unmount), tries again to watch every directory without one,
+// and returns the identities with files in those, for the fallback poll.
 func (w *fileWatcher) retryWatches() []*identityWatch {
 	w.mu.Lock()
 	defer w.mu.Unlock()
