@@ -71,9 +71,7 @@ func TestAdversaryExecRotationRemembered(t *testing.T) {
 	r := newCopyRig(t, testserver.Options{CA: f.ca})
 	issue := func(cn string) *testserver.KeyPair {
 		kp, err := f.ca.IssueClient(cn)
-		if err != nil {
-			t.Fatal(err)
-		}
+		must(t, err)
 		return kp
 	}
 	h2 := "HTTP/2.0"
@@ -222,17 +220,13 @@ func TestAdversaryExecPluginAtConstruction(t *testing.T) {
 	f := newFixture(t, testserver.Options{})
 	r := newCopyRig(t, testserver.Options{CA: f.ca})
 	kp, err := f.ca.IssueClient("exec-slow")
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	exec := writeExecPlugin(t, f.dir, "adv-fast", f.alice)
 	slow := writeExecPlugin(t, f.dir, "adv-slow", kp)
 	started, release := filepath.Join(f.dir, "adv-slow.started"), filepath.Join(f.dir, "adv-slow.release")
 	// The slow plugin says it started, then waits (at most 10 s) for release.
 	script := "#!/bin/sh\n: > '" + started + "'\nfor i in $(seq 100); do [ -f '" + release + "' ] && break; sleep 0.1; done\nexec cat '" + filepath.Join(f.dir, "adv-slow.json") + "'\n"
-	if err := os.WriteFile(slow.Command, []byte(script), 0o700); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.WriteFile(slow.Command, []byte(script), 0o700))
 	t.Cleanup(func() { os.WriteFile(release, nil, 0o600) })
 
 	for _, wrapped := range []bool{false, true} {
@@ -244,9 +238,7 @@ func TestAdversaryExecPluginAtConstruction(t *testing.T) {
 			e := *exec
 			orig.ExecProvider = &e
 			if wrapped {
-				if err := newPool(t).Wrap(orig); err != nil {
-					t.Fatal(err)
-				}
+				must(t, newPool(t).Wrap(orig))
 			}
 			slowCopy := rest.CopyConfig(orig)
 			s := *slow
@@ -259,9 +251,7 @@ func TestAdversaryExecPluginAtConstruction(t *testing.T) {
 			slowDone := false
 			select {
 			case err := <-slowBuilt:
-				if err != nil {
-					t.Fatal(err)
-				}
+				must(t, err)
 				slowDone = true
 			case <-time.After(2 * time.Second):
 			}
@@ -280,9 +270,7 @@ func TestAdversaryExecPluginAtConstruction(t *testing.T) {
 			tokenDone := false
 			select {
 			case err := <-built:
-				if err != nil {
-					t.Fatal(err)
-				}
+				must(t, err)
 				tokenDone = true
 			case <-time.After(3 * time.Second):
 				t.Errorf("building a client of another copy waited for the slow copy's exec plugin")
@@ -400,9 +388,7 @@ func TestAdversaryClientGoTransportCreated(t *testing.T) {
 		d := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
 		orig := d.config(r.srv.URL())
 		if wrapped {
-			if err := newPool(t).Wrap(orig); err != nil {
-				t.Fatal(err)
-			}
+			must(t, newPool(t).Wrap(orig))
 		}
 		time.Sleep(100 * time.Millisecond) // let Wrap's goroutines show in the dump
 		n := refreshers()
@@ -432,9 +418,7 @@ func TestAdversaryFirstRequestGate(t *testing.T) {
 	r := newCopyRig(t, testserver.Options{CA: f.ca})
 	// A host that accepts connections and never answers.
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	var mu sync.Mutex
 	var held []net.Conn
 	accepted := make(chan struct{}, 16)
@@ -465,16 +449,12 @@ func TestAdversaryFirstRequestGate(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			orig := r.srv.RestConfig(f.alice)
 			if wrapped {
-				if err := newPool(t).Wrap(orig); err != nil {
-					t.Fatal(err)
-				}
+				must(t, newPool(t).Wrap(orig))
 			}
 			dead := rest.CopyConfig(orig)
 			dead.Host = "https://" + ln.Addr().String()
 			deadCS, err := kubernetes.NewForConfig(dead)
-			if err != nil {
-				t.Fatal(err)
-			}
+			must(t, err)
 			deadCtx, stopDead := context.WithCancel(context.Background())
 			defer stopDead()
 			deadDone := make(chan struct{})
@@ -562,13 +542,9 @@ func TestAdversaryOwnTransportSettings(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			orig := r.srv.RestConfig(f.alice)
 			tc, err := rest.CopyConfig(orig).TransportConfig()
-			if err != nil {
-				t.Fatal(err)
-			}
+			must(t, err)
 			rt, err := transport.New(tc)
-			if err != nil {
-				t.Fatal(err)
-			}
+			must(t, err)
 			// From v0.36 client-go hands it out inside a holder of its own.
 			clientGo := unwrapToTransport(rt)
 			if clientGo == nil {
@@ -586,9 +562,7 @@ func TestAdversaryOwnTransportSettings(t *testing.T) {
 			control := r.observe(withOwn(orig))
 			loggedAlone := keyLog.Len()
 
-			if err := newPool(t).Wrap(orig); err != nil {
-				t.Fatal(err)
-			}
+			must(t, newPool(t).Wrap(orig))
 			got := r.observe(withOwn(orig))
 			if got != control {
 				t.Errorf("through the pool the server saw %+v; through client-go alone %+v", got, control)
@@ -613,9 +587,7 @@ func TestAdversaryCopyProxyCredentials(t *testing.T) {
 	proxy := newAuthProxy(t, basic("alice", "alice-pw"))
 	as := func(user, password string) func(*http.Request) (*url.URL, error) {
 		u, err := url.Parse(proxy.url())
-		if err != nil {
-			t.Fatal(err)
-		}
+		must(t, err)
 		u.User = url.UserPassword(user, password)
 		return http.ProxyURL(u)
 	}
@@ -630,9 +602,7 @@ func TestAdversaryCopyProxyCredentials(t *testing.T) {
 	if control.Err == "" {
 		t.Fatalf("through client-go alone the proxy let the copy's credentials through: %+v", control)
 	}
-	if err := newPool(t).Wrap(orig); err != nil {
-		t.Fatal(err)
-	}
+	must(t, newPool(t).Wrap(orig))
 	if got := r.observe(orig); got.Err != "" {
 		t.Fatalf("the original through the pool: %+v", got)
 	}
@@ -702,9 +672,7 @@ func TestAdversaryTransportForProxyPerPath(t *testing.T) {
 			vias := map[string][]string{}
 			for name, newRT := range map[string]func(*rest.Config) (http.RoundTripper, error){"pool": transportForFn(p), "client-go": rest.TransportFor} {
 				rt, err := newRT(rest.CopyConfig(cfg))
-				if err != nil {
-					t.Fatal(err)
-				}
+				must(t, err)
 				for _, path := range []string{"/version", "/api/v1/nodes", "/version", "/api/v1/nodes"} {
 					// A new connection each time: HTTP/2 reuses a connection
 					// to the host whatever the proxy says.
@@ -740,13 +708,9 @@ func TestAdversaryInnerWrapperOwnCertificate(t *testing.T) {
 	f := newFixture(t, testserver.Options{})
 	r := newCopyRig(t, testserver.Options{CA: f.ca})
 	alice, err := f.alice.TLSCertificate()
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	bob, err := f.bob.TLSCertificate()
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	var current atomic.Pointer[tls.Certificate]
 	current.Store(&alice)
 	pair := wrapPair(t, newPool(t), func() *rest.Config { return r.srv.RestConfig(f.alice) })
@@ -825,19 +789,13 @@ func TestAdversaryClientGoCertificateHolder(t *testing.T) {
 	f := newFixture(t, testserver.Options{})
 	r := newCopyRig(t, testserver.Options{CA: f.ca})
 	alice, err := f.alice.TLSCertificate()
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	bob, err := f.bob.TLSCertificate()
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	var current atomic.Pointer[tls.Certificate]
 	holder := &transport.GetCertHolder{GetCert: func() (*tls.Certificate, error) { return current.Load(), nil }}
 	byHolder, err := transport.TLSConfigFor(&transport.Config{TLS: transport.TLSConfig{GetCertHolder: holder}})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	holderInside := func(c *rest.Config) {
 		c.CertData, c.KeyData = nil, nil
 		c.WrapTransport = transport.Wrappers(func(rt http.RoundTripper) http.RoundTripper {
@@ -865,9 +823,7 @@ func TestAdversaryClientGoCertificateHolder(t *testing.T) {
 		}, holderInside},
 		{"the copy's own transport", func() *rest.Config { return r.srv.RestConfig(f.alice) }, func(c *rest.Config) {
 			own, err := transport.New(&transport.Config{TLS: transport.TLSConfig{CAData: c.CAData, GetCertHolder: holder}})
-			if err != nil {
-				t.Fatal(err)
-			}
+			must(t, err)
 			c.TLSClientConfig = rest.TLSClientConfig{}
 			c.Transport = own
 		}},
@@ -927,16 +883,12 @@ func TestAdversaryProxyTokenAsUserName(t *testing.T) {
 		t.Run(userInfo, func(t *testing.T) {
 			logs := captureKlog(t, 10)
 			proxyURL, err := url.Parse("http://" + userInfo + "@127.0.0.1:3128")
-			if err != nil {
-				t.Fatal(err)
-			}
+			must(t, err)
 			p := newPool(t)
 			cfg := f.srv.RestConfig(f.alice)
 			cfg.Proxy = http.ProxyURL(proxyURL)
 			rt, err := p.TransportFor(cfg)
-			if err != nil {
-				t.Fatal(err)
-			}
+			must(t, err)
 			// A config whose Proxy fails passes through, and its Host is
 			// logged; Wrap passes a config with a Proxy through, and logs
 			// its Host too.
@@ -946,9 +898,7 @@ func TestAdversaryProxyTokenAsUserName(t *testing.T) {
 			if _, err := p.TransportFor(failing); err != nil {
 				t.Fatal(err)
 			}
-			if err := p.Wrap(failing); err != nil {
-				t.Fatal(err)
-			}
+			must(t, p.Wrap(failing))
 			identities := fmt.Sprintf("%+v", p.Identities())
 			runtime.KeepAlive(rt)
 			if !strings.Contains(identities, "127.0.0.1:3128") {
@@ -974,9 +924,7 @@ func TestAdversaryWrapperChangesTLSInPlace(t *testing.T) {
 	f := newFixture(t, testserver.Options{})
 	r := newCopyRig(t, testserver.Options{CA: f.ca})
 	bob, err := f.bob.TLSCertificate()
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	asBob := func(*tls.CertificateRequestInfo) (*tls.Certificate, error) { return &bob, nil }
 	finds := map[string]func(http.RoundTripper) *http.Transport{
 		"type assertion": func(rt http.RoundTripper) *http.Transport { t, _ := rt.(*http.Transport); return t },
@@ -996,9 +944,7 @@ func TestAdversaryWrapperChangesTLSInPlace(t *testing.T) {
 					// A certificate of the subtest's own: the wrapper changes
 					// client-go's cached transport for it, for good.
 					kp, err := f.ca.IssueClient("alice")
-					if err != nil {
-						t.Fatal(err)
-					}
+					must(t, err)
 					config := func() *rest.Config {
 						if files {
 							return newCertDir(t, renameOver, kp, f.ca.CertPEM()).config(r.srv.URL())
@@ -1052,13 +998,9 @@ func TestAdversaryOuterWrapperChangesInPlace(t *testing.T) {
 	f := newFixture(t, testserver.Options{})
 	r := newCopyRig(t, testserver.Options{CA: f.ca})
 	bob, err := f.bob.TLSCertificate()
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	kp, err := f.ca.IssueClient("alice") // client-go's cached transport for it is changed for good
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	pair := wrapPair(t, newPool(t), func() *rest.Config {
 		return newCertDir(t, renameOver, kp, f.ca.CertPEM()).config(r.srv.URL())
 	})
@@ -1093,13 +1035,9 @@ func TestAdversaryCopyOtherCAFile(t *testing.T) {
 	r.check(t, cp, &aliceSeen)
 
 	tc, err := rest.CopyConfig(cp.control).TransportConfig()
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	rt, err := transport.New(tc)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	// client-go's own type for a transport whose roots it re-reads, under
 	// the layers client-go may put above it.
 	rereads := false
@@ -1129,18 +1067,12 @@ func TestAdversaryCopyCertChain(t *testing.T) {
 	f := newFixture(t, testserver.Options{})
 	r := newCopyRig(t, testserver.Options{CA: f.ca})
 	interKP, err := f.ca.Issue(testserver.CertSpec{CommonName: "intermediate", CA: true})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	interKey, err := tls.X509KeyPair(interKP.CertPEM, interKP.KeyPEM)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	inter := &testserver.CA{Cert: interKP.Cert, Key: interKey.PrivateKey.(*ecdsa.PrivateKey)}
 	kp, err := inter.IssueClient("alice")
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	leafOnly := kp.CertPEM
 	withIntermediate := slices.Concat(kp.CertPEM, interKP.CertPEM)
 	for _, c := range []struct {
@@ -1174,14 +1106,10 @@ func TestAdversaryRejectedCAFile(t *testing.T) {
 	f := newFixture(t, testserver.Options{})
 	r := newCopyRig(t, testserver.Options{CA: f.ca})
 	other, err := testserver.NewCA("other-ca")
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	expired, err := testserver.SelfSigned(testserver.CertSpec{CommonName: "expired-ca", CA: true,
 		NotBefore: time.Now().Add(-48 * time.Hour), NotAfter: time.Now().Add(-24 * time.Hour)})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	for _, c := range []struct {
 		name string
 		ca   []byte

@@ -47,16 +47,12 @@ func writeCredFiles(t testing.TB, dir string, ca []byte, kp *testserver.KeyPair)
 
 func writeCertDir(t testing.TB, dir, layout string, kp *testserver.KeyPair, ca []byte) *certDir {
 	t.Helper()
-	if err := os.MkdirAll(dir, 0o700); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.MkdirAll(dir, 0o700))
 	d := &certDir{dir: dir, layout: layout,
 		cert: filepath.Join(dir, "tls.crt"), key: filepath.Join(dir, "tls.key"), ca: filepath.Join(dir, "ca.crt")}
 	if layout == secretVolume {
 		for _, name := range []string{"tls.crt", "tls.key", "ca.crt"} {
-			if err := os.Symlink(filepath.Join("..data", name), filepath.Join(dir, name)); err != nil {
-				t.Fatal(err)
-			}
+			must(t, os.Symlink(filepath.Join("..data", name), filepath.Join(dir, name)))
 		}
 	}
 	d.write(t, kp, ca)
@@ -74,13 +70,9 @@ func (d *certDir) config(host string) *rest.Config {
 func (d *certDir) wrapped(t testing.TB, p *Pool, host string) (*rest.Config, kubernetes.Interface) {
 	t.Helper()
 	cfg := d.config(host)
-	if err := p.Wrap(cfg); err != nil {
-		t.Fatal(err)
-	}
+	must(t, p.Wrap(cfg))
 	cs, err := kubernetes.NewForConfig(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	return cfg, cs
 }
 
@@ -89,9 +81,7 @@ func (d *certDir) write(t testing.TB, kp *testserver.KeyPair, ca []byte) {
 	t.Helper()
 	d.generation++
 	must := func(err error) {
-		if err != nil {
-			t.Fatal(err)
-		}
+		must(t, err)
 	}
 	switch d.layout {
 	case secretVolume:
@@ -150,9 +140,7 @@ func (c *certDir) restore(t testing.TB, ca []byte, kp *testserver.KeyPair) {
 	t.Helper()
 	for _, p := range []string{c.ca, c.cert, c.key} {
 		if fi, err := os.Stat(p); err == nil && fi.IsDir() {
-			if err := os.Remove(p); err != nil {
-				t.Fatal(err)
-			}
+			must(t, os.Remove(p))
 		}
 	}
 	c.write(t, kp, ca)

@@ -41,9 +41,7 @@ func churn(t testing.TB, p *Pool, f *fixture, from, n int, keep bool) []*http.Cl
 	var kept []*http.Client
 	for i := from; i < from+n; i++ {
 		hc, err := p.HTTPClientFor(churnConfig(f, i))
-		if err != nil {
-			t.Fatal(err)
-		}
+		must(t, err)
 		if keep {
 			kept = append(kept, hc)
 		}

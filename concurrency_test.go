@@ -86,9 +86,7 @@ func newRaceHarness(t *testing.T) *raceHarness {
 	// requests in flight to cut.
 	h.f = newFixture(t, testserver.Options{OnRequest: h.checkCertificate, Latency: 2 * time.Millisecond})
 	otherCA, err := testserver.NewCA("other-ca")
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	h.proxy = newConnectProxy(t)
 	for i := range 8 {
 		h.versions = append(h.versions, issueForKey(t, h.f.ca, fmt.Sprintf("alice-v%d", i), h.f.alice))
@@ -278,9 +276,7 @@ func (r *raceRound) spawnFresh(loop string) {
 func (r *raceRound) spawnLongLived(t *testing.T, kind string) {
 	cfg := r.h.newConfig(kind)
 	cs, err := declaredClientset(r.p, cfg, WithPerRequestWrappers())
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	call := poolRequest
 	if kind == "files" {
 		call = filesRequest // a files client may be handed back to client-go's transport

@@ -73,9 +73,7 @@ func TestLoadAtTheStreamCount(t *testing.T) {
 		{"client-go alone", func(t testing.TB, cfg *rest.Config) kubernetes.Interface {
 			cfg.QPS = -1
 			cs, err := kubernetes.NewForConfig(cfg)
-			if err != nil {
-				t.Fatal(err)
-			}
+			must(t, err)
 			return cs
 		}},
 		{"pool", func(t testing.TB, cfg *rest.Config) kubernetes.Interface { return wrappedClient(t, newPool(t), cfg) }},
@@ -121,13 +119,9 @@ func TestConnectionCap(t *testing.T) {
 func wrappedClient(t testing.TB, p *Pool, cfg *rest.Config) kubernetes.Interface {
 	t.Helper()
 	cfg.QPS = -1
-	if err := p.Wrap(cfg); err != nil {
-		t.Fatal(err)
-	}
+	must(t, p.Wrap(cfg))
 	cs, err := kubernetes.NewForConfig(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	return cs
 }
 
@@ -149,18 +143,12 @@ func httpClient(t testing.TB, p *Pool, cfg *rest.Config) *http.Client {
 	t.Helper()
 	if cfg.Proxy != nil || cfg.Dial != nil {
 		c, err := p.HTTPClientFor(cfg) // Wrap passes such a config through
-		if err != nil {
-			t.Fatal(err)
-		}
+		must(t, err)
 		return c
 	}
-	if err := p.Wrap(cfg); err != nil {
-		t.Fatal(err)
-	}
+	must(t, p.Wrap(cfg))
 	c, err := rest.HTTPClientFor(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	return c
 }
 
@@ -260,9 +248,7 @@ func TestGateWaitsForConnection(t *testing.T) {
 	hold := newRequestHold(t)
 	f := newFixture(t, testserver.Options{OnRequest: hold.onRequest})
 	dave, err := f.ca.IssueClient("dave")
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	for _, rotate := range []bool{false, true} {
 		t.Run(fmt.Sprintf("rotation=%v", rotate), func(t *testing.T) {
 			p := newPool(t, WithPollInterval(0))
@@ -337,9 +323,7 @@ func TestFailedFirstRequestHandsLead(t *testing.T) {
 				waitFor(t, "the first request reaches the server", func() bool { return hold.held.Load() == 1 })
 			}
 			protos, err := concurrentGets(context.Background(), client, f.srv.URL(), "waiter", waiters)
-			if err != nil {
-				t.Fatal(err)
-			}
+			must(t, err)
 			t.Logf("first request: %v; %d requests behind it: %v; server accepted %d connections", <-first, waiters, protos, f.srv.Stats().Accepted)
 			if st := f.srv.Stats(); st.Accepted != 1 || protos["HTTP/2.0"] != waiters {
 				t.Errorf("the %d requests behind a failed first request made the server accept %d connections (%v), want 1, HTTP/2", waiters, st.Accepted, protos)
@@ -358,9 +342,7 @@ type protocolBackends struct {
 func newProtocolBackends(t testing.TB, f *fixture) *protocolBackends {
 	t.Helper()
 	serving, err := f.ca.IssueServer()
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	b := &protocolBackends{}
 	for _, s := range []struct {
 		srv     **testserver.Server
@@ -462,9 +444,7 @@ func TestConnectionCapPerHost(t *testing.T) {
 	const watches = 90
 	for range watches {
 		w, err := cs.CoreV1().Nodes().Watch(ctx, metav1.ListOptions{})
-		if err != nil {
-			t.Fatal(err)
-		}
+		must(t, err)
 		defer w.Stop()
 	}
 	cfgB := f.srv.RestConfig(f.alice)
@@ -502,9 +482,7 @@ func TestSlotReleasedAtEOF(t *testing.T) {
 		closeBody := i%2 == 1
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		req, err := http.NewRequestWithContext(ctx, http.MethodGet, f.srv.URL()+"/version", nil)
-		if err != nil {
-			t.Fatal(err)
-		}
+		must(t, err)
 		resp, err := client.Do(req)
 		if err == nil {
 			_, err = io.ReadAll(resp.Body)
@@ -600,19 +578,13 @@ func TestUpgrades(t *testing.T) {
 					upgrades := 3
 					switch mode {
 					case "pool":
-						if err := newPool(t).Wrap(cfg); err != nil {
-							t.Fatal(err)
-						}
+						must(t, newPool(t).Wrap(cfg))
 					case "pool, cap 1":
 						upgrades = 95 // more than one connection's stream slots
-						if err := newPool(t, WithMaxConnsPerHost(1)).Wrap(cfg); err != nil {
-							t.Fatal(err)
-						}
+						must(t, newPool(t, WithMaxConnsPerHost(1)).Wrap(cfg))
 					}
 					rt, err := rest.TransportFor(cfg)
-					if err != nil {
-						t.Fatal(err)
-					}
+					must(t, err)
 					defer utilnet.CloseIdleConnectionsFor(rt)
 					client := &http.Client{Transport: rt}
 					ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
@@ -676,9 +648,7 @@ func TestBodyKeepsIdentity(t *testing.T) {
 				cs := wrappedClient(t, p, f.srv.RestConfig(f.alice))
 				if kind == "watch" {
 					w, err := cs.CoreV1().Nodes().Watch(ctx, metav1.ListOptions{AllowWatchBookmarks: true})
-					if err != nil {
-						t.Fatal(err)
-					}
+					must(t, err)
 					go func() {
 						defer close(ended)
 						for range w.ResultChan() {
@@ -688,9 +658,7 @@ func TestBodyKeepsIdentity(t *testing.T) {
 					return
 				}
 				stream, err := cs.CoreV1().Pods("kube-system").GetLogs("kube-proxy-0", &corev1.PodLogOptions{Follow: true}).Stream(ctx)
-				if err != nil {
-					t.Fatal(err)
-				}
+				must(t, err)
 				go func() {
 					defer close(ended)
 					defer stream.Close()
@@ -785,9 +753,7 @@ func TestRetiredGenerationRetried(t *testing.T) {
 	// Wrap passes through), so the request is the pool's to send on the new
 	// generation.
 	client, err := p.HTTPClientFor(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	result := make(chan error, 1)
 	go func() {
 		_, err := getUA(context.Background(), client, f.srv.URL(), "dials across a rotation")

@@ -37,9 +37,7 @@ func TestAboveTheHookDecorators(t *testing.T) {
 	f := newFixture(t, testserver.Options{})
 	r := newCopyRig(t, testserver.Options{CA: f.ca})
 	bob, err := f.bob.TLSCertificate()
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	u2, _ := url.Parse(r.proxies[1].url())
 	serverHost := r.srv.Addr()
 	relay := r.relays[0].dial()
@@ -91,9 +89,7 @@ func TestAboveTheHookDecorators(t *testing.T) {
 			// A certificate of its own: client-go's cached transport for
 			// it is this case's alone to change.
 			alice, err := f.ca.IssueClient("alice")
-			if err != nil {
-				t.Fatal(err)
-			}
+			must(t, err)
 			p := newPool(t)
 			pair := wrapPair(t, p, func() *rest.Config { return r.srv.RestConfig(alice) })
 			before := [2]*rigClient{r.client(pair.wrapped), r.client(pair.control)}
@@ -119,9 +115,7 @@ func TestAboveTheHookDecorators(t *testing.T) {
 func TestWrappersBeforeWrap(t *testing.T) {
 	f := newFixture(t, testserver.Options{ClientAuth: testserver.VerifyClientCertIfGiven})
 	bob, err := f.bob.TLSCertificate()
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	serverHost := strings.TrimPrefix(f.srv.URL(), "https://")
 	cases := []struct {
 		name string
@@ -166,9 +160,7 @@ func TestWrappersBeforeWrap(t *testing.T) {
 		}}, // client-go from v0.36 hands wrappers a wrapper of its own: the assertion panics there too
 		{name: "adds a CA to the roots in place", config: func(cfg *rest.Config) {
 			other, err := testserver.NewCA("other-ca")
-			if err != nil {
-				t.Fatal(err)
-			}
+			must(t, err)
 			cfg.CAData = other.CertPEM()
 		}, wrapper: func(*rest.Config) transport.WrapperFunc {
 			return func(rt http.RoundTripper) http.RoundTripper {
@@ -180,9 +172,7 @@ func TestWrappersBeforeWrap(t *testing.T) {
 		}, want: "alice"},
 		{name: "has a transport of its own", wrapper: func(cfg *rest.Config) transport.WrapperFunc {
 			own, err := rest.TransportFor(rest.CopyConfig(cfg))
-			if err != nil {
-				t.Fatal(err)
-			}
+			must(t, err)
 			return func(http.RoundTripper) http.RoundTripper { return own }
 		}, want: "alice"},
 	}
@@ -200,9 +190,7 @@ func TestWrappersBeforeWrap(t *testing.T) {
 			}
 			p := newPool(t)
 			before := f.srv.Stats().Requests
-			if err := p.Wrap(cfgs[0]); err != nil {
-				t.Fatal(err)
-			}
+			must(t, p.Wrap(cfgs[0]))
 			if n := f.srv.Stats().Requests - before; n != 0 || seen[0].built.Load() != 0 {
 				t.Errorf("Wrap sent %d requests and built %d wrappers, want none", n, seen[0].built.Load())
 			}
@@ -235,9 +223,7 @@ func TestCountingWrapperDeclared(t *testing.T) {
 		cfg, control := f.srv.RestConfig(f.alice), f.srv.RestConfig(f.alice)
 		cfg.Wrap(pooled.counting(identity))
 		control.Wrap(alone.counting(identity))
-		if err := p.Wrap(cfg, WithPerRequestWrappers()); err != nil {
-			t.Fatal(err)
-		}
+		must(t, p.Wrap(cfg, WithPerRequestWrappers()))
 		for range 3 {
 			if got, want := observeCN(f, cfg), observeCN(f, control); got != want || got != "alice" {
 				t.Fatalf("through the pool %q, through client-go alone %q, want alice", got, want)
@@ -310,9 +296,7 @@ func TestLegacyCancelKeepsSharing(t *testing.T) {
 	get := func() {
 		t.Helper()
 		resp, err := hc.Get(f.srv.URL() + "/api/v1/nodes")
-		if err != nil {
-			t.Fatal(err)
-		}
+		must(t, err)
 		resp.Body.Close()
 	}
 	get()
@@ -337,9 +321,7 @@ func TestUndeclaredWrappersLoggedOnce(t *testing.T) {
 	for range 3 {
 		cfg := f.srv.RestConfig(f.alice)
 		cfg.Wrap(func(rt http.RoundTripper) http.RoundTripper { return rt })
-		if err := p.Wrap(cfg); err != nil {
-			t.Fatal(err)
-		}
+		must(t, p.Wrap(cfg))
 	}
 	if n := logs.count("Wrap"); n != 1 || p.Stats().PassThrough != 3 {
 		t.Errorf("3 configs with undeclared wrappers: %d log lines naming Wrap, %d passed through; want 1 and 3",

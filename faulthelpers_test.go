@@ -82,9 +82,7 @@ func newAuthProxy(t testing.TB, values ...string) *connectProxy {
 func startConnectProxy(t testing.TB, o connectproxy.Options) *connectProxy {
 	t.Helper()
 	p, err := connectproxy.Start(o)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	t.Cleanup(func() { p.Close() })
 	return &connectProxy{p}
 }
@@ -102,9 +100,7 @@ func (p *connectProxy) carriedTo(addr, dest string) (from, fromDest string, ok b
 func startForwarder(t testing.TB, f *forwarder) *forwarder {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	f.ln = ln
 	f.pipes = map[*pipe]struct{}{}
 	f.wg.Add(1)
@@ -241,9 +237,7 @@ func (f *forwarder) dial() func(ctx context.Context, network, address string) (n
 func issueForKey(t testing.TB, ca *testserver.CA, cn string, key *testserver.KeyPair) *testserver.KeyPair {
 	t.Helper()
 	kp, err := ca.Issue(testserver.CertSpec{CommonName: cn, Client: true, Key: privateKey(t, key)})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	return kp
 }
 
@@ -255,9 +249,7 @@ func privateKey(t testing.TB, kp *testserver.KeyPair) *ecdsa.PrivateKey {
 		t.Fatal("no PEM key")
 	}
 	key, err := x509.ParseECPrivateKey(block.Bytes)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	return key
 }
 
@@ -266,9 +258,7 @@ func privateKey(t testing.TB, kp *testserver.KeyPair) *ecdsa.PrivateKey {
 func pkcs8(t testing.TB, kp *testserver.KeyPair) *testserver.KeyPair {
 	t.Helper()
 	der, err := x509.MarshalPKCS8PrivateKey(privateKey(t, kp))
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	return &testserver.KeyPair{CertPEM: kp.CertPEM, KeyPEM: pem.EncodeToMemory(&pem.Block{Type: "PRIVATE KEY", Bytes: der}), Cert: kp.Cert}
 }
 
@@ -278,9 +268,7 @@ func writeExecPlugin(t testing.TB, dir, name string, kp *testserver.KeyPair) *cl
 	t.Helper()
 	writeExecCredential(t, dir, name, kp, time.Time{})
 	script := filepath.Join(dir, name+".sh")
-	if err := os.WriteFile(script, []byte("#!/bin/sh\nexec cat '"+filepath.Join(dir, name+".json")+"'\n"), 0o700); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.WriteFile(script, []byte("#!/bin/sh\nexec cat '"+filepath.Join(dir, name+".json")+"'\n"), 0o700))
 	return &clientcmdapi.ExecConfig{
 		Command:         script,
 		APIVersion:      "client.authentication.k8s.io/v1",
@@ -304,9 +292,7 @@ func writeExecCredential(t testing.TB, dir, name string, kp *testserver.KeyPair,
 		"kind":       "ExecCredential",
 		"status":     status,
 	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	writeAtomic(t, filepath.Join(dir, name+".json"), cred)
 }
 
@@ -315,12 +301,8 @@ func writeExecCredential(t testing.TB, dir, name string, kp *testserver.KeyPair,
 func writeAtomic(t testing.TB, path string, data []byte) {
 	t.Helper()
 	tmp := path + ".tmp"
-	if err := os.WriteFile(tmp, data, 0o600); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.Rename(tmp, path); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.WriteFile(tmp, data, 0o600))
+	must(t, os.Rename(tmp, path))
 }
 
 // tagRoundTripper appends "st-tag=<tag> st-cn=<cn>" to the User-Agent, so
@@ -486,9 +468,7 @@ func (h *requestHold) releaseAll() { h.once.Do(func() { close(h.release) }) }
 func openFDs(t testing.TB) []int {
 	t.Helper()
 	entries, err := os.ReadDir("/proc/self/fd")
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	fds := make([]int, 0, len(entries))
 	for _, e := range entries {
 		if fd, err := strconv.Atoi(e.Name()); err == nil {

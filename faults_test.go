@@ -33,15 +33,11 @@ func TestServerRestart(t *testing.T) {
 			f := newFixture(t, testserver.Options{})
 			p := newPool(t, WithKeepAlive(keepAlive))
 			cfg := f.srv.RestConfig(f.alice)
-			if err := p.Wrap(cfg); err != nil {
-				t.Fatal(err)
-			}
+			must(t, p.Wrap(cfg))
 			// The HTTP client of the config, without the rest client's
 			// retries, shows what the transport itself does.
 			hc, err := rest.HTTPClientFor(cfg)
-			if err != nil {
-				t.Fatal(err)
-			}
+			must(t, err)
 			target := f.srv.URL() + "/api/v1/nodes"
 
 			var phase atomic.Int32
@@ -52,15 +48,11 @@ func TestServerRestart(t *testing.T) {
 			f.srv.SetLatency(time.Second)
 			waitFor(t, "requests held at the server", func() bool { return f.srv.Delayed() > 0 })
 			phase.Store(restartDown)
-			if err := f.srv.Stop(); err != nil {
-				t.Fatal(err)
-			}
+			must(t, f.srv.Stop())
 			waitFor(t, "the pool sees every connection closed", func() bool { return p.Stats().OpenConns == 0 })
 			time.Sleep(200 * time.Millisecond) // down for a while: new requests are refused
 			f.srv.SetLatency(0)
-			if err := f.srv.Restart(); err != nil {
-				t.Fatal(err)
-			}
+			must(t, f.srv.Restart())
 			phase.Store(restartBack)
 			time.Sleep(300 * time.Millisecond)
 			checkRestartResults(t, stop(), f.srv.Addr())
@@ -234,13 +226,9 @@ func TestBlackHole(t *testing.T) {
 	cfg := f.srv.RestConfig(f.alice)
 	cfg.Host = "https://" + relay.addr()
 	cfg.QPS, cfg.Burst = 1e6, 1e6
-	if err := p.Wrap(cfg); err != nil {
-		t.Fatal(err)
-	}
+	must(t, p.Wrap(cfg))
 	cs, err := kubernetes.NewForConfig(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	list := func(timeout time.Duration) (time.Duration, error) {
 		ctx, cancel := context.WithTimeout(context.Background(), timeout)
 		defer cancel()

@@ -99,13 +99,9 @@ type identityFixture struct {
 func newIdentityFixture(t testing.TB) *identityFixture {
 	t.Helper()
 	ca, err := testserver.NewCA("ca")
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	otherCA, err := testserver.NewCA("other-ca")
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	fx := &identityFixture{port: "6443", ca: ca, otherCA: otherCA}
 	if fx.alice, err = ca.IssueClient("alice"); err != nil {
 		t.Fatal(err)
@@ -118,9 +114,7 @@ func newIdentityFixture(t testing.TB) *identityFixture {
 	dir := t.TempDir()
 	write := func(name string, b []byte) string {
 		p := filepath.Join(dir, name)
-		if err := os.WriteFile(p, b, 0o600); err != nil {
-			t.Fatal(err)
-		}
+		must(t, os.WriteFile(p, b, 0o600))
 		return p
 	}
 	fx.caFile1 = write("ca1.crt", ca.CertPEM())

@@ -240,9 +240,7 @@ func TestExpiryWarning(t *testing.T) {
 	issueShort := func(cn string) *testserver.KeyPair {
 		now := time.Now()
 		kp, err := f.ca.Issue(testserver.CertSpec{CommonName: cn, Client: true, NotBefore: now.Add(-time.Hour), NotAfter: now.Add(90 * time.Minute)})
-		if err != nil {
-			t.Fatal(err)
-		}
+		must(t, err)
 		return kp
 	}
 	short, short2 := issueShort("short"), issueShort("short2")
@@ -253,9 +251,7 @@ func TestExpiryWarning(t *testing.T) {
 	longCfg, _ := longDir.wrapped(t, p, f.srv.URL())
 	warnings := func() int { klog.Flush(); return strings.Count(logs.String(), "Client certificate expires soon") }
 	time.Sleep(200 * time.Millisecond) // polls come and go
-	if err := p.Wrap(rest.CopyConfig(shortCfg)); err != nil {
-		t.Fatal(err)
-	}
+	must(t, p.Wrap(rest.CopyConfig(shortCfg)))
 	if n := warnings(); n != 1 {
 		t.Fatalf("%d expiry warnings, want 1 (the short certificate's):\n%s", n, logs.String())
 	}

@@ -31,14 +31,10 @@ func TestIsolation(t *testing.T) {
 		OnRequest: ledger.onRequest,
 	})
 	otherCA, err := testserver.NewCA("other-ca")
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	issue := func(cn string) *testserver.KeyPair {
 		kp, err := f.ca.IssueClient(cn)
-		if err != nil {
-			t.Fatal(err)
-		}
+		must(t, err)
 		return kp
 	}
 	aliceReissued := issueForKey(t, f.ca, "alice-reissued", f.alice) // other certificate, same key
@@ -107,9 +103,7 @@ func TestIsolation(t *testing.T) {
 		ledger.reset()
 		cfg := f.srv.RestConfig(f.alice)
 		tag(cfg, "liar", "bob")
-		if err := listNodes(context.Background(), cfg); err != nil {
-			t.Fatal(err)
-		}
+		must(t, listNodes(context.Background(), cfg))
 		if _, _, mismatches, _ := ledger.snapshot(); len(mismatches) != 1 {
 			t.Errorf("mismatches %q, want exactly one", mismatches)
 		}
@@ -204,9 +198,7 @@ func loadBothSides(t *testing.T, p *Pool, a, b isolationSide) {
 		cfg.QPS, cfg.Burst = 1e6, 1e6 // client-go's rate limiter is not under test
 		tag(cfg, string(rune('A'+i)), s.cn)
 		cs, err := declaredClientset(p, cfg, WithPerRequestWrappers()) // the tag leaves connections alone
-		if err != nil {
-			t.Fatal(err)
-		}
+		must(t, err)
 		clients = append(clients, cs)
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
@@ -217,9 +209,7 @@ func loadBothSides(t *testing.T, p *Pool, a, b isolationSide) {
 	}
 	for range isolationSequential {
 		for _, cs := range clients {
-			if err := list(cs); err != nil {
-				t.Fatal(err)
-			}
+			must(t, list(cs))
 		}
 	}
 	var wg sync.WaitGroup
@@ -304,13 +294,9 @@ func checkExecRotation(t *testing.T, opts ...Option) {
 	for _, customDial := range []bool{false, true} {
 		t.Run(fmt.Sprintf("custom Dial %v", customDial), func(t *testing.T) {
 			before, err := f.ca.IssueClient("exec-before")
-			if err != nil {
-				t.Fatal(err)
-			}
+			must(t, err)
 			after, err := f.ca.IssueClient("exec-after")
-			if err != nil {
-				t.Fatal(err)
-			}
+			must(t, err)
 			name := fmt.Sprintf("rotating-%v", customDial)
 			exec := writeExecPlugin(t, f.dir, name, before)
 			// The plugin's first credential expires soon: client-go runs
@@ -330,9 +316,7 @@ func checkExecRotation(t *testing.T, opts ...Option) {
 			} else {
 				cs, err = wrapped(cfg, wrapFn(p))
 			}
-			if err != nil {
-				t.Fatal(err)
-			}
+			must(t, err)
 			ctx := context.Background()
 			if _, err := cs.CoreV1().Nodes().List(ctx, metav1.ListOptions{}); err != nil {
 				t.Fatal(err)

@@ -44,13 +44,9 @@ func TestSessionResumption(t *testing.T) {
 				cfg := f.srv.RestConfig(kp)
 				cfg.UserAgent = name // the server checks the certificate against it
 				cfg.QPS = -1         // no client-side rate limit: the load is the point
-				if err := p.Wrap(cfg); err != nil {
-					t.Fatal(err)
-				}
+				must(t, p.Wrap(cfg))
 				cs, err := kubernetes.NewForConfig(cfg)
-				if err != nil {
-					t.Fatal(err)
-				}
+				must(t, err)
 				clients[name] = cs
 			}
 			n, workers := 1000, 8
@@ -89,13 +85,9 @@ func TestSessionResumption(t *testing.T) {
 		f := newFixture(t, testserver.Options{})
 		p := newPool(t, WithKeepAlive(false), WithSessionResumption(false))
 		cfg := f.srv.RestConfig(f.alice)
-		if err := p.Wrap(cfg); err != nil {
-			t.Fatal(err)
-		}
+		must(t, p.Wrap(cfg))
 		for range 10 {
-			if err := listNodes(context.Background(), cfg); err != nil {
-				t.Fatal(err)
-			}
+			must(t, listNodes(context.Background(), cfg))
 		}
 		if st := f.srv.Stats(); st.ResumedHandshakes != 0 || st.FullHandshakes != 10 {
 			t.Errorf("resumption off: %d full, %d resumed handshakes, want 10 and 0", st.FullHandshakes, st.ResumedHandshakes)
@@ -112,9 +104,7 @@ func TestRotationClosesOldConnsWhenIdle(t *testing.T) {
 			hold := newRequestHold(t)
 			f := newFixture(t, testserver.Options{OnRequest: hold.onRequest, DisableHTTP2: http1})
 			dave, err := f.ca.IssueClient("dave")
-			if err != nil {
-				t.Fatal(err)
-			}
+			must(t, err)
 			p := newPool(t, WithPollInterval(0), WithDrainTimeout(time.Minute))
 			d := newCertDir(t, secretVolume, f.alice, f.ca.CertPEM())
 			client := httpClient(t, p, d.config(f.srv.URL()))
@@ -133,9 +123,7 @@ func TestRotationClosesOldConnsWhenIdle(t *testing.T) {
 				t.Fatal(err)
 			}
 			hold.releaseAll()
-			if err := <-slow; err != nil {
-				t.Fatal(err)
-			}
+			must(t, <-slow)
 			done := time.Now()
 			waitFor(t, "the old generation's connection closed once idle", func() bool { return f.srv.Stats().Open == 1 })
 			t.Logf("the old connection closed %v after its request ended", time.Since(done).Round(time.Millisecond))
@@ -201,15 +189,11 @@ func TestCloseIdleConnectionsFor(t *testing.T) {
 		p := newPool(t)
 		cfg := f.srv.RestConfig(f.alice)
 		cfg.Proxy = http.ProxyURL(&url.URL{Scheme: "http", Host: proxy.Addr()})
-		if err := p.Wrap(cfg); err != nil {
-			t.Fatal(err)
-		}
+		must(t, p.Wrap(cfg))
 		moved := rest.CopyConfig(cfg)
 		moved.Host = other.URL()
 		client, err := rest.HTTPClientFor(moved)
-		if err != nil {
-			t.Fatal(err)
-		}
+		must(t, err)
 		if _, err := getUA(context.Background(), client, other.URL(), "other host"); err != nil {
 			t.Fatal(err)
 		}
@@ -228,12 +212,8 @@ func TestKeepAliveOff(t *testing.T) {
 	const n = 10
 	for range n {
 		cfg := f.srv.RestConfig(f.alice)
-		if err := p.Wrap(cfg); err != nil {
-			t.Fatal(err)
-		}
-		if err := listNodes(ctx, cfg); err != nil {
-			t.Fatal(err)
-		}
+		must(t, p.Wrap(cfg))
+		must(t, listNodes(ctx, cfg))
 	}
 	st := f.srv.Stats()
 	if st.Accepted != n {
@@ -247,9 +227,7 @@ func TestKeepAliveOff(t *testing.T) {
 	f.srv.ResetStats()
 	plain := f.srv.RestConfig(f.bob)
 	cs, err := kubernetes.NewForConfig(plain)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	for range n {
 		if _, err := cs.CoreV1().Nodes().List(ctx, metav1.ListOptions{}); err != nil {
 			t.Fatal(err)

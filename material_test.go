@@ -37,9 +37,7 @@ func badFiles(t testing.TB, f *fixture, otherCA *testserver.CA) []badFile {
 	write := func(pick func(*certDir) string, b []byte) func(testing.TB, *certDir) {
 		return func(t testing.TB, c *certDir) {
 			t.Helper()
-			if err := os.WriteFile(pick(c), b, 0o600); err != nil {
-				t.Fatal(err)
-			}
+			must(t, os.WriteFile(pick(c), b, 0o600))
 		}
 	}
 	ca := func(c *certDir) string { return c.ca }
@@ -71,12 +69,8 @@ func badFiles(t testing.TB, f *fixture, otherCA *testserver.CA) []badFile {
 		// where a file belongs does.
 		{"directory instead of the key file", func(t testing.TB, c *certDir) {
 			t.Helper()
-			if err := os.Remove(c.key); err != nil {
-				t.Fatal(err)
-			}
-			if err := os.Mkdir(c.key, 0o700); err != nil {
-				t.Fatal(err)
-			}
+			must(t, os.Remove(c.key))
+			must(t, os.Mkdir(c.key, 0o700))
 		}, key, "is a directory", nil},
 		{"certificate file deleted", remove(cert), cert, "no such file or directory", nil},
 		{"CA file deleted", remove(ca), ca, "no such file or directory", nil},
@@ -93,9 +87,7 @@ func badFiles(t testing.TB, f *fixture, otherCA *testserver.CA) []badFile {
 func remove(pick func(*certDir) string) func(testing.TB, *certDir) {
 	return func(t testing.TB, c *certDir) {
 		t.Helper()
-		if err := os.Remove(pick(c)); err != nil {
-			t.Fatal(err)
-		}
+		must(t, os.Remove(pick(c)))
 	}
 }
 
@@ -112,9 +104,7 @@ func issueValid(t testing.TB, ca *testserver.CA, cn string, from, until time.Dur
 	t.Helper()
 	now := time.Now()
 	kp, err := ca.Issue(testserver.CertSpec{CommonName: cn, Client: true, NotBefore: now.Add(from), NotAfter: now.Add(until)})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	return kp
 }
 
@@ -123,9 +113,7 @@ func expiredCA(t testing.TB, cn string) []byte {
 	t.Helper()
 	kp, err := testserver.SelfSigned(testserver.CertSpec{CommonName: cn, CA: true,
 		NotBefore: time.Now().Add(-365 * 24 * time.Hour), NotAfter: time.Now().Add(-24 * time.Hour)})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	return kp.CertPEM
 }
 
@@ -135,9 +123,7 @@ func expiredCA(t testing.TB, cn string) []byte {
 func TestBadFilesAtWrap(t *testing.T) {
 	f := newFixture(t, testserver.Options{})
 	otherCA, err := testserver.NewCA("other-ca")
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	p := newPool(t)
 	for i, bf := range badFiles(t, f, otherCA) {
 		t.Run(bf.name, func(t *testing.T) {
@@ -188,9 +174,7 @@ func TestBadFilesAfterGood(t *testing.T) {
 	ledger := newConnLedger()
 	f := newFixture(t, testserver.Options{OnRequest: ledger.onRequest})
 	otherCA, err := testserver.NewCA("other-ca")
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	logs := &logLines{}
 	p := newPool(t, withDebounce(10*time.Millisecond), WithLogger(logs.logger()))
 	c := writeCredFiles(t, filepath.Join(f.dir, "rotate"), f.ca.CertPEM(), f.alice)
@@ -209,13 +193,9 @@ func TestBadFilesAfterGood(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	longLived, err := kubernetes.NewForConfig(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	r := &badFilesRig{f: f, p: p, c: c, cfg: cfg, ledger: ledger, logs: logs, ctx: ctx, longLived: longLived}
-	if err := r.list(); err != nil {
-		t.Fatal(err)
-	}
+	must(t, r.list())
 
 	fresh := map[string]int{}
 	bad := badFiles(t, f, otherCA)
@@ -231,9 +211,7 @@ func TestBadFilesAfterGood(t *testing.T) {
 		writeAtomic(t, c.cert, f.bob.CertPEM)
 		waitFor(t, "the rotation", func() bool { return p.Stats().Rotations > before.Rotations })
 		r.newConnection(t)
-		if err := r.list(); err != nil {
-			t.Fatal(err)
-		}
+		must(t, r.list())
 		r.checkServer(t)
 		// client-go re-reads the files at most once a second; then fresh
 		// clients match the identity again and share its transport.
@@ -379,13 +357,9 @@ func TestCANotACA(t *testing.T) {
 			// before the change, as in TestBadFilesAfterGood.
 			good := writeCredFiles(t, filepath.Join(dir, "rotates"), f.ca.CertPEM(), f.alice)
 			cfg := good.config(f.srv.URL())
-			if err := p.Wrap(cfg); err != nil {
-				t.Fatal(err)
-			}
+			must(t, p.Wrap(cfg))
 			cs, err := kubernetes.NewForConfig(cfg)
-			if err != nil {
-				t.Fatal(err)
-			}
+			must(t, err)
 			if _, err := cs.CoreV1().Nodes().List(ctx, metav1.ListOptions{}); err != nil {
 				t.Fatal(err)
 			}
@@ -407,13 +381,9 @@ func TestCANotACA(t *testing.T) {
 				// Copies) reaches the server the new CA verifies.
 				vcfg := good.config(verifier)
 				hc, err := p.HTTPClientFor(vcfg)
-				if err != nil {
-					t.Fatal(err)
-				}
+				must(t, err)
 				vcs, err := kubernetes.NewForConfigAndClient(vcfg, hc)
-				if err != nil {
-					t.Fatal(err)
-				}
+				must(t, err)
 				if _, err := vcs.CoreV1().Nodes().List(ctx, metav1.ListOptions{}); err != nil {
 					t.Errorf("request to the server the new CA file verifies, through the pool: %v", err)
 				}
@@ -442,9 +412,7 @@ func serverVerifiedBy(t *testing.T, f *fixture, kp *testserver.KeyPair) string {
 	t.Helper()
 	key := privateKey(t, kp)
 	signed, err := (&testserver.CA{Cert: kp.Cert, Key: key}).IssueServer()
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	verified := ""
@@ -469,9 +437,7 @@ func serverVerifiedBy(t *testing.T, f *fixture, kp *testserver.KeyPair) string {
 func clientAuthCA(t testing.TB) *testserver.KeyPair {
 	t.Helper()
 	kp, err := testserver.SelfSigned(testserver.CertSpec{CommonName: "clients-only-ca", CA: true, Client: true})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	return kp
 }
 
@@ -481,9 +447,7 @@ func selfSignedServing(t testing.TB) *testserver.KeyPair {
 	t.Helper()
 	kp, err := testserver.SelfSigned(testserver.CertSpec{CommonName: "pinned", Server: true,
 		IPAddresses: []net.IP{net.ParseIP("127.0.0.1")}})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	return kp
 }
 
@@ -511,9 +475,7 @@ func TestCertificateValidity(t *testing.T) {
 	t.Run("after good material", func(t *testing.T) {
 		c := writeCredFiles(t, filepath.Join(f.dir, "rotate"), f.ca.CertPEM(), f.alice)
 		cfg := c.config(f.srv.URL())
-		if err := p.Wrap(cfg); err != nil {
-			t.Fatal(err)
-		}
+		must(t, p.Wrap(cfg))
 		before := p.Stats()
 		kp := issueValid(t, f.ca, "ahead", time.Hour, 25*time.Hour)
 		writeAtomic(t, c.key, kp.KeyPEM)
@@ -540,9 +502,7 @@ func TestCertificateValidity(t *testing.T) {
 func TestCABundleText(t *testing.T) {
 	f := newFixture(t, testserver.Options{})
 	other, err := testserver.NewCA("other-ca")
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	ca, otherPEM := string(f.ca.CertPEM()), string(other.CertPEM())
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
@@ -566,9 +526,7 @@ func TestCABundleText(t *testing.T) {
 			// On rotation: from a plain bundle to this one.
 			r := writeCredFiles(t, filepath.Join(f.dir, "text-rotation", strconv.Itoa(i)), f.ca.CertPEM(), f.alice)
 			cfg := r.config(f.srv.URL())
-			if err := p.Wrap(cfg); err != nil {
-				t.Fatal(err)
-			}
+			must(t, p.Wrap(cfg))
 			before := p.Stats()
 			writeAtomic(t, r.ca, []byte(tc.bundle))
 			waitFor(t, "the reload", func() bool {
@@ -578,9 +536,7 @@ func TestCABundleText(t *testing.T) {
 			if st := p.Stats(); st.RotationErrors != before.RotationErrors {
 				t.Fatalf("the rotation to the bundle was rejected: %+v", st)
 			}
-			if err := listNodes(ctx, cfg); err != nil {
-				t.Fatal(err)
-			}
+			must(t, listNodes(ctx, cfg))
 		})
 	}
 	t.Run("torn block", func(t *testing.T) {

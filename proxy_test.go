@@ -164,9 +164,7 @@ func TestProxySeedLoad(t *testing.T) {
 func newRotationMember(t *testing.T) *testserver.RotationMember {
 	t.Helper()
 	m, err := testserver.StartRotationMember()
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	t.Cleanup(func() { m.Close() })
 	return m
 }
@@ -229,12 +227,8 @@ func TestProxySecretRotation(t *testing.T) {
 			// A client that keeps the new config, so that only the old
 			// identity has nothing referring to it.
 			current, err := memberproxy.RestConfig(cluster)
-			if err != nil {
-				t.Fatal(err)
-			}
-			if err := p.Wrap(current); err != nil {
-				t.Fatal(err)
-			}
+			must(t, err)
+			must(t, p.Wrap(current))
 			afterLoad := p.Stats()
 			waitFor(t, "old identity released", func() bool {
 				runtime.GC()
@@ -317,12 +311,8 @@ func TestProxyClusterDeleted(t *testing.T) {
 
 	// member-2 has a long-lived client, as a controller would.
 	held, err := memberproxy.RestConfig(staying)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := p.Wrap(held); err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
+	must(t, p.Wrap(held))
 	checkNoErrors(t, runClients(10, 10, func(c, i int) error {
 		return fr.ListNodes(ctx, []string{"member-1", "member-2"}[(c+i)%2], "")
 	}))
@@ -331,13 +321,9 @@ func TestProxyClusterDeleted(t *testing.T) {
 	watchCtx, stopWatch := context.WithCancel(ctx)
 	defer stopWatch()
 	req, err := http.NewRequestWithContext(watchCtx, http.MethodGet, fr.ClusterURL("member-1", "/api/v1/nodes?watch=true"), nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	resp, err := fr.HTTP.Do(req)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	defer resp.Body.Close()
 	if line, err := bufio.NewReader(resp.Body).ReadString('\n'); err != nil || !strings.Contains(line, `"ADDED"`) {
 		t.Fatalf("watch through the front: %q, %v", line, err)
@@ -390,9 +376,7 @@ func TestProxyClusterOffline(t *testing.T) {
 	ctx := context.Background()
 	checkNoErrors(t, runClients(10, 10, func(int, int) error { return fr.ListNodes(ctx, "member-1", "") }))
 
-	if err := member.srv.Stop(); err != nil {
-		t.Fatal(err)
-	}
+	must(t, member.srv.Stop())
 	stopped := time.Now()
 	var (
 		wg         sync.WaitGroup
@@ -441,9 +425,7 @@ func TestProxyClusterOffline(t *testing.T) {
 		t.Errorf("a request to the offline member took %v, want a fast failure", slowest)
 	}
 
-	if err := member.srv.Restart(); err != nil {
-		t.Fatal(err)
-	}
+	must(t, member.srv.Restart())
 	member.srv.ResetStats()
 	if err := fr.ListNodes(ctx, "member-1", ""); err != nil {
 		t.Errorf("first request after the member came back: %v", err)
@@ -462,9 +444,7 @@ func TestProxyClusterOffline(t *testing.T) {
 func newEchoMember(t *testing.T, tokens map[string]string) *spdyecho.Member {
 	t.Helper()
 	m, err := spdyecho.Start(tokens)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	t.Cleanup(m.Close)
 	return m
 }
@@ -475,9 +455,7 @@ func newEchoMember(t *testing.T, tokens map[string]string) *spdyecho.Member {
 func TestProxyUpgrade(t *testing.T) {
 	member := newEchoMember(t, map[string]string{"exec-token": "front-by-token"})
 	front1, err := member.CA.IssueClient("front-by-cert")
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	httpProxy := newConnectProxy(t)
 	secret := memberproxy.Secret{CAData: member.CA.CertPEM(), CertData: front1.CertPEM, KeyData: front1.KeyPEM}
 	clusters := memberproxy.NewClusters()
@@ -504,9 +482,7 @@ func TestProxyUpgrade(t *testing.T) {
 			payload := "echo me, " + tc.cluster
 			got, err := spdyecho.Exec(ctx, fr.ClusterURL(tc.cluster, "/api/v1/namespaces/default/pods/echo/exec?command=cat&stdin=true&stdout=true"),
 				memberproxy.CallerAuthorization, payload)
-			if err != nil {
-				t.Fatal(err)
-			}
+			must(t, err)
 			if want := "hello " + tc.user + "\n" + payload; got != want {
 				t.Errorf("exec through the front: %q, want %q", got, want)
 			}
@@ -542,9 +518,7 @@ func TestProxyManyIdentities(t *testing.T) {
 	clusters := memberproxy.NewClusters()
 	for i := range identities {
 		kp, err := member.CA.IssueClient(fmt.Sprintf("front-%03d", i))
-		if err != nil {
-			t.Fatal(err)
-		}
+		must(t, err)
 		clusters.Set(memberproxy.Cluster{Name: fmt.Sprintf("member-%03d", i), APIEndpoint: member.URL, Secret: memberproxy.Secret{
 			CAData: member.CA.CertPEM(), CertData: kp.CertPEM, KeyData: kp.KeyPEM,
 		}})
@@ -561,9 +535,7 @@ func TestProxyManyIdentities(t *testing.T) {
 	clusters.Delete("warm-up")
 	waitFor(t, "warm-up identity released", func() bool { runtime.GC(); return p.Stats().Identities == 0 })
 	waitFor(t, "warm-up connection closed", func() bool { return memberStats(t, member).Open == 0 })
-	if err := member.ResetStats(ctx); err != nil {
-		t.Fatal(err)
-	}
+	must(t, member.ResetStats(ctx))
 
 	// The test's own connections to the front live in this process too:
 	// closed before every measurement.
@@ -574,12 +546,8 @@ func TestProxyManyIdentities(t *testing.T) {
 	for i := range identities {
 		cl, _ := clusters.Get(fmt.Sprintf("member-%03d", i))
 		cfg, err := memberproxy.RestConfig(cl)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := p.Wrap(cfg); err != nil {
-			t.Fatal(err)
-		}
+		must(t, err)
+		must(t, p.Wrap(cfg))
 		held[i] = cfg
 	}
 	wrapped := memStats(fr)
@@ -657,9 +625,7 @@ func startMemberProcess(t *testing.T) *testserver.Process {
 		Args:   []string{"-test.run=^$", "-test.count=1"},
 		Stderr: os.Stderr,
 	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	t.Cleanup(func() {
 		if err := m.Close(); err != nil {
 			t.Errorf("member process: %v", err)
@@ -671,9 +637,7 @@ func startMemberProcess(t *testing.T) *testserver.Process {
 func memberStats(t testing.TB, m *testserver.Process) testserver.Stats {
 	t.Helper()
 	st, err := m.Stats(context.Background())
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	return st
 }
 

@@ -197,9 +197,7 @@ func TestSecretsStaySecret(t *testing.T) {
 	token, password := randomSecret(t, "token-"), randomSecret(t, "password-")
 	f := newFixture(t, testserver.Options{Tokens: map[string]string{token: "token-user"}})
 	execKP, err := f.ca.IssueClient("exec-user")
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	var secrets []string
 	for _, kp := range []*testserver.KeyPair{f.alice, f.bob, f.carol, execKP} {
 		secrets = append(secrets, secretForms(t, kp.KeyPEM)...)
@@ -221,21 +219,15 @@ func TestSecretsStaySecret(t *testing.T) {
 	execCfg := f.srv.RestConfig(nil)
 	execCfg.ExecProvider = writeExecPlugin(t, f.dir, "exec", execKP)
 	for _, cfg := range []*rest.Config{fileCfg, basicCfg, execCfg} {
-		if err := sc.p.Wrap(cfg); err != nil {
-			t.Fatal(err)
-		}
-		if err := listNodes(ctx, cfg); err != nil {
-			t.Fatal(err)
-		}
+		must(t, sc.p.Wrap(cfg))
+		must(t, listNodes(ctx, cfg))
 	}
 	proxied := sc.proxied(t, proxyPassword, proxyCred)
 	sc.rotations(t, paths, fileCfg)
 	sc.badMaterial(t, basicCfg, token)
 	sc.printed(t)
 	runtime.KeepAlive([]any{fileCfg, basicCfg, execCfg, proxied}) // their identities were printed above
-	if err := sc.p.Close(); err != nil {
-		t.Fatal(err)
-	}
+	must(t, sc.p.Close())
 	sc.note("after Close", listNodes(ctx, fileCfg))
 	klog.Flush()
 	checkNoSecrets(t, logs.String(), sc.texts, secrets, f.alice.KeyPEM)
@@ -267,9 +259,7 @@ func (sc *secretsScan) proxied(t *testing.T, proxyPassword, proxyCred string) ku
 	header := http.Header{"Proxy-Authorization": {"Basic " + proxyCred}}
 	proxyCfg.WrapTransport = memberproxy.ProxyHeaderWrapper(nil, header)
 	cs, err := declaredClientset(sc.p, proxyCfg, WithProxyConnectHeader(header))
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	_, err = cs.CoreV1().Nodes().List(sc.ctx, metav1.ListOptions{})
 	sc.note("request through a proxy that is not there", err)
 	return cs
@@ -283,14 +273,10 @@ func (sc *secretsScan) rotations(t *testing.T, paths testserver.Paths, fileCfg *
 	rotateTo := func(what string, cert, key []byte, done func(Stats) bool) {
 		t.Helper()
 		if cert != nil {
-			if err := os.WriteFile(paths.Cert, cert, 0o600); err != nil {
-				t.Fatal(err)
-			}
+			must(t, os.WriteFile(paths.Cert, cert, 0o600))
 		}
 		if key != nil {
-			if err := os.WriteFile(paths.Key, key, 0o600); err != nil {
-				t.Fatal(err)
-			}
+			must(t, os.WriteFile(paths.Key, key, 0o600))
 		}
 		waitFor(t, what, func() bool { return done(p.Stats()) })
 		sc.note(what+": request", listNodes(sc.ctx, fileCfg))
@@ -327,9 +313,7 @@ func (sc *secretsScan) badMaterial(t *testing.T, basicCfg *rest.Config, token st
 	func() {
 		throwaway := f.srv.RestConfig(f.carol)
 		throwaway.BearerToken = token
-		if err := p.Wrap(throwaway); err != nil {
-			t.Fatal(err)
-		}
+		must(t, p.Wrap(throwaway))
 	}()
 	waitFor(t, "an identity released", func() bool { runtime.GC(); return p.Stats().Identities <= 4 })
 }

@@ -56,26 +56,18 @@ func (r *upgradeResponder) Error(w http.ResponseWriter, _ *http.Request, err err
 // put the transport's connection to use.
 func TestUpgradeAwareHandlerOverTransportFor(t *testing.T) {
 	member, err := spdyecho.Start(nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	t.Cleanup(member.Close)
 	alice, err := member.CA.IssueClient("alice")
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	cfg := &rest.Config{Host: member.URL, TLSClientConfig: rest.TLSClientConfig{
 		CAData: member.CA.CertPEM(), CertData: alice.CertPEM, KeyData: alice.KeyPEM}}
 	target, err := url.Parse(member.URL)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	for _, tc := range transportsUnderTest(t) {
 		t.Run(tc.name, func(t *testing.T) {
 			rt, err := tc.rt(rest.CopyConfig(cfg))
-			if err != nil {
-				t.Fatal(err)
-			}
+			must(t, err)
 			responder := &upgradeResponder{}
 			front := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 				location := *target
@@ -88,9 +80,7 @@ func TestUpgradeAwareHandlerOverTransportFor(t *testing.T) {
 			defer cancel()
 			for i := range 3 {
 				resp, err := http.Get(front.URL + "/api/v1/namespaces")
-				if err != nil {
-					t.Fatal(err)
-				}
+				must(t, err)
 				_, _ = io.Copy(io.Discard, resp.Body)
 				resp.Body.Close()
 				for _, sub := range []string{"exec", "portforward"} {
@@ -143,9 +133,7 @@ func TestPostsThroughReverseProxy(t *testing.T) {
 			for _, tc := range transportsUnderTest(t) {
 				t.Run(tc.name, func(t *testing.T) {
 					rt, err := tc.rt(f.srv.RestConfig(f.alice))
-					if err != nil {
-						t.Fatal(err)
-					}
+					must(t, err)
 					var fails, serverRaces atomic.Int64
 					var first atomic.Pointer[string]
 					front := proxyFrontFunc(t, f.srv.URL(), rt, func(err error) {
@@ -198,9 +186,7 @@ func serverStreamRace(msg string) bool {
 func proxyFrontFunc(t testing.TB, target string, rt http.RoundTripper, failed func(error)) string {
 	t.Helper()
 	u, err := url.Parse(target)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	front := httptest.NewServer(&httputil.ReverseProxy{
 		Rewrite:   func(r *httputil.ProxyRequest) { r.SetURL(u) },
 		Transport: rt,
@@ -257,9 +243,7 @@ func TestGoawayUnderCap(t *testing.T) {
 // alone.
 func clientGoClient(t testing.TB, cfg *rest.Config) *http.Client {
 	c, err := rest.HTTPClientFor(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	return c
 }
 
@@ -267,9 +251,7 @@ func clientGoClient(t testing.TB, cfg *rest.Config) *http.Client {
 // until closeAll closes the ones it holds then.
 func holdingListener(t *testing.T) (addr string, accepted func() int, closeAll func()) {
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	var mu sync.Mutex
 	var held []net.Conn
 	n := 0

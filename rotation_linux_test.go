@@ -36,12 +36,8 @@ func unreadables(hung *hangfs.FS) []unreadable {
 	replace := func(t testing.TB, path string, create func(tmp string) error) {
 		t.Helper()
 		tmp := path + ".new"
-		if err := create(tmp); err != nil {
-			t.Fatal(err)
-		}
-		if err := os.Rename(tmp, path); err != nil {
-			t.Fatal(err)
-		}
+		must(t, create(tmp))
+		must(t, os.Rename(tmp, path))
 	}
 	return []unreadable{
 		{"named pipe", func(t testing.TB, path string) {
@@ -76,9 +72,7 @@ func TestRotationUnreadableFiles(t *testing.T) {
 	rec := &cnRecorder{}
 	f := newFixture(t, testserver.Options{OnRequest: rec.record})
 	dave, err := f.ca.IssueClient("dave")
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	// One hung file for Wrap, one for the watcher: each must hold exactly
 	// one read however often it is looked at.
 	var hung [2]*hangfs.FS
@@ -190,13 +184,9 @@ func unreadableAfterGood(t *testing.T, ctx context.Context, p *Pool, f *fixture,
 	for i, u := range unreadables(h) {
 		c := writeCredFiles(t, filepath.Join(f.dir, "after", string(rune('a'+i))), f.ca.CertPEM(), f.alice)
 		cfg := c.config(f.srv.URL())
-		if err := p.Wrap(cfg); err != nil {
-			t.Fatal(err)
-		}
+		must(t, p.Wrap(cfg))
 		cs, err := kubernetes.NewForConfig(cfg)
-		if err != nil {
-			t.Fatal(err)
-		}
+		must(t, err)
 		bad = append(bad, badIdentity{u, c, cs})
 	}
 	good := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
@@ -437,9 +427,7 @@ func rotate(t *testing.T, p *Pool, rec *cnRecorder, cfg *rest.Config, c *certDir
 	writeAtomic(t, c.cert, kp.CertPEM)
 	waitFor(t, "rotation to "+kp.Cert.Subject.CommonName, func() bool { return p.Stats().Rotations > before })
 	since := time.Now()
-	if err := listNodes(context.Background(), cfg); err != nil {
-		t.Fatal(err)
-	}
+	must(t, listNodes(context.Background(), cfg))
 	if _, ok := rec.firstSince(kp.Cert.Subject.CommonName, since); !ok {
 		t.Errorf("the server did not see %s", kp.Cert.Subject.CommonName)
 	}
@@ -469,9 +457,7 @@ func TestWatchesFollowIdentities(t *testing.T) {
 		for i := range perRound {
 			c := writeCredFiles(t, filepath.Join(f.dir, fmt.Sprintf("%d-%d", round, i)), f.ca.CertPEM(), f.alice)
 			cfg := c.config(f.srv.URL())
-			if err := p.Wrap(cfg); err != nil {
-				t.Fatal(err)
-			}
+			must(t, p.Wrap(cfg))
 			cfgs = append(cfgs, cfg)
 		}
 		if fd < 0 {

@@ -108,9 +108,7 @@ func TestRotationKinds(t *testing.T) {
 	rec := &cnRecorder{}
 	f := newFixture(t, testserver.Options{OnRequest: rec.record})
 	dave, err := f.ca.IssueClient("dave")
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	for _, layout := range []string{inPlace, renameOver, secretVolume, deleteCreate, certThenKey} {
 		t.Run(layout, func(t *testing.T) {
 			p := newPool(t, WithPollInterval(0), WithDrainTimeout(time.Second))
@@ -142,9 +140,7 @@ func TestRotationKinds(t *testing.T) {
 				t.Errorf("Rotations = %d, want 1", st.Rotations)
 			}
 			// The same cfg, with no new rest.Config, now presents dave.
-			if err := listNodes(context.Background(), cfg); err != nil {
-				t.Fatal(err)
-			}
+			must(t, listNodes(context.Background(), cfg))
 		})
 	}
 	// The server saw only whole, valid certificates: a torn pair would have
@@ -163,17 +159,13 @@ func TestRotationConverges(t *testing.T) {
 	var pairs []*testserver.KeyPair
 	for i := range 5 {
 		kp, err := f.ca.IssueClient(fmt.Sprintf("user-%d", i))
-		if err != nil {
-			t.Fatal(err)
-		}
+		must(t, err)
 		pairs = append(pairs, kp)
 	}
 	p := newPool(t, WithPollInterval(0))
 	d := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
 	cfg := d.config(f.srv.URL())
-	if err := p.Wrap(cfg); err != nil {
-		t.Fatal(err)
-	}
+	must(t, p.Wrap(cfg))
 	for i := range 100 {
 		d.write(t, pairs[i%len(pairs)], f.ca.CertPEM())
 		time.Sleep(8 * time.Millisecond)
@@ -182,9 +174,7 @@ func TestRotationConverges(t *testing.T) {
 	written := time.Now()
 	waitFor(t, "the final certificate is used", func() bool {
 		f.srv.CloseClientConnections()
-		if err := listNodes(context.Background(), cfg); err != nil {
-			t.Fatal(err)
-		}
+		must(t, listNodes(context.Background(), cfg))
 		_, ok := rec.firstSince(final.Cert.Subject.CommonName, written)
 		return ok
 	})
@@ -196,22 +186,16 @@ func TestRotationByPollOnly(t *testing.T) {
 	rec := &cnRecorder{}
 	f := newFixture(t, testserver.Options{OnRequest: rec.record})
 	dave, err := f.ca.IssueClient("dave")
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	const poll = 300 * time.Millisecond
 	p := newPool(t, WithPollInterval(poll), func(o *options) { o.disableNotify = true })
 	d := newCertDir(t, secretVolume, f.alice, f.ca.CertPEM())
 	cfg := d.config(f.srv.URL())
-	if err := p.Wrap(cfg); err != nil {
-		t.Fatal(err)
-	}
+	must(t, p.Wrap(cfg))
 	d.write(t, dave, f.ca.CertPEM())
 	waitFor(t, "the poll finds the change", func() bool { return p.Stats().Rotations == 1 })
 	written := time.Now()
-	if err := listNodes(context.Background(), cfg); err != nil {
-		t.Fatal(err)
-	}
+	must(t, listNodes(context.Background(), cfg))
 	if _, ok := rec.firstSince("dave", written); !ok {
 		t.Error("the server did not see the new certificate")
 	}
@@ -225,31 +209,23 @@ func TestRotationLinkElsewhere(t *testing.T) {
 	rec := &cnRecorder{}
 	f := newFixture(t, testserver.Options{OnRequest: rec.record})
 	dave, err := f.ca.IssueClient("dave")
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	target := writeCredFiles(t, filepath.Join(f.dir, "managed"), f.ca.CertPEM(), f.alice)
 	dir := filepath.Join(f.dir, "config")
-	if err := os.Mkdir(dir, 0o700); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.Mkdir(dir, 0o700))
 	links := &rest.Config{Host: f.srv.URL()}
 	for _, l := range []struct {
 		to   string
 		into *string
 	}{{target.ca, &links.CAFile}, {target.cert, &links.CertFile}, {target.key, &links.KeyFile}} {
 		*l.into = filepath.Join(dir, filepath.Base(l.to))
-		if err := os.Symlink(l.to, *l.into); err != nil {
-			t.Fatal(err)
-		}
+		must(t, os.Symlink(l.to, *l.into))
 	}
 	for _, poll := range []time.Duration{0, 300 * time.Millisecond} {
 		t.Run(fmt.Sprintf("poll %v", poll), func(t *testing.T) {
 			p := newPool(t, WithPollInterval(poll))
 			cfg := rest.CopyConfig(links)
-			if err := p.Wrap(cfg); err != nil {
-				t.Fatal(err)
-			}
+			must(t, p.Wrap(cfg))
 			kp := dave
 			if poll > 0 {
 				kp = f.carol
@@ -261,13 +237,9 @@ func TestRotationLinkElsewhere(t *testing.T) {
 			} else {
 				time.Sleep(300 * time.Millisecond) // no event, no poll: no reload; a new config reads the files
 				cfg = rest.CopyConfig(links)
-				if err := p.Wrap(cfg); err != nil {
-					t.Fatal(err)
-				}
+				must(t, p.Wrap(cfg))
 			}
-			if err := listNodes(context.Background(), cfg); err != nil {
-				t.Fatal(err)
-			}
+			must(t, listNodes(context.Background(), cfg))
 			if _, ok := rec.firstSince(kp.Cert.Subject.CommonName, written); !ok {
 				t.Errorf("the server did not see %s", kp.Cert.Subject.CommonName)
 			}
@@ -284,9 +256,7 @@ func TestRotationRejectedOnce(t *testing.T) {
 	const poll = 20 * time.Millisecond
 	p := newPool(t, WithPollInterval(poll))
 	c := writeCredFiles(t, filepath.Join(f.dir, "files"), f.ca.CertPEM(), f.alice)
-	if err := p.Wrap(c.config(f.srv.URL())); err != nil {
-		t.Fatal(err)
-	}
+	must(t, p.Wrap(c.config(f.srv.URL())))
 	for round := 1; round <= 2; round++ {
 		writeAtomic(t, c.key, f.bob.KeyPEM) // the key of another certificate
 		waitFor(t, "the bad key rejected", func() bool { return p.Stats().RotationErrors == uint64(round) })
@@ -322,9 +292,7 @@ func TestRotationSharedWatch(t *testing.T) {
 	dir := t.TempDir()
 	write := func(name string, data []byte) string {
 		path := filepath.Join(dir, name)
-		if err := os.WriteFile(path, data, 0o600); err != nil {
-			t.Fatal(err)
-		}
+		must(t, os.WriteFile(path, data, 0o600))
 		return path
 	}
 	ca := write("ca.crt", f.ca.CertPEM())
@@ -333,9 +301,7 @@ func TestRotationSharedWatch(t *testing.T) {
 	bob := &rest.Config{Host: f.srv.URL()}
 	bob.CAFile, bob.CertFile, bob.KeyFile = ca, write("bob.crt", f.bob.CertPEM), write("bob.key", f.bob.KeyPEM)
 	for _, c := range []*rest.Config{alice, bob} {
-		if err := p.Wrap(c); err != nil {
-			t.Fatal(err)
-		}
+		must(t, p.Wrap(c))
 	}
 	w := p.reg.watcher
 	if got := w.notify.WatchList(); len(got) != 1 || got[0] != dir {
@@ -412,17 +378,13 @@ func TestRotationBusyDirectory(t *testing.T) {
 	rec := &cnRecorder{}
 	f := newFixture(t, testserver.Options{OnRequest: rec.record})
 	dave, err := f.ca.IssueClient("dave")
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	for _, kind := range []string{busyBeside, busyCA} {
 		t.Run(kind, func(t *testing.T) {
 			p := newPool(t, WithPollInterval(0))
 			d := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
 			cfg := d.config(f.srv.URL())
-			if err := p.Wrap(cfg); err != nil {
-				t.Fatal(err)
-			}
+			must(t, p.Wrap(cfg))
 			stop := busy(t, d, kind, f.ca.CertPEM(), 30*time.Millisecond)
 			defer stop()
 			time.Sleep(300 * time.Millisecond) // the noise is under way
@@ -430,9 +392,7 @@ func TestRotationBusyDirectory(t *testing.T) {
 			written := time.Now()
 			waitFor(t, "the rotation, the directory still busy", func() bool { return p.Stats().Rotations == 1 })
 			t.Logf("rotation taken %v after the write", time.Since(written).Round(time.Millisecond))
-			if err := listNodes(context.Background(), cfg); err != nil {
-				t.Fatal(err)
-			}
+			must(t, listNodes(context.Background(), cfg))
 			if _, ok := rec.firstSince("dave", written); !ok {
 				t.Error("the server did not see the new certificate")
 			}
@@ -447,17 +407,13 @@ func TestRotationDrain(t *testing.T) {
 	rec := &cnRecorder{}
 	f := newFixture(t, testserver.Options{OnRequest: rec.record})
 	dave, err := f.ca.IssueClient("dave")
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	const drain = 2 * time.Second
 	p := newPool(t, WithPollInterval(0), WithDrainTimeout(drain))
 	d := newCertDir(t, secretVolume, f.alice, f.ca.CertPEM())
 	cfg, cs := d.wrapped(t, p, f.srv.URL())
 	w, err := cs.CoreV1().Nodes().Watch(context.Background(), metav1.ListOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	defer w.Stop()
 	ended := make(chan time.Time, 1)
 	go func() {
@@ -469,9 +425,7 @@ func TestRotationDrain(t *testing.T) {
 	d.write(t, dave, f.ca.CertPEM())
 	rotated := time.Now()
 	waitFor(t, "rotation", func() bool { return p.Stats().Rotations == 1 })
-	if err := listNodes(context.Background(), cfg); err != nil {
-		t.Fatal(err)
-	}
+	must(t, listNodes(context.Background(), cfg))
 	if _, ok := rec.firstSince("dave", rotated); !ok {
 		t.Error("a new request did not use the new certificate")
 	}
@@ -495,15 +449,11 @@ func TestRotationDrain(t *testing.T) {
 func TestRotationClosesIdleAtOnce(t *testing.T) {
 	f := newFixture(t, testserver.Options{})
 	dave, err := f.ca.IssueClient("dave")
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	p := newPool(t, WithPollInterval(0), WithDrainTimeout(time.Hour))
 	d := newCertDir(t, secretVolume, f.alice, f.ca.CertPEM())
 	cfg, _ := d.wrapped(t, p, f.srv.URL())
-	if err := listNodes(context.Background(), cfg); err != nil {
-		t.Fatal(err)
-	}
+	must(t, listNodes(context.Background(), cfg))
 	if n := f.srv.OpenConns(); n != 1 {
 		t.Fatalf("%d connections open on the server before the rotation, want 1", n)
 	}
@@ -519,9 +469,7 @@ func cappedRotation(t *testing.T) (*fixture, *testserver.KeyPair, *Pool, *certDi
 	t.Helper()
 	f := newFixture(t, testserver.Options{})
 	dave, err := f.ca.IssueClient("dave")
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	p := newPool(t, WithPollInterval(0), WithDrainTimeout(time.Hour), WithMaxConnsPerHost(1))
 	return f, dave, p, newCertDir(t, secretVolume, f.alice, f.ca.CertPEM())
 }
@@ -599,27 +547,19 @@ func TestRotationCapKeepsExec(t *testing.T) {
 			f, dave, p, d := cappedRotation(t)
 			cfg := d.config(f.srv.URL())
 			if wrap {
-				if err := p.Wrap(cfg); err != nil {
-					t.Fatal(err)
-				}
+				must(t, p.Wrap(cfg))
 			}
 			rt, err := rest.TransportFor(cfg)
-			if err != nil {
-				t.Fatal(err)
-			}
+			must(t, err)
 			cs, err := kubernetes.NewForConfig(cfg)
-			if err != nil {
-				t.Fatal(err)
-			}
+			must(t, err)
 			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 			defer cancel()
 			session := openExec(ctx, t, rt, f.srv.URL())
 			defer session.Close()
 			echo(t, session, "before the rotation")
 			w, err := cs.CoreV1().Nodes().Watch(ctx, metav1.ListOptions{})
-			if err != nil {
-				t.Fatal(err)
-			}
+			must(t, err)
 			defer w.Stop()
 
 			d.write(t, dave, f.ca.CertPEM())
@@ -643,18 +583,14 @@ func TestRotationCapKeepsExec(t *testing.T) {
 func openExec(ctx context.Context, t *testing.T, rt http.RoundTripper, url string) io.ReadWriteCloser {
 	t.Helper()
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url+"/api/v1/namespaces/kube-system/pods/kube-proxy-0/exec", nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	req.Header.Set("Connection", "Upgrade")
 	req.Header.Set("Upgrade", "websocket")
 	req.Header.Set("Sec-WebSocket-Version", "13")
 	req.Header.Set("Sec-WebSocket-Key", "dGhlIHNhbXBsZSBub25jZQ==")
 	req.Header.Set("Sec-WebSocket-Protocol", "v5.channel.k8s.io")
 	resp, err := rt.RoundTrip(req)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	conn, ok := resp.Body.(io.ReadWriteCloser)
 	if resp.StatusCode != http.StatusSwitchingProtocols || !ok {
 		resp.Body.Close()
@@ -681,25 +617,17 @@ func echo(t *testing.T, session io.ReadWriter, payload string) {
 func TestRotationCA(t *testing.T) {
 	f := newFixture(t, testserver.Options{})
 	newCA, err := testserver.NewCA("new-ca")
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	for _, overlap := range []bool{true, false} {
 		t.Run(fmt.Sprintf("overlap=%v", overlap), func(t *testing.T) {
 			srv, err := testserver.Start(testserver.Options{CA: f.ca})
-			if err != nil {
-				t.Fatal(err)
-			}
+			must(t, err)
 			defer func() { srv.Close() }()
 			p := newPool(t, WithPollInterval(0))
 			d := newCertDir(t, secretVolume, f.alice, f.ca.CertPEM())
 			cfg := d.config(srv.URL())
-			if err := p.Wrap(cfg); err != nil {
-				t.Fatal(err)
-			}
-			if err := listNodes(context.Background(), cfg); err != nil {
-				t.Fatal(err)
-			}
+			must(t, p.Wrap(cfg))
+			must(t, listNodes(context.Background(), cfg))
 			if overlap {
 				d.write(t, f.alice, append(f.ca.CertPEM(), newCA.CertPEM()...))
 				waitFor(t, "bundle reloaded", func() bool { return p.Stats().Rotations == 1 })
@@ -708,14 +636,10 @@ func TestRotationCA(t *testing.T) {
 			// on the same address, still trusting the old CA for clients.
 			addr := srv.Addr()
 			serving, err := newCA.IssueServer()
-			if err != nil {
-				t.Fatal(err)
-			}
+			must(t, err)
 			srv.Close()
 			srv, err = testserver.Start(testserver.Options{Addr: addr, CA: newCA, ServerCert: serving, ClientCAs: f.ca.Pool()})
-			if err != nil {
-				t.Fatal(err)
-			}
+			must(t, err)
 			if overlap {
 				if err := listNodes(context.Background(), cfg); err != nil {
 					t.Fatalf("with both CAs in the bundle: %v", err)
@@ -747,9 +671,7 @@ func TestRotationUnderLoad(t *testing.T) {
 	for i := range 10 {
 		cn := fmt.Sprintf("rotated-%d", i)
 		kp, err := f.ca.IssueClient(cn)
-		if err != nil {
-			t.Fatal(err)
-		}
+		must(t, err)
 		d.write(t, kp, f.ca.CertPEM())
 		written := time.Now()
 		waitFor(t, "the server sees "+cn, func() bool {
@@ -792,14 +714,10 @@ func TestRotationUnderLoadCapped(t *testing.T) {
 			cfg := d.config(f.srv.URL())
 			cfg.QPS = -1 // the load is the point
 			if tc.wrap {
-				if err := p.Wrap(cfg); err != nil {
-					t.Fatal(err)
-				}
+				must(t, p.Wrap(cfg))
 			}
 			cs, err := kubernetes.NewForConfig(cfg)
-			if err != nil {
-				t.Fatal(err)
-			}
+			must(t, err)
 			stop := make(chan struct{})
 			var loops []<-chan struct{}
 			var reqs, fails []*atomic.Int64
@@ -809,9 +727,7 @@ func TestRotationUnderLoadCapped(t *testing.T) {
 			}
 			for i := range 5 {
 				kp, err := f.ca.IssueClient(fmt.Sprintf("rotated-%d", i))
-				if err != nil {
-					t.Fatal(err)
-				}
+				must(t, err)
 				d.write(t, kp, f.ca.CertPEM())
 				time.Sleep(200 * time.Millisecond)
 			}
@@ -867,16 +783,10 @@ func TestRotationCloseReleasesEverything(t *testing.T) {
 		d := newCertDir(t, secretVolume, f.alice, f.ca.CertPEM())
 		cfg := d.config(f.srv.URL())
 		cfg.UserAgent = fmt.Sprint(i)
-		if err := p.Wrap(cfg); err != nil {
-			t.Fatal(err)
-		}
-		if err := listNodes(context.Background(), cfg); err != nil {
-			t.Fatal(err)
-		}
+		must(t, p.Wrap(cfg))
+		must(t, listNodes(context.Background(), cfg))
 	}
-	if err := p.Close(); err != nil {
-		t.Fatal(err)
-	}
+	must(t, p.Close())
 	waitFor(t, "file descriptors back to the baseline", func() bool { return countFDs(t) <= before })
 }
 
@@ -932,18 +842,14 @@ func (l *logLines) has(parts ...string) bool {
 func TestWatcherSetsNoWatchAfterClose(t *testing.T) {
 	p := New(WithLogger(klog.Background().V(10)))
 	w, err := p.reg.fileWatcher()
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	w.mu.Lock()
 	if w.notify != nil {
 		w.notify.Close()
 		w.notify = nil
 	}
 	w.mu.Unlock()
-	if err := p.Close(); err != nil {
-		t.Fatal(err)
-	}
+	must(t, p.Close())
 	w.add(&entry{id: &identity{key: identityKey{caFile: filepath.Join(t.TempDir(), "ca.crt")}}})
 	w.mu.Lock()
 	n := w.notify
@@ -962,9 +868,7 @@ func TestRotationHalfFromFiles(t *testing.T) {
 	rec := &cnRecorder{}
 	f := newFixture(t, testserver.Options{OnRequest: rec.record})
 	otherCA, err := testserver.NewCA("other-ca")
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	ctx := context.Background()
 
 	t.Run("certificate files, inline CA", func(t *testing.T) {
@@ -972,12 +876,8 @@ func TestRotationHalfFromFiles(t *testing.T) {
 		d := newCertDir(t, secretVolume, f.alice, f.ca.CertPEM())
 		cfg := d.config(f.srv.URL())
 		cfg.CAFile, cfg.CAData = "", f.ca.CertPEM()
-		if err := p.Wrap(cfg); err != nil {
-			t.Fatal(err)
-		}
-		if err := listNodes(ctx, cfg); err != nil {
-			t.Fatal(err)
-		}
+		must(t, p.Wrap(cfg))
+		must(t, listNodes(ctx, cfg))
 		d.write(t, f.bob, f.ca.CertPEM())
 		written := time.Now()
 		waitFor(t, "the server sees the rotated certificate", func() bool {
@@ -1013,9 +913,7 @@ func TestRotationHalfFromFiles(t *testing.T) {
 		waitFor(t, "the pool reloads the CA file", func() bool { return p.Stats().Rotations == 1 })
 		f.srv.ResetStats()
 		for range 3 {
-			if err := listNodes(ctx, cfg); err != nil {
-				t.Fatal(err)
-			}
+			must(t, listNodes(ctx, cfg))
 		}
 		// At most the pool's new connection (it may be open already, from
 		// the requests that waited for the reload): client-go's own
@@ -1070,9 +968,7 @@ func listPooled(ctx context.Context, p *Pool, cfg *rest.Config) error {
 func mustPooled(t testing.TB, p *Pool, cfg *rest.Config) kubernetes.Interface {
 	t.Helper()
 	cs, err := pooledClientset(p, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	return cs
 }
 
@@ -1086,9 +982,7 @@ func listNodesOf(t testing.TB, cs kubernetes.Interface) {
 func mustClientset(t testing.TB, cfg *rest.Config) kubernetes.Interface {
 	t.Helper()
 	cs, err := kubernetes.NewForConfig(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	return cs
 }
 
@@ -1158,9 +1052,7 @@ func buildAndList(ctx context.Context, p *Pool, via string, d *certDir, host str
 func TestNewConfigGetsFilesNow(t *testing.T) {
 	f := newFixture(t, testserver.Options{})
 	otherCA, err := testserver.NewCA("other-ca")
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	writeCA := func(b []byte) func(testing.TB, *certDir) {
 		return func(t testing.TB, d *certDir) {
 			t.Helper()
@@ -1242,9 +1134,7 @@ func expiredCopy(t testing.TB, ca *testserver.CA) []byte {
 	t.Helper()
 	kp, err := testserver.SelfSigned(testserver.CertSpec{CommonName: ca.Cert.Subject.CommonName, CA: true, Key: ca.Key,
 		NotBefore: time.Now().Add(-365 * 24 * time.Hour), NotAfter: time.Now().Add(-24 * time.Hour)})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	return kp.CertPEM
 }
 

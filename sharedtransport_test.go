@@ -42,14 +42,10 @@ type fixture struct {
 func newFixture(t testing.TB, opts testserver.Options) *fixture {
 	t.Helper()
 	ca, err := testserver.NewCA("test-ca")
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	opts.CA = ca
 	srv, err := testserver.Start(opts)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	t.Cleanup(func() { srv.Close() })
 	f := &fixture{srv: srv, ca: ca, dir: t.TempDir()}
 	for _, p := range []struct {
@@ -69,9 +65,7 @@ func (f *fixture) startServer(t testing.TB, opts testserver.Options) *testserver
 	t.Helper()
 	opts.CA = f.ca
 	srv, err := testserver.Start(opts)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	t.Cleanup(func() { srv.Close() })
 	return srv
 }
@@ -80,10 +74,16 @@ func (f *fixture) startServer(t testing.TB, opts testserver.Options) *testserver
 func (f *fixture) kubeconfig(t testing.TB, name string, client *testserver.KeyPair) testserver.Paths {
 	t.Helper()
 	paths, err := f.srv.WriteKubeconfig(filepath.Join(f.dir, name+".kubeconfig"), client, false)
+	must(t, err)
+	return paths
+}
+
+// must fails t at once on err.
+func must(t testing.TB, err error) {
+	t.Helper()
 	if err != nil {
 		t.Fatal(err)
 	}
-	return paths
 }
 
 func newPool(t testing.TB, opts ...Option) *Pool {
@@ -245,12 +245,8 @@ func TestIdentities(t *testing.T) {
 	for _, kp := range []*testserver.KeyPair{f.alice, f.bob, f.carol} {
 		for range 3 {
 			cfg := f.srv.RestConfig(kp)
-			if err := p.Wrap(cfg); err != nil {
-				t.Fatal(err)
-			}
-			if err := listNodes(ctx, cfg); err != nil {
-				t.Fatal(err)
-			}
+			must(t, p.Wrap(cfg))
+			must(t, listNodes(ctx, cfg))
 		}
 	}
 	if st := f.srv.Stats(); st.Accepted != 3 {
@@ -272,12 +268,8 @@ func TestIdentities(t *testing.T) {
 		cfg.BearerToken = token
 		cfg.UserAgent = "agent-" + token
 		cfg.Impersonate = rest.ImpersonationConfig{}
-		if err := p2.Wrap(cfg); err != nil {
-			t.Fatal(err)
-		}
-		if err := listNodes(ctx, cfg); err != nil {
-			t.Fatal(err)
-		}
+		must(t, p2.Wrap(cfg))
+		must(t, listNodes(ctx, cfg))
 	}
 	if st := f.srv.Stats(); st.Accepted != 1 {
 		t.Errorf("configs differing only in token: %d connections, want 1", st.Accepted)
@@ -301,14 +293,10 @@ func TestCopySafety(t *testing.T) {
 		mu.Unlock()
 	}})
 	otherCA, err := testserver.NewCA("other-ca")
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	p := newPool(t)
 	orig := f.srv.RestConfig(f.alice)
-	if err := p.Wrap(orig); err != nil {
-		t.Fatal(err)
-	}
+	must(t, p.Wrap(orig))
 	ctx := context.Background()
 
 	for _, tc := range []struct {
@@ -395,18 +383,14 @@ func TestHookComposition(t *testing.T) {
 		before = &countingRT{next: rt, total: beforeSeen}
 		return before
 	}
-	if err := p.Wrap(cfg, WithPerRequestWrappers()); err != nil {
-		t.Fatal(err)
-	}
+	must(t, p.Wrap(cfg, WithPerRequestWrappers()))
 	cfg.Wrap(func(rt http.RoundTripper) http.RoundTripper {
 		innerOfAfter = rt
 		after = &countingRT{next: rt, total: afterSeen}
 		return after
 	})
 	for range 3 {
-		if err := listNodes(context.Background(), cfg); err != nil {
-			t.Fatal(err)
-		}
+		must(t, listNodes(context.Background(), cfg))
 	}
 	// Wrap sends no request of its own through either.
 	if beforeSeen.count() != 3 || afterSeen.count() != 3 {
@@ -421,17 +405,11 @@ func TestHookComposition(t *testing.T) {
 
 	t.Run("SPDY and other round trippers pass through", func(t *testing.T) {
 		hook := f.srv.RestConfig(f.alice)
-		if err := p.Wrap(hook); err != nil {
-			t.Fatal(err)
-		}
+		must(t, p.Wrap(hook))
 		tlsConfig, err := rest.TLSConfigFor(hook)
-		if err != nil {
-			t.Fatal(err)
-		}
+		must(t, err)
 		spdyRT, err := spdystream.NewRoundTripper(tlsConfig)
-		if err != nil {
-			t.Fatal(err)
-		}
+		must(t, err)
 		other := &countingRT{next: http.DefaultTransport}
 		for _, rt := range []http.RoundTripper{spdyRT, other, http.DefaultTransport} {
 			if got := hook.WrapTransport(rt); got != rt {
@@ -440,9 +418,7 @@ func TestHookComposition(t *testing.T) {
 		}
 		// The real path: spdy.RoundTripperFor runs the config's wrappers.
 		wrapped, upgrader, err := spdy.RoundTripperFor(hook)
-		if err != nil {
-			t.Fatal(err)
-		}
+		must(t, err)
 		if unwrapToTransport(wrapped) != nil || upgrader == nil {
 			t.Errorf("the SPDY round tripper was replaced: %T", wrapped)
 		}
@@ -455,9 +431,7 @@ func TestHookComposition(t *testing.T) {
 		own.Transport = &countingRT{next: http.DefaultTransport}
 		plain := &rest.Config{Host: "https://127.0.0.1:1", BearerToken: "x"}
 		for _, c := range []*rest.Config{own, plain} {
-			if err := p.Wrap(c); err != nil {
-				t.Fatal(err)
-			}
+			must(t, p.Wrap(c))
 			if c.WrapTransport != nil {
 				t.Errorf("a config the pool cannot share got a hook")
 			}
@@ -474,41 +448,29 @@ func TestClients(t *testing.T) {
 	p := newPool(t)
 	kubeconfig := f.kubeconfig(t, "alice", f.alice).Kubeconfig
 	cfg, err := p.BuildConfigFromFlags("", kubeconfig)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 
 	cs, err := kubernetes.NewForConfig(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	if _, err := cs.CoreV1().Namespaces().List(ctx, metav1.ListOptions{}); err != nil {
 		t.Errorf("typed clientset: %v", err)
 	}
 	dyn, err := dynamic.NewForConfig(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	if _, err := dyn.Resource(schema.GroupVersionResource{Version: "v1", Resource: "nodes"}).List(ctx, metav1.ListOptions{}); err != nil {
 		t.Errorf("dynamic client: %v", err)
 	}
 	disco, err := discovery.NewDiscoveryClientForConfig(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	if _, err := disco.ServerVersion(); err != nil {
 		t.Errorf("discovery: %v", err)
 	}
 	httpClient, err := rest.HTTPClientFor(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	cs2, err := kubernetes.NewForConfigAndClient(cfg, httpClient)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	if _, err := cs2.CoreV1().Nodes().List(ctx, metav1.ListOptions{}); err != nil {
 		t.Errorf("NewForConfigAndClient: %v", err)
 	}
@@ -551,9 +513,7 @@ func TestLifetime(t *testing.T) {
 		// Distinct server names make distinct identities over one server.
 		cfg := f.srv.RestConfig(nil)
 		cfg.ServerName = fmt.Sprintf("n%d.example", i)
-		if err := p.Wrap(cfg); err != nil {
-			t.Fatal(err)
-		}
+		must(t, p.Wrap(cfg))
 		live = append(live, cfg)
 	}
 	runtime.GC()
@@ -574,16 +534,10 @@ func TestLifetime(t *testing.T) {
 	f.srv.ResetStats()
 	p2 := newPool(t, WithIdleTimeout(0))
 	kept := f.srv.RestConfig(f.carol)
-	if err := p2.Wrap(kept); err != nil {
-		t.Fatal(err)
-	}
-	if err := listNodes(ctx, kept); err != nil {
-		t.Fatal(err)
-	}
+	must(t, p2.Wrap(kept))
+	must(t, listNodes(ctx, kept))
 	for _, kp := range []*testserver.KeyPair{f.carol, f.bob} {
-		if err := p2.Wrap(f.srv.RestConfig(kp)); err != nil {
-			t.Fatal(err)
-		}
+		must(t, p2.Wrap(f.srv.RestConfig(kp)))
 	}
 	waitFor(t, "the dropped configs' identity released after GC", func() bool {
 		runtime.GC()
@@ -600,29 +554,19 @@ func TestLifetime(t *testing.T) {
 		t.Errorf("a live config, another of its identity collected: server accepted %d connections, %d open; want the first one, still open", st.Accepted, st.Open)
 	}
 	runtime.KeepAlive(kept)
-	if err := p2.Close(); err != nil {
-		t.Fatal(err)
-	}
+	must(t, p2.Close())
 
 	// A live config keeps its identity; Close ends it.
 	cfg := f.srv.RestConfig(f.alice)
-	if err := p.Wrap(cfg); err != nil {
-		t.Fatal(err)
-	}
-	if err := listNodes(ctx, cfg); err != nil {
-		t.Fatal(err)
-	}
+	must(t, p.Wrap(cfg))
+	must(t, listNodes(ctx, cfg))
 	runtime.GC()
 	if got := p.Stats().Identities; got != 1 {
 		t.Errorf("a referenced identity was released: %d identities", got)
 	}
 	built, err := kubernetes.NewForConfig(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := p.Close(); err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
+	must(t, p.Close())
 	if err := p.Close(); err != nil {
 		t.Fatalf("second Close: %v", err)
 	}
@@ -669,9 +613,7 @@ func TestCloseRaced(t *testing.T) {
 		return &heldOnClose{Conn: c, closing: func() { signal.Do(func() { close(closing) }) }, release: release}, nil
 	}
 	cs, err := pooledClientset(p, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	listNodesOf(t, cs)
 
 	first := make(chan error, 1)
@@ -717,12 +659,8 @@ func TestPoolString(t *testing.T) {
 	f := newFixture(t, testserver.Options{})
 	p := newPool(t)
 	cfg := f.srv.RestConfig(f.alice)
-	if err := p.Wrap(cfg); err != nil {
-		t.Fatal(err)
-	}
-	if err := listNodes(context.Background(), cfg); err != nil {
-		t.Fatal(err)
-	}
+	must(t, p.Wrap(cfg))
+	must(t, listNodes(context.Background(), cfg))
 	want := "sharedtransport.Pool{identities: 1, open connections: 1, dials: 1, hits: 0, misses: 1, passed through: 0}"
 	for _, verb := range []string{"%v", "%+v", "%#v", "%s"} {
 		if got := fmt.Sprintf(verb, p); got != want {
@@ -746,9 +684,7 @@ func TestWrapClientConfig(t *testing.T) {
 		t.Run(fmt.Sprintf("pool=%v", pool), func(t *testing.T) {
 			f := newFixture(t, testserver.Options{})
 			paths, err := f.srv.WriteKubeconfig(filepath.Join(t.TempDir(), "kubeconfig"), f.alice, false)
-			if err != nil {
-				t.Fatal(err)
-			}
+			must(t, err)
 			inner := clientcmd.NewNonInteractiveDeferredLoadingClientConfig(
 				&clientcmd.ClientConfigLoadingRules{ExplicitPath: paths.Kubeconfig}, &clientcmd.ConfigOverrides{})
 			cc := inner
@@ -758,16 +694,12 @@ func TestWrapClientConfig(t *testing.T) {
 			}
 			for range configs {
 				cfg, err := cc.ClientConfig()
-				if err != nil {
-					t.Fatal(err)
-				}
+				must(t, err)
 				if wrapped := cfg.WrapTransport != nil; wrapped != pool {
 					t.Fatalf("config wrapped: %v, want %v", wrapped, pool)
 				}
 				cs, err := kubernetes.NewForConfig(cfg)
-				if err != nil {
-					t.Fatal(err)
-				}
+				must(t, err)
 				if _, err := cs.CoreV1().Nodes().List(context.Background(), metav1.ListOptions{}); err != nil {
 					t.Fatal(err)
 				}

@@ -26,16 +26,12 @@ type tlsRig struct {
 func newTLSRig(t *testing.T, opts testserver.Options) *tlsRig {
 	t.Helper()
 	ca, err := testserver.NewCA("tlstransport-ca")
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	opts.CA = ca
 	opts.ClientAuth = testserver.VerifyClientCertIfGiven
 	opts.Tokens = map[string]string{"token-x": "x"}
 	srv, err := testserver.Start(opts)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	t.Cleanup(func() { srv.Close() })
 	return &tlsRig{srv: srv, proxy: newAuthProxy(t, "Basic a", "Basic b"), caPEM: ca.CertPEM()}
 }
@@ -83,9 +79,7 @@ func TestTLSTransport(t *testing.T) {
 			}
 		}
 		wantTunnels(t, r.proxy, 1, "20 calls of one cluster")
-		if err := r.get(p, r.settings(r.caPEM, "Basic b")); err != nil {
-			t.Fatal(err)
-		}
+		must(t, r.get(p, r.settings(r.caPEM, "Basic b")))
 		wantTunnels(t, r.proxy, 2, "two headers")
 		if st := p.Stats(); st.Identities != 2 {
 			t.Errorf("%d identities, want 2", st.Identities)
@@ -104,20 +98,14 @@ func TestTLSTransport(t *testing.T) {
 	t.Run("a new caBundle takes effect on the next call; the old identity is released", func(t *testing.T) {
 		r := newTLSRig(t, testserver.Options{})
 		other, err := testserver.NewCA("other-ca")
-		if err != nil {
-			t.Fatal(err)
-		}
+		must(t, err)
 		p := newPool(t, WithIdleTimeout(10*time.Millisecond))
-		if err := r.get(p, r.settings(r.caPEM, "Basic a")); err != nil {
-			t.Fatal(err)
-		}
+		must(t, r.get(p, r.settings(r.caPEM, "Basic a")))
 		if err := r.get(p, r.settings(other.CertPEM(), "Basic a")); err == nil || !strings.Contains(err.Error(), "unknown authority") {
 			t.Fatalf("with a bundle that does not hold the server's CA: %v, want unknown authority", err)
 		}
 		both := append(other.CertPEM(), r.caPEM...)
-		if err := r.get(p, r.settings(both, "Basic a")); err != nil {
-			t.Fatal(err)
-		}
+		must(t, r.get(p, r.settings(both, "Basic a")))
 		if n := r.proxy.Stats().Tunnels; n != 3 {
 			t.Errorf("%d tunnels for three bundles, want 3", n)
 		}
@@ -155,14 +143,10 @@ func TestTLSTransportKeepsItsCopy(t *testing.T) {
 	r := newTLSRig(t, testserver.Options{})
 	p := newPool(t)
 	c := r.settings(r.caPEM, "Basic a")
-	if err := r.get(p, c); err != nil {
-		t.Fatal(err)
-	}
+	must(t, r.get(p, c))
 	c12 := r.settings(r.caPEM, "Basic a")
 	c12.TLS.MinVersion = tls.VersionTLS12
-	if err := r.get(p, c12); err != nil {
-		t.Fatal(err)
-	}
+	must(t, r.get(p, c12))
 	if n := p.Stats().Identities; n != 2 {
 		t.Errorf("TLS 1.3 and TLS 1.2 minimums: %d identities, want 2", n)
 	}
@@ -170,26 +154,18 @@ func TestTLSTransportKeepsItsCopy(t *testing.T) {
 	np := []string{"h2", "http/1.1"}
 	c2 := r.settings(r.caPEM, "Basic b")
 	c2.TLS.NextProtos = np
-	if err := r.get(p, c2); err != nil {
-		t.Fatal(err)
-	}
+	must(t, r.get(p, c2))
 	np[0] = "not-h2"
 	other, err := testserver.NewCA("other-ca")
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	c2.TLS.RootCAs.AppendCertsFromPEM(other.CertPEM())
 	c3 := r.settings(r.caPEM, "Basic b")
 	c3.TLS.NextProtos = []string{"h2", "http/1.1"}
 	rt, err := p.TLSTransport(c3)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	rt.(interface{ CloseIdleConnections() }).CloseIdleConnections() // a new handshake
 	resp, err := (&http.Client{Transport: rt}).Get(r.srv.URL() + "/api")
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	io.Copy(io.Discard, resp.Body)
 	resp.Body.Close()
 	if resp.ProtoMajor != 2 || p.Stats().Identities != 3 {
@@ -207,9 +183,7 @@ func TestTLSTransportKeepsItsCopy(t *testing.T) {
 func TestTLSTransportInsecureWithRoots(t *testing.T) {
 	r := newTLSRig(t, testserver.Options{})
 	other, err := testserver.NewCA("not-the-servers-ca")
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	insecure := r.settings(other.CertPEM(), "Basic a")
 	insecure.TLS.InsecureSkipVerify = true
 	control := &http.Transport{TLSClientConfig: insecure.TLS.Clone(), Proxy: http.ProxyURL(insecure.Proxy), ProxyConnectHeader: insecure.ProxyConnectHeader}
@@ -255,9 +229,7 @@ func TestTLSTransportRootsForgotten(t *testing.T) {
 	before := count()
 	for range 20 {
 		ca, err := testserver.NewCA("short-lived")
-		if err != nil {
-			t.Fatal(err)
-		}
+		must(t, err)
 		if _, err := p.TLSTransport(r.settings(ca.CertPEM(), "Basic a")); err != nil {
 			t.Fatal(err)
 		}

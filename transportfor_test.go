@@ -99,15 +99,11 @@ func setHeader(name, value string) func(http.RoundTripper) http.RoundTripper {
 // (client-go alone), with the identity's certificate, and every config of
 // the identity rides one connection.
 func TestTransportForLayers(t *testing.T) {
-	if err := registerAuthProvider(); err != nil {
-		t.Fatal(err)
-	}
+	must(t, registerAuthProvider())
 	log := newRequestLog()
 	f := newFixture(t, testserver.Options{RecordHeaders: true, OnRequest: log.record})
 	tokenFile := filepath.Join(f.dir, "token")
-	if err := os.WriteFile(tokenFile, []byte("token-from-file\n"), 0o600); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.WriteFile(tokenFile, []byte("token-from-file\n"), 0o600))
 	p := newPool(t)
 	other := newPool(t)
 
@@ -156,9 +152,7 @@ func TestTransportForLayers(t *testing.T) {
 			}
 			control := rest.CopyConfig(cfg)
 			if tc.before != nil {
-				if err := tc.before(cfg); err != nil {
-					t.Fatal(err)
-				}
+				must(t, tc.before(cfg))
 			}
 			got, ctl := sendBoth(t, log, p, cfg, control, f.srv.URL(), tc.name)
 			if got.CertCN != "alice" || ctl.CertCN != "alice" {
@@ -227,9 +221,7 @@ func TestTransportForExecPlugin(t *testing.T) {
 		OnRequest:  log.record,
 	})
 	kp, err := f.ca.IssueClient("exec-user")
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	exec := writeExecPlugin(t, f.dir, "transportfor", kp)
 	p := newPool(t)
 	for _, tc := range []struct {
@@ -278,16 +270,12 @@ func TestTransportForPassThrough(t *testing.T) {
 func passThroughOwnTransport(t *testing.T, f *fixture, log *requestLog) {
 	p := newPool(t)
 	tlsConfig, err := rest.TLSConfigFor(f.srv.RestConfig(f.alice))
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	own := &countingRT{next: &http.Transport{TLSClientConfig: tlsConfig}}
 	defer own.next.(*http.Transport).CloseIdleConnections()
 	cfg := &rest.Config{Host: f.srv.URL(), Transport: own, BearerToken: "token-own"}
 	rt, err := p.TransportFor(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	if code, err := getVia(rt, f.srv.URL()+"/version?case=own"); err != nil || code != http.StatusOK {
 		t.Fatalf("%d %v", code, err)
 	}
@@ -311,13 +299,9 @@ func passThroughOwnDial(t *testing.T, f *fixture) {
 		return d.DialContext(ctx, network, address)
 	}
 	hc, err := p.HTTPClientFor(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	cs, err := kubernetes.NewForConfigAndClient(cfg, hc)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	if _, err := cs.CoreV1().Nodes().List(context.Background(), metav1.ListOptions{}); err != nil {
 		t.Fatal(err)
 	}
@@ -338,13 +322,9 @@ func passThroughFailingProxy(t *testing.T, f *fixture) {
 	cfg := f.srv.RestConfig(f.alice)
 	cfg.Proxy = func(*http.Request) (*url.URL, error) { return nil, proxyErr }
 	rt, err := p.TransportFor(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	controlRT, err := rest.TransportFor(rest.CopyConfig(cfg))
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	_, err = getVia(rt, f.srv.URL()+"/version")
 	_, controlErr := getVia(controlRT, f.srv.URL()+"/version")
 	if !errors.Is(err, proxyErr) || controlErr == nil || err.Error() != controlErr.Error() {
@@ -360,17 +340,11 @@ func passThroughNoTLS(t *testing.T) {
 	p := newPool(t)
 	cfg := &rest.Config{Host: "http://127.0.0.1:1"}
 	rt, err := p.TransportFor(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	hc, err := p.HTTPClientFor(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	controlHC, err := rest.HTTPClientFor(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	if rt != http.DefaultTransport || hc != controlHC {
 		t.Errorf("got %T and %p, want http.DefaultTransport and http.DefaultClient as from client-go", rt, hc)
 	}
@@ -415,9 +389,7 @@ func TestTransportForProxyOtherHosts(t *testing.T) {
 			}
 			for name, newRT := range map[string]func(*rest.Config) (http.RoundTripper, error){"pool": transportForFn(p), "client-go": rest.TransportFor} {
 				rt, err := newRT(rest.CopyConfig(cfg))
-				if err != nil {
-					t.Fatal(err)
-				}
+				must(t, err)
 				for _, target := range []struct {
 					srv  *testserver.Server
 					want string
@@ -457,9 +429,7 @@ func TestTransportForConnectHeader(t *testing.T) {
 		cfg.WrapTransport = memberproxy.ProxyHeaderWrapper(cfg.WrapTransport, header)
 		cfg.CertData, cfg.KeyData = f.alice.CertPEM, f.alice.KeyPEM
 		rt, err := p.TransportFor(cfg, WithProxyConnectHeader(header))
-		if err != nil {
-			t.Fatal(err)
-		}
+		must(t, err)
 		if code, err := getVia(rt, f.srv.URL()+"/version"); err != nil || code != http.StatusOK {
 			t.Fatalf("config %d: %d %v", i, code, err)
 		}
@@ -493,33 +463,25 @@ func TestTransportForClients(t *testing.T) {
 	}
 	client := func(cfg *rest.Config) *http.Client {
 		hc, err := p.HTTPClientFor(cfg)
-		if err != nil {
-			t.Fatal(err)
-		}
+		must(t, err)
 		return hc
 	}
 
 	cfg := newConfig()
 	cs, err := kubernetes.NewForConfigAndClient(cfg, client(cfg))
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	if _, err := cs.CoreV1().Nodes().List(ctx, metav1.ListOptions{}); err != nil {
 		t.Errorf("typed clientset: %v", err)
 	}
 	cfg = newConfig()
 	dyn, err := dynamic.NewForConfigAndClient(cfg, client(cfg))
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	if _, err := dyn.Resource(schema.GroupVersionResource{Version: "v1", Resource: "nodes"}).List(ctx, metav1.ListOptions{}); err != nil {
 		t.Errorf("dynamic client: %v", err)
 	}
 	cfg = newConfig()
 	disco, err := discovery.NewDiscoveryClientForConfigAndClient(cfg, client(cfg))
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	if _, err := disco.ServerGroups(); err != nil {
 		t.Errorf("discovery: %v", err)
 	}
@@ -529,9 +491,7 @@ func TestTransportForClients(t *testing.T) {
 
 	cfg = newConfig()
 	informerClients, err := kubernetes.NewForConfigAndClient(cfg, client(cfg))
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	factory := informers.NewSharedInformerFactory(informerClients, 0)
 	nodes := factory.Core().V1().Nodes().Informer()
 	stop := make(chan struct{})
@@ -623,9 +583,7 @@ func TestTransportForLifetime(t *testing.T) {
 	d := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
 
 	rt, err := p.TransportFor(d.config(f.srv.URL()))
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	if code, err := getVia(rt, f.srv.URL()+"/version"); err != nil || code != http.StatusOK {
 		t.Fatalf("%d %v", code, err)
 	}
@@ -655,12 +613,8 @@ func TestTransportForLifetime(t *testing.T) {
 	})
 
 	rt, err = p.TransportFor(f.srv.RestConfig(f.alice))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := p.Close(); err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
+	must(t, p.Close())
 	if _, err := getVia(rt, f.srv.URL()+"/version"); !errors.Is(err, ErrClosed) {
 		t.Errorf("request after Close: %v, want ErrClosed", err)
 	}
@@ -679,13 +633,9 @@ func sendBoth(t *testing.T, log *requestLog, p *Pool, cfg, control *rest.Config,
 	// The wrappers the cases put in WrapTransport (a header, the hook of a
 	// pool) leave connections alone: declared so.
 	rt, err := p.TransportFor(cfg, WithPerRequestWrappers())
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	controlRT, err := rest.TransportFor(control)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	for via, rt := range map[string]http.RoundTripper{"pool": rt, "client-go": controlRT} {
 		if code, err := getVia(rt, host+"/version?case="+url.QueryEscape(name+"/"+via)); err != nil || code != http.StatusOK {
 			t.Fatalf("through %s: %d %v", via, code, err)
@@ -704,9 +654,7 @@ func TestTransportForUnwrapped(t *testing.T) {
 	f := newFixture(t, testserver.Options{})
 	r := newCopyRig(t, testserver.Options{CA: f.ca})
 	bob, err := f.bob.TLSCertificate()
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	change := func(hc *http.Client) {
 		tr := unwrapToTransport(hc.Transport)
 		if tr == nil {
@@ -788,9 +736,7 @@ func asksProxyAsNetHTTP(t *testing.T) {
 	var urls []*url.URL
 	for _, p := range proxies {
 		u, err := url.Parse(p.url())
-		if err != nil {
-			t.Fatal(err)
-		}
+		must(t, err)
 		urls = append(urls, u)
 	}
 	via := func(t *testing.T, path string) string {
@@ -826,9 +772,7 @@ func asksProxyAsNetHTTP(t *testing.T) {
 				return urls[0], nil
 			}
 			rt, err := side.newRT(newPool(t), cfg)
-			if err != nil {
-				t.Fatal(err)
-			}
+			must(t, err)
 			if code, err := getVia(rt, f.srv.URL()+"/version"); err != nil || code >= 500 {
 				t.Fatalf("%s, the first request: %d %v", side.name, code, err)
 			}
@@ -862,9 +806,7 @@ func asksProxyAsNetHTTP(t *testing.T) {
 				cfg := f.srv.RestConfig(f.alice)
 				cfg.Proxy = byPath
 				rt, err := side.newRT(newPool(t), cfg)
-				if err != nil {
-					t.Fatal(err)
-				}
+				must(t, err)
 				for _, path := range []string{first, "/apis/apps/v1", "/api/v1/pods", "/version", "/api/v1/nodes"} {
 					if code, err := getVia(rt, f.srv.URL()+path); err != nil || code >= 500 {
 						t.Fatalf("%s %s: %d %v", side.name, path, code, err)

@@ -72,9 +72,7 @@ func newCopyRig(t testing.TB, opts testserver.Options) *copyRig {
 	opts.Tokens = map[string]string{"token-x": "x", "token-y": "y"}
 	opts.ClientAuth = testserver.VerifyClientCertIfGiven
 	srv, err := testserver.Start(opts)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	t.Cleanup(func() { srv.Close() })
 	r.srv = srv
 	for i := range 2 {
@@ -229,9 +227,7 @@ type copyPair struct{ wrapped, control *rest.Config }
 func wrapPair(t testing.TB, p *Pool, newOriginal func() *rest.Config) copyPair {
 	t.Helper()
 	pair := copyPair{newOriginal(), newOriginal()}
-	if err := p.Wrap(pair.wrapped); err != nil {
-		t.Fatal(err)
-	}
+	must(t, p.Wrap(pair.wrapped))
 	return pair
 }
 
@@ -327,9 +323,7 @@ func TestCopyCrossings(t *testing.T) {
 	f := newFixture(t, testserver.Options{})
 	r := newCopyRig(t, testserver.Options{CA: f.ca})
 	execAliceKP, err := f.ca.IssueClient("exec-alice")
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	execAlice := writeExecPlugin(t, f.dir, "exec-alice", execAliceKP)
 	withExec := func() *rest.Config {
 		c := r.srv.RestConfig(nil)
@@ -369,16 +363,12 @@ func copyCrossingsExec(t *testing.T, f *fixture, r *copyRig, withExec func() *re
 			cp := pair.copies(tc.mutate)
 			r.check(t, cp, &tc.want)
 			t.Run("wrapped again, same pool", func(t *testing.T) {
-				if err := p.Wrap(cp.wrapped); err != nil {
-					t.Fatal(err)
-				}
+				must(t, p.Wrap(cp.wrapped))
 				r.check(t, cp, &tc.want)
 			})
 			t.Run("wrapped again, other pool", func(t *testing.T) {
 				cp := pair.copies(tc.mutate)
-				if err := newPool(t).Wrap(cp.wrapped); err != nil {
-					t.Fatal(err)
-				}
+				must(t, newPool(t).Wrap(cp.wrapped))
 				r.check(t, cp, &tc.want)
 			})
 		})
@@ -569,24 +559,18 @@ var registerAuthProvider = sync.OnceValue(func() error {
 
 func newCopyMaterial(t testing.TB) *copyMaterial {
 	t.Helper()
-	if err := registerAuthProvider(); err != nil {
-		t.Fatal(err)
-	}
+	must(t, registerAuthProvider())
 	f := newFixture(t, testserver.Options{})
 	m := &copyMaterial{f: f, rig: newCopyRig(t, testserver.Options{CA: f.ca})}
 	issue := func(cn string) *testserver.KeyPair {
 		kp, err := f.ca.IssueClient(cn)
-		if err != nil {
-			t.Fatal(err)
-		}
+		must(t, err)
 		return kp
 	}
 	m.execAlice = writeExecPlugin(t, f.dir, "exec-alice", issue("exec-alice"))
 	m.execBob = writeExecPlugin(t, f.dir, "exec-bob", issue("exec-bob"))
 	other, err := testserver.NewCA("other")
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	m.otherCA = other.CertPEM()
 	m.carolFiles = newCertDir(t, inPlace, f.carol, f.ca.CertPEM())
 	m.sameCAFile = m.carolFiles.ca
@@ -640,9 +624,7 @@ func (m *copyMaterial) checkCopy(t *testing.T, s copySpec) {
 		// Half the pairs: another config of the identity wrapped
 		// first, so that the pair's hooks decide from what client-go's
 		// cache was found to hold for that config.
-		if err := p.Wrap(newOriginal()); err != nil {
-			t.Fatal(err)
-		}
+		must(t, p.Wrap(newOriginal()))
 	}
 	pair := wrapPair(t, p, newOriginal)
 	var names []string
@@ -756,9 +738,7 @@ func proxyHeaderUndeclared(t *testing.T, r *proxyHeaderRig) {
 	p := newPool(t)
 	for range 5 {
 		cfg := r.member(proxy, "token-x", proxyCredA)
-		if err := p.Wrap(cfg); err != nil {
-			t.Fatal(err)
-		}
+		must(t, p.Wrap(cfg))
 		r.mustObserve(t, cfg)
 	}
 	wantTunnels(t, proxy, 5, "5 configs with an undeclared wrapper")
@@ -782,16 +762,12 @@ func proxyHeaderPerRequest(t *testing.T, r *proxyHeaderRig) {
 		} else {
 			_, err = p.HTTPClientFor(cfg, declared)
 		}
-		if err != nil {
-			t.Fatal(err)
-		}
+		must(t, err)
 	}
 	for i := range 20 {
 		cfg := r.member(proxy, "token-x", proxyCredA)
 		c, err := p.HTTPClientFor(cfg, declared)
-		if err != nil {
-			t.Fatal(err)
-		}
+		must(t, err)
 		resp, err := c.Get(r.srv.URL() + "/api/v1/nodes")
 		if err != nil {
 			t.Fatalf("request %d: %v", i, err)
@@ -946,9 +922,7 @@ func proxyHeaderOwnDialer(t *testing.T, r *proxyHeaderRig) {
 	cfg := r.member(r.proxies[0], "token-x", nil)
 	cfg.WrapTransport = ownDialer(func(rt http.RoundTripper) http.RoundTripper { return rt })
 	control := rest.CopyConfig(cfg)
-	if err := p.Wrap(cfg); err != nil {
-		t.Fatal(err)
-	}
+	must(t, p.Wrap(cfg))
 	if st := p.Stats(); st.PassThrough != 1 || st.Identities != 0 {
 		t.Errorf("pool %+v, want the config passed through", st)
 	}
@@ -984,9 +958,7 @@ func TestWrapPassesFunctionsThrough(t *testing.T) {
 			}
 			alone := accepted(func(cfg *rest.Config) kubernetes.Interface { return mustClientset(t, cfg) })
 			through := accepted(func(cfg *rest.Config) kubernetes.Interface {
-				if err := p.Wrap(cfg); err != nil {
-					t.Fatal(err)
-				}
+				must(t, p.Wrap(cfg))
 				if cfg.WrapTransport != nil {
 					t.Error("Wrap set WrapTransport on a config with a function")
 				}
@@ -1032,9 +1004,7 @@ func TestWrapperChangingTransportInPlace(t *testing.T) {
 		cfg.Proxy = nilProxy
 		cfg.WrapTransport = inPlace(func(t *http.Transport) { t.DisableCompression = true })
 		control := rest.CopyConfig(cfg)
-		if err := p.Wrap(cfg); err != nil {
-			t.Fatal(err)
-		}
+		must(t, p.Wrap(cfg))
 		if st := p.Stats(); st.PassThrough != 1 || st.Identities != 0 {
 			t.Errorf("pool %+v, want the config passed through", st)
 		}
@@ -1058,9 +1028,7 @@ func TestWrapperChangingTransportInPlace(t *testing.T) {
 					return declaredClientset(p, cfg, WithProxyConnectHeader(header))
 				}).observe()
 			} else {
-				if err := p.Wrap(cfg); err != nil {
-					t.Fatal(err)
-				}
+				must(t, p.Wrap(cfg))
 				o = r.observe(cfg)
 			}
 			if o.Err != "" || o.CN != "alice" {
@@ -1097,9 +1065,7 @@ func TestPassThroughCosts(t *testing.T) {
 				twin := newCertDir(t, renameOver, kp, f.ca.CertPEM())
 				cfg := d.config(f.srv.URL())
 				if p != nil {
-					if err := p.Wrap(cfg); err != nil {
-						t.Fatal(err)
-					}
+					must(t, p.Wrap(cfg))
 					if err := listNodes(ctx, cfg); err != nil { // the pool's own connection
 						t.Fatal(err)
 					}
@@ -1108,9 +1074,7 @@ func TestPassThroughCosts(t *testing.T) {
 				for range clients {
 					cp := rest.CopyConfig(cfg)
 					change(d, twin, cp)
-					if err := listNodes(ctx, cp); err != nil {
-						t.Fatal(err)
-					}
+					must(t, listNodes(ctx, cp))
 				}
 				return f.srv.Stats().Accepted - before
 			}
@@ -1130,9 +1094,7 @@ func TestPassThroughCosts(t *testing.T) {
 func readFileT(t testing.TB, path string) []byte {
 	t.Helper()
 	b, err := os.ReadFile(path)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	return b
 }
 
@@ -1162,13 +1124,9 @@ func TestWrapConfigsOfOneIdentity(t *testing.T) {
 			cfg := shapes[i%2]()
 			cfg.BearerToken = "token-of-tom"
 			if p != nil {
-				if err := p.Wrap(cfg); err != nil {
-					t.Fatal(err)
-				}
+				must(t, p.Wrap(cfg))
 			}
-			if err := listNodes(ctx, cfg); err != nil {
-				t.Fatal(err)
-			}
+			must(t, listNodes(ctx, cfg))
 		}
 		return f.srv.Stats().Accepted - before
 	}
@@ -1207,17 +1165,13 @@ func TestWrapConcurrentClients(t *testing.T) {
 		}
 		for _, cfg := range append(configs[:clients/2:clients/2], shared) {
 			if p != nil {
-				if err := p.Wrap(cfg); err != nil {
-					t.Fatal(err)
-				}
+				must(t, p.Wrap(cfg))
 			}
 		}
 		for i := clients / 2; i < clients; i++ {
 			configs[i] = rest.CopyConfig(shared)
 		}
-		if err := listNodes(context.Background(), shared); err != nil {
-			t.Fatal(err)
-		}
+		must(t, listNodes(context.Background(), shared))
 		d.write(t, f.bob, f.ca.CertPEM())
 		if p != nil {
 			waitFor(t, "rotation", func() bool { return p.Stats().Rotations == 1 })
@@ -1233,9 +1187,7 @@ func TestWrapConcurrentClients(t *testing.T) {
 		}
 		close(start)
 		for range clients {
-			if err := <-errs; err != nil {
-				t.Fatal(err)
-			}
+			must(t, <-errs)
 		}
 		return f.srv.Stats().Accepted - before
 	}
@@ -1327,9 +1279,7 @@ func TestHookIdentityAgainstClientGoKey(t *testing.T) {
 			t.Fatalf("%v, share %v", err, share)
 		}
 		rt, err := clientGoTransport(s.tc)
-		if err != nil {
-			t.Fatal(err)
-		}
+		must(t, err)
 		return s.id.key, rt
 	}
 	for _, c := range []struct {
@@ -1374,9 +1324,7 @@ func TestHookIdentityAgainstClientGoKey(t *testing.T) {
 					t.Errorf("client-go's transport for the variant does not trust the CA it carries")
 				}
 				other, err := testserver.NewCA("other")
-				if err != nil {
-					t.Fatal(err)
-				}
+				must(t, err)
 				ours.RootCAs = other.Pool()
 				if trustsAlike(rt, ours) {
 					t.Errorf("trustsAlike takes another CA's roots for the variant's")
@@ -1396,9 +1344,7 @@ func TestWrapUnwrappedKeepsNothing(t *testing.T) {
 	f := newFixture(t, testserver.Options{})
 	unwrapped := func(cfg *rest.Config) weak.Pointer[tls.Config] {
 		hc, err := rest.HTTPClientFor(cfg)
-		if err != nil {
-			t.Fatal(err)
-		}
+		must(t, err)
 		tc, err := utilnet.TLSClientConfig(hc.Transport)
 		if err != nil || tc == nil {
 			t.Fatalf("%v, %v", tc, err)
@@ -1421,9 +1367,7 @@ func TestWrapUnwrappedKeepsNothing(t *testing.T) {
 	p := newPool(t, WithIdleTimeout(0))
 	w := func() weak.Pointer[tls.Config] {
 		cfg := f.srv.RestConfig(f.alice)
-		if err := p.Wrap(cfg); err != nil {
-			t.Fatal(err)
-		}
+		must(t, p.Wrap(cfg))
 		return unwrapped(cfg)
 	}()
 	if st := p.Stats(); st.PassThrough != 1 || st.Identities != 1 {
@@ -1440,12 +1384,8 @@ func TestWrapUnwrappedKeepsNothing(t *testing.T) {
 func newMovedRig(t *testing.T, f *fixture) (*testserver.CA, *copyRig) {
 	t.Helper()
 	newCA, err := testserver.NewCA("new-ca")
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	serving, err := newCA.IssueServer()
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	return newCA, newCopyRig(t, testserver.Options{CA: newCA, ServerCert: serving, ClientCAs: f.ca.Pool()})
 }
