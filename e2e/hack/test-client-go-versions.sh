@@ -29,7 +29,7 @@ for spec in "${versions[@]}"; do
 		go get "k8s.io/client-go@$v" "k8s.io/api@$v" "k8s.io/apimachinery@$v"
 		go mod tidy
 		go list -m k8s.io/client-go k8s.io/api k8s.io/apimachinery >&2
-		go vet ./...
+		go vet $race ./... # the tests' build flags: one compile of the dependencies
 		go test $race -count=1 ./...
 	)
 	rm -rf "$work"
