@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Reruns every table of docs/measurements.md and rewrites the file: conncount's
-# default table and its second mode set, conncount proxy, and the root
-# package's benchmarks, each with the command that produced it, the machine,
-# its load, the Go version, the commit and the wall time.
+# default table and its chart (seed-load.svg, beside the file), its second
+# mode set, conncount proxy, and the root package's benchmarks, each with the
+# command that produced it, the machine, its load, the Go version, the commit
+# and the wall time.
 #
 #   hack/measure.sh            # full size (the numbers the docs quote)
 #   MEASURE_SMALL=1 hack/measure.sh   # reduced sizes, to try the script
@@ -66,7 +67,11 @@ bench() {
 }
 failed=()
 
-conncount cc-default "${cc_size[@]}"
+# The seed's load as a picture, from the default table's runs: open
+# connections over time for client-go's best case, client-go with Proxy,
+# Karmada's keep-alive off and the pool.
+chart_modes=client-go,client-go-proxy,client-go-keepalive-off,sharedtransport
+conncount cc-default "${cc_size[@]}" --svg "$work/seed-load.svg" --svg-modes "$chart_modes"
 conncount cc-second "${cc_size[@]}" --modes "$second_modes"
 conncount cc-proxy proxy "${cc_size[@]}" --modes "$proxy_modes" --scrape
 bench b-roundtrip "$bt_n" "$bt_count" '^BenchmarkRoundTrip$'
@@ -194,8 +199,10 @@ off, and through \`Wrap\` without \`Proxy\` (\`Wrap\` passes a config with one t
 and the floors: one \`http.Client\` for every config, and one \`WrapTransport\` hook that returns one round tripper for every config, measuring sticks. Wall time: $(cat "$work/cc-default.time").
 
 \`\`\`sh
-go -C cmd/conncount run . ${cc_size[*]}
+go -C cmd/conncount run . ${cc_size[*]} --svg seed-load.svg --svg-modes $chart_modes
 \`\`\`
+
+![Open connections over time under the seed's load, counted by the server, on a logarithmic axis: client-go's best case, client-go with Proxy, Karmada's keep-alive off and the pool](seed-load.svg)
 
 EOF
 block "$work/cc-default"
@@ -362,6 +369,7 @@ raw "$work/b-files"
 } >"$tmp"
 
 mkdir -p "$(dirname "$out")"
+mv "$work/seed-load.svg" "$(dirname "$out")/seed-load.svg"
 mv "$tmp" "$out"
 step "wrote $out in $wall"
 if [ ${#failed[@]} -gt 0 ]; then

@@ -20,6 +20,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/sharedtransport/sharedtransport"
+	"github.com/sharedtransport/sharedtransport/internal/chart"
 )
 
 // The seed's load: 100 clients, 20 requests each, through the front.
@@ -192,6 +193,7 @@ type row struct {
 	ok, lost, wrong      int64
 	handshakes, resumed  uint64
 	reqPerSec, cpuPerReq float64
+	tunnelsOpen          []chart.Point // over the load, where sampled
 }
 
 // TestSeedLoad is the seed's load through Karmada's aggregated path

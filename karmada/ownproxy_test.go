@@ -22,6 +22,7 @@ import (
 	"github.com/karmada-io/karmada/pkg/util/gclient"
 
 	"github.com/sharedtransport/sharedtransport"
+	"github.com/sharedtransport/sharedtransport/internal/chart"
 	"github.com/sharedtransport/sharedtransport/internal/connectproxy"
 	"github.com/sharedtransport/sharedtransport/internal/klogcapture"
 	"github.com/sharedtransport/sharedtransport/internal/spdyecho"
@@ -58,6 +59,16 @@ func TestOwnConnectClusterSeedLoad(t *testing.T) {
 			name = "patched"
 		}
 		t.Logf("| %s | %d | %d | %d | %d | %d | %d | %.0f | %.2f ms |", name, r.tunnels, r.openAtEnd, r.handshakes, r.resumed, r.refused, r.lost+r.wrong, r.reqPerSec, r.cpuPerReq)
+		peak := 0
+		for _, p := range r.tunnelsOpen {
+			peak = max(peak, p.Open)
+		}
+		order := i + 1 // as is
+		if patched {
+			order++
+		}
+		keepRun(t, order, chart.Series{Name: "Karmada " + name, Points: r.tunnelsOpen,
+			End: fmt.Sprintf("%d tunnels, peak %d open", r.tunnels, peak)})
 	}
 }
 
@@ -78,11 +89,14 @@ func runOwnConnectCluster(t *testing.T, limit int) row {
 	if patched {
 		w = startWatch(t, url)
 	}
+	stopSampling := sampleTunnels(proxy)
 	res := load(t, url, seedClients, seedRequests)
+	points := stopSampling()
 	st := proxy.Stats()
 	total := int64(seedClients * seedRequests)
 	r := row{mode: connectCluster, tunnels: st.Tunnels, refused: st.Rejected, openAtEnd: st.Open, ok: res.ok, lost: res.failed, wrong: res.wrongUser,
-		reqPerSec: float64(total) / res.elapsed.Seconds(), cpuPerReq: float64(res.cpu.Milliseconds()) / float64(total), handshakes: st.Tunnels}
+		reqPerSec: float64(total) / res.elapsed.Seconds(), cpuPerReq: float64(res.cpu.Milliseconds()) / float64(total), handshakes: st.Tunnels,
+		tunnelsOpen: points}
 	if pool != nil {
 		ps := pool.Stats()
 		r.handshakes, r.resumed = ps.Handshakes, ps.Resumptions

@@ -18,7 +18,7 @@
 //
 //	go -C cmd/conncount run .
 //	go -C cmd/conncount run . --workers 20 --requests 5 --repeat 1 --json
-//	go -C cmd/conncount run . --svg conns.svg
+//	go -C cmd/conncount run . --svg conns.svg --svg-modes client-go,client-go-proxy,sharedtransport
 //	go -C cmd/conncount run . --kubeconfig ~/.kube/config --resource namespaces
 //
 // The proxy subcommand runs the seed's own scenario (proxy.go): the load goes
@@ -58,6 +58,7 @@ type options struct {
 	resource        string
 	json            bool
 	svg             string
+	svgModes        []string
 	maxConnsPerHost int
 	timeout         time.Duration
 	sample          time.Duration
@@ -92,6 +93,8 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.StringVar(&o.resource, "resource", "nodes", "what each request lists: nodes or namespaces")
 	fs.BoolVar(&o.json, "json", false, "print the results as JSON instead of a table")
 	fs.StringVar(&o.svg, "svg", "", "write a chart of open connections over time per mode to this SVG file")
+	var svgModes string
+	fs.StringVar(&svgModes, "svg-modes", "", "comma-separated modes the --svg chart shows (default: every mode run)")
 	fs.IntVar(&o.maxConnsPerHost, "max-conns-per-host", 0, "sharedtransport modes: WithMaxConnsPerHost (0: the library's default)")
 	fs.DurationVar(&o.timeout, "timeout", 30*time.Second, "timeout of one request")
 	fs.DurationVar(&o.sample, "sample", 20*time.Millisecond, "how often open connections are sampled for --svg and the peak (real clusters: at least 50ms)")
@@ -127,6 +130,15 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	}
 	if len(o.modes) == 0 {
 		return nil, fmt.Errorf("%w: --modes is empty", errUsage)
+	}
+	for _, name := range strings.Split(svgModes, ",") {
+		if name = strings.TrimSpace(name); name == "" {
+			continue
+		}
+		if !slices.Contains(o.modes, name) {
+			return nil, fmt.Errorf("%w: --svg-modes: mode %q is not run (--modes: %s)", errUsage, name, strings.Join(o.modes, ","))
+		}
+		o.svgModes = append(o.svgModes, name)
 	}
 	if o.sample <= 0 {
 		o.sample = 20 * time.Millisecond
@@ -203,7 +215,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	}
 	rep.summarize(o.modes)
 	if o.svg != "" {
-		if err := os.WriteFile(o.svg, []byte(rep.svg()), 0o644); err != nil {
+		if err := os.WriteFile(o.svg, []byte(rep.svg(o.svgModes)), 0o644); err != nil {
 			return fmt.Errorf("write --svg: %w", err)
 		}
 	}

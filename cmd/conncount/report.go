@@ -4,13 +4,14 @@ import (
 	"cmp"
 	"encoding/json"
 	"fmt"
-	"html"
 	"io"
 	"math"
 	"slices"
 	"strconv"
 	"strings"
 	"text/tabwriter"
+
+	"github.com/sharedtransport/sharedtransport/internal/chart"
 )
 
 type report struct {
@@ -347,8 +348,6 @@ func (r *report) writeSources(w io.Writer) {
 	}
 }
 
-var svgColors = []string{"#d62728", "#ff7f0e", "#9467bd", "#2ca02c", "#1f77b4", "#8c564b", "#e377c2"}
-
 // medianRuns returns, per mode, the run whose requests per second are the
 // median (the lower one of an even count).
 func (r *report) medianRuns() []*modeRun {
@@ -369,94 +368,25 @@ func (r *report) medianRuns() []*modeRun {
 	return out
 }
 
-// svg draws open connections over time, one line per mode (its run of
-// median requests per second), all modes on one time axis starting at each
-// run's start.
-func (r *report) svg() string {
-	const (
-		width, height = 960, 480
-		left, right   = 70, 300
-		top, bottom   = 50, 50
-	)
-	pw, ph := float64(width-left-right), float64(height-top-bottom)
-	runs := r.medianRuns()
-	maxT, maxOpen := 0.0, 1
-	for _, m := range runs {
-		if m.Seconds > maxT {
-			maxT = m.Seconds
+// svg draws open connections over time for each mode of modes (every mode
+// when empty), from its run of median requests per second, on one time
+// axis.
+func (r *report) svg(modes []string) string {
+	runs := "one run"
+	if r.Repeat > 1 {
+		runs = fmt.Sprintf("the median run of %d", r.Repeat)
+	}
+	c := chart.Chart{
+		Title: "Open TCP connections to the API server, counted by the server",
+		Caption: fmt.Sprintf("%d workers x %d requests (list %s), a fresh rest.Config and clientset per request; %s per mode; %s",
+			r.Workers, r.Requests, r.Resource, runs, chart.Commit()),
+	}
+	for _, m := range r.medianRuns() {
+		if len(modes) > 0 && !slices.Contains(modes, m.Mode) {
+			continue
 		}
-		for _, s := range m.Samples {
-			if s.Open > maxOpen {
-				maxOpen = s.Open
-			}
-			if s.T > maxT {
-				maxT = s.T
-			}
-		}
-		if int(m.PeakOpen) > maxOpen {
-			maxOpen = int(m.PeakOpen)
-		}
+		c.Series = append(c.Series, chart.Series{Name: m.Mode, Points: m.Samples,
+			End: fmt.Sprintf("%d accepted, peak %d", m.Accepted, m.PeakOpen)})
 	}
-	if maxT == 0 {
-		maxT = 1
-	}
-	yMax := niceCeil(float64(maxOpen))
-	xMax := niceCeil(maxT)
-	x := func(t float64) float64 { return float64(left) + t/xMax*pw }
-	y := func(v float64) float64 { return float64(top) + ph - v/yMax*ph }
-
-	var b strings.Builder
-	fmt.Fprintf(&b, `<svg xmlns="http://www.w3.org/2000/svg" width="%d" height="%d" viewBox="0 0 %d %d" font-family="sans-serif" font-size="12">`+"\n", width, height, width, height)
-	fmt.Fprintf(&b, `<rect width="%d" height="%d" fill="white"/>`+"\n", width, height)
-	fmt.Fprintf(&b, `<text x="%d" y="24" font-size="15">Open TCP connections to the API server over time (%d workers x %d requests, list %s)</text>`+"\n",
-		left, r.Workers, r.Requests, html.EscapeString(r.Resource))
-	// Axes and grid.
-	for i := 0; i <= 5; i++ {
-		v := yMax * float64(i) / 5
-		fmt.Fprintf(&b, `<line x1="%d" y1="%.1f" x2="%.1f" y2="%.1f" stroke="#ddd"/>`+"\n", left, y(v), float64(left)+pw, y(v))
-		fmt.Fprintf(&b, `<text x="%d" y="%.1f" text-anchor="end">%s</text>`+"\n", left-6, y(v)+4, trimFloat(v))
-		tv := xMax * float64(i) / 5
-		fmt.Fprintf(&b, `<line x1="%.1f" y1="%d" x2="%.1f" y2="%.1f" stroke="#ddd"/>`+"\n", x(tv), top, x(tv), float64(top)+ph)
-		fmt.Fprintf(&b, `<text x="%.1f" y="%.1f" text-anchor="middle">%ss</text>`+"\n", x(tv), float64(top)+ph+18, trimFloat(tv))
-	}
-	fmt.Fprintf(&b, `<rect x="%d" y="%d" width="%.0f" height="%.0f" fill="none" stroke="#333"/>`+"\n", left, top, pw, ph)
-	fmt.Fprintf(&b, `<text x="%.1f" y="%d" text-anchor="middle">seconds since the mode started</text>`+"\n", float64(left)+pw/2, height-10)
-	fmt.Fprintf(&b, `<text transform="translate(18 %.1f) rotate(-90)" text-anchor="middle">open connections</text>`+"\n", float64(top)+ph/2)
-	for i, m := range runs {
-		color := svgColors[i%len(svgColors)]
-		var pts []string
-		pts = append(pts, fmt.Sprintf("%.1f,%.1f", x(0), y(0)))
-		for _, s := range m.Samples {
-			pts = append(pts, fmt.Sprintf("%.1f,%.1f", x(s.T), y(float64(s.Open))))
-		}
-		fmt.Fprintf(&b, `<polyline fill="none" stroke="%s" stroke-width="2" points="%s"/>`+"\n", color, strings.Join(pts, " "))
-		ly := top + 10 + i*36
-		lx := width - right + 20
-		fmt.Fprintf(&b, `<line x1="%d" y1="%d" x2="%d" y2="%d" stroke="%s" stroke-width="3"/>`+"\n", lx, ly, lx+24, ly, color)
-		fmt.Fprintf(&b, `<text x="%d" y="%d">%s</text>`+"\n", lx+30, ly+4, html.EscapeString(m.Mode))
-		fmt.Fprintf(&b, `<text x="%d" y="%d" fill="#555" font-size="11">accepted %d, peak %d, %.0f req/s</text>`+"\n",
-			lx+30, ly+18, m.Accepted, m.PeakOpen, m.RequestsPerSecond)
-	}
-	b.WriteString("</svg>\n")
-	return b.String()
-}
-
-// niceCeil rounds v up to 1, 2 or 5 times a power of ten.
-func niceCeil(v float64) float64 {
-	if v <= 0 {
-		return 1
-	}
-	p := math.Pow(10, math.Floor(math.Log10(v)))
-	for _, m := range []float64{1, 2, 5, 10} {
-		if m*p >= v {
-			return m * p
-		}
-	}
-	return 10 * p
-}
-
-func trimFloat(v float64) string {
-	s := fmt.Sprintf("%.2f", v)
-	s = strings.TrimRight(strings.TrimRight(s, "0"), ".")
-	return s
+	return c.SVG()
 }

@@ -6,6 +6,8 @@ import (
 	"io"
 	"path/filepath"
 	"time"
+
+	"github.com/sharedtransport/sharedtransport/internal/chart"
 )
 
 // modeRun is one run of one mode: what its client process measured of its
@@ -30,10 +32,8 @@ type modeRun struct {
 	Samples               []sample `json:"-"`
 }
 
-type sample struct {
-	T    float64 `json:"t"`
-	Open int     `json:"open"`
-}
+// A sample is the number of connections open a time into the run.
+type sample = chart.Point
 
 // runOrder is the order of all runs: repeat rounds of every mode, round r
 // (from 0) starting at mode r, so that no mode always follows the same one.
