@@ -103,6 +103,8 @@ func (c Chart) SVG() string {
 		fmt.Fprintf(&b, `<polyline class="series" data-name="%s" fill="none" stroke="%s" stroke-width="2" points="%s"/>`+"\n",
 			html.EscapeString(s.Name), color, strings.Join(pts, " "))
 		ends[i] = y(last.Open)
+		// A run that ended early leads to its label dotted.
+		fmt.Fprintf(&b, `<line x1="%.1f" y1="%.1f" x2="%d" y2="%.1f" stroke="%s" stroke-dasharray="2 4"/>`+"\n", x(last.T), ends[i], left+plotW, ends[i], color)
 	}
 	labels := spread(ends)
 	for i, s := range c.Series {
