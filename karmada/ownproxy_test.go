@@ -63,11 +63,14 @@ func TestOwnConnectClusterSeedLoad(t *testing.T) {
 		for _, p := range r.tunnelsOpen {
 			peak = max(peak, p.Open)
 		}
-		order := i + 1 // as is
+		order, short := i+1, name // as is
 		if patched {
 			order++
 		}
-		keepRun(t, order, chart.Series{Name: "Karmada " + name, Points: r.tunnelsOpen,
+		if caps[i] > 0 {
+			short = fmt.Sprintf("patched, cap %d", caps[i])
+		}
+		keepRun(t, order, chart.Series{Name: short, Points: r.tunnelsOpen,
 			End: fmt.Sprintf("%d tunnels, peak %d open", r.tunnels, peak)})
 	}
 }
