@@ -71,7 +71,7 @@ func TestOwnConnectClusterSeedLoad(t *testing.T) {
 			short = fmt.Sprintf("patched, cap %d", caps[i])
 		}
 		keepRun(t, order, chart.Series{Name: short, Points: r.tunnelsOpen,
-			End: fmt.Sprintf("%d tunnels, peak %d open", r.tunnels, peak)})
+			End: fmt.Sprintf("%d tunnel(s), peak %d open", r.tunnels, peak)})
 	}
 }
 

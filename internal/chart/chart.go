@@ -60,8 +60,8 @@ func (c Chart) SVG() string {
 			maxOpen = max(maxOpen, p.Open)
 		}
 	}
-	top10 := 10 // the axis reaches at least 10
-	for top10 < maxOpen {
+	top10 := 10 // the axis reaches at least 10, and a decade above the peak
+	for top10 <= maxOpen {
 		top10 *= 10
 	}
 	xMax := niceCeil(maxT)
