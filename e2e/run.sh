@@ -6,7 +6,6 @@
 # to `go test` (e.g. -run TestSeedLoad -v).
 #
 #   E2E_TIMEOUT   go test timeout (default 15m)
-#   E2E_RACE      0: without the race detector
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -17,6 +16,4 @@ export KUBE_APISERVER ETCD
 echo "e2e: kube-apiserver $KUBE_APISERVER, etcd $ETCD" >&2
 
 cd "$here"
-race=-race
-[ "${E2E_RACE:-1}" != 0 ] || race=
-exec go test $race -count=1 -timeout "${E2E_TIMEOUT:-15m}" "$@" ./...
+exec go test -race -count=1 -timeout "${E2E_TIMEOUT:-15m}" "$@" ./...
