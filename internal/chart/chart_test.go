@@ -165,3 +165,17 @@ func TestSeedChart(t *testing.T) {
 		}
 	}
 }
+
+// A run that sampled nothing (a load that ended before the first tick)
+// still gets its line, at 0, and its label; a chart of no run draws its
+// axes.
+func TestChartWithoutSamples(t *testing.T) {
+	es := parse(t, Chart{Series: []Series{{Name: "empty", End: "0 accepted"}}}.SVG())
+	lines, ends := withClass(es, "polyline", "series"), withClass(es, "text", "end")
+	if len(lines) != 1 || len(ends) != 1 || ends[0].text != "empty: 0 accepted" {
+		t.Errorf("lines %v, end labels %v", lines, ends)
+	}
+	if ticks := withClass(parse(t, Chart{}.SVG()), "text", "y-tick"); len(ticks) != 3 {
+		t.Errorf("an empty chart's vertical axis has %d ticks, want 0, 1 and 10", len(ticks))
+	}
+}
