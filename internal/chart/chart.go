@@ -37,8 +37,8 @@ type Chart struct {
 	Series  []Series
 }
 
-// Colors are the lines' colors, in the order of the series.
-var Colors = []string{"#d62728", "#ff7f0e", "#9467bd", "#1f77b4", "#2ca02c", "#8c564b", "#e377c2", "#7f7f7f"}
+// colors are the lines' colors, in the order of the series.
+var colors = []string{"#d62728", "#ff7f0e", "#9467bd", "#1f77b4", "#2ca02c", "#8c564b", "#e377c2", "#7f7f7f"}
 
 const (
 	width, height = 1000, 500
@@ -93,7 +93,7 @@ func (c Chart) SVG() string {
 
 	ends := make([]float64, len(c.Series))
 	for i, s := range c.Series {
-		color := Colors[i%len(Colors)]
+		color := colors[i%len(colors)]
 		pts := []string{fmt.Sprintf("%.1f,%.1f", x(0), y(0))}
 		last := Point{}
 		for _, p := range s.Points {
@@ -108,7 +108,7 @@ func (c Chart) SVG() string {
 	}
 	labels := spread(ends)
 	for i, s := range c.Series {
-		color := Colors[i%len(Colors)]
+		color := colors[i%len(colors)]
 		lx := float64(left + plotW + 8)
 		fmt.Fprintf(&b, `<line x1="%d" y1="%.1f" x2="%.1f" y2="%.1f" stroke="%s"/>`+"\n", left+plotW, ends[i], lx, labels[i], color)
 		fmt.Fprintf(&b, `<text class="end" data-name="%s" x="%.1f" y="%.1f" fill="%s"><tspan font-weight="bold">%s</tspan>: %s</text>`+"\n",
