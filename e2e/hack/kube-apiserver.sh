@@ -42,7 +42,6 @@ build_apiserver() {
 		log "reusing $BIN"
 		return
 	fi
-	mkdir -p "$CACHE"
 	# Staging modules are published as v0.<minor>.<patch> for kubernetes v1.<minor>.<patch>.
 	local staging_version="v0.${K8S_VERSION#v1.}"
 	local start=$SECONDS
@@ -87,6 +86,15 @@ build_apiserver() {
 	log "built $BIN in $((SECONDS - start))s"
 }
 
+# One caller at a time: a second one (.ci/run's e2e stage, while its
+# background job builds) waits for the first, then reuses what it installed
+# and built.
+mkdir -p "$CACHE"
+exec 9>"$CACHE/.kube-apiserver-$K8S_VERSION.lock"
+if ! flock -n 9; then
+	log "waiting for another call of kube-apiserver.sh to finish"
+	flock 9
+fi
 ensure_etcd
 build_apiserver
 echo "KUBE_APISERVER=$BIN"

@@ -7,6 +7,9 @@
 # karmada/.patched), where karmada/'s TestPatchedKarmada finds it (see
 # karmada/hack/test-patched.sh).
 #
+# With KARMADA_BUILD_ONLY=1 it compiles the tests instead of running them:
+# .ci/run's background job fills the build cache that way for the run after.
+#
 # Usage: karmada/hack/patched-karmada.sh [DIR]
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
@@ -24,6 +27,16 @@ tested=(./pkg/util/proxy/ ./pkg/util/ ./pkg/registry/cluster/storage/ ./pkg/sear
 built=(./pkg/util/... ./pkg/registry/... ./pkg/search/... ./pkg/controllers/... ./pkg/metricsadapter/...
 	./cmd/aggregated-apiserver/ ./cmd/karmada-search/ ./cmd/controller-manager/ ./cmd/metrics-adapter/)
 
+bins="$(mktemp -d "${TMPDIR:-/tmp}/karmada-tests.XXXXXX")"
+trap 'rm -rf "$bins"' EXIT
+run_tests() {
+	if [ "${KARMADA_BUILD_ONLY:-}" = 1 ]; then
+		go test -c -o "$bins/" "$@"
+	else
+		go test -count=1 "$@"
+	fi
+}
+
 src="$(cd "$here" && go mod download -json "github.com/karmada-io/karmada@$version" | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$/\1/p')"
 [ -n "$src" ] && [ -d "$src" ] || { echo "patched-karmada: no source for github.com/karmada-io/karmada@$version"; exit 1; }
 if [ -d "$dir" ]; then chmod -R u+w "$dir"; rm -rf "$dir"; fi
@@ -36,7 +49,7 @@ cd "$dir"
 rm -rf vendor
 
 echo "== Karmada $version as is: go test ${tested[*]}"
-go test -count=1 "${tested[@]}"
+run_tests "${tested[@]}"
 
 echo "== applying karmada/patches"
 for p in "$here"/patches/*.patch; do
@@ -54,4 +67,4 @@ go build "${built[@]}"
 go vet ./pkg/util/proxy/ ./pkg/util/
 
 echo "== Karmada $version patched: go test ${tested[*]}"
-go test -count=1 "${tested[@]}"
+run_tests "${tested[@]}"
