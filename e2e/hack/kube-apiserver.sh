@@ -7,18 +7,13 @@
 #   etcd: Debian's etcd-server package, installed with apt-get when `etcd` is
 #     not on PATH.
 #
-#   KUBE_APISERVER_UNOPTIMIZED=1: when no optimized build is cached, build (or
-#     reuse) kube-apiserver-<version>-unoptimized, compiled without
-#     optimizations or inlining, which costs a fresh machine minutes less.
-#     .ci/run sets it: its tests assert behaviour, never speed. Measurements
-#     (karmada/hack/chart.sh) leave it unset, and get the optimized build.
-#
 # Usage: e2e/hack/kube-apiserver.sh [version]     (default v1.37.2)
 # Prints "KUBE_APISERVER=<path>" and "ETCD=<path>" on stdout; logs go to stderr.
 set -euo pipefail
 
 K8S_VERSION="${1:-${KUBE_VERSION:-v1.37.2}}"
 CACHE="${SHAREDTRANSPORT_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/sharedtransport}"
+BIN="$CACHE/kube-apiserver-$K8S_VERSION"
 
 log() { echo "kube-apiserver.sh: $*" >&2; }
 
@@ -86,7 +81,7 @@ build_apiserver() {
 	for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
 		ldflags="$ldflags -X $pkg.gitVersion=$K8S_VERSION -X $pkg.gitMajor=1 -X $pkg.gitMinor=$minor -X $pkg.gitTreeState=clean"
 	done
-	GOFLAGS=-mod=mod GOWORK=off CGO_ENABLED=0 go build -trimpath -gcflags="$gcflags" -ldflags "$ldflags" -o "$BIN.tmp" ./cmd/kube-apiserver
+	GOFLAGS=-mod=mod GOWORK=off CGO_ENABLED=0 go build -trimpath -gcflags=all=-dwarf=false -ldflags "$ldflags" -o "$BIN.tmp" ./cmd/kube-apiserver
 	mv "$BIN.tmp" "$BIN"
 	log "built $BIN in $((SECONDS - start))s"
 }
@@ -99,12 +94,6 @@ exec 9>"$CACHE/.kube-apiserver-$K8S_VERSION.lock"
 if ! flock -n 9; then
 	log "waiting for another call of kube-apiserver.sh to finish"
 	flock 9
-fi
-BIN="$CACHE/kube-apiserver-$K8S_VERSION"
-gcflags="all=-dwarf=false"
-if [ "${KUBE_APISERVER_UNOPTIMIZED:-}" = 1 ] && [ ! -x "$BIN" ]; then
-	BIN="$BIN-unoptimized"
-	gcflags="all=-dwarf=false -N -l"
 fi
 ensure_etcd
 build_apiserver
