@@ -63,7 +63,8 @@ func TestColdStartBurst(t *testing.T) {
 // above a connection's streams (the gate before 9e272a7 passes it too, 1-2
 // connections accepted in 5 runs: an in-process load on 2 cores rarely has
 // 100 lists in flight); TestOwnConnectClusterSeedLoad against patched
-// Karmada does (2-7 tunnels before that change, 2-3 after).
+// Karmada does (2-7 tunnels before that change, 1-4 after, 1-2 since a
+// lone request waits longer: TestLoneRequestWaitsForStream).
 func TestLoadAtTheStreamCount(t *testing.T) {
 	const clients, each = 101, 60
 	for _, tc := range []struct {
@@ -782,21 +783,85 @@ func TestRetiredGenerationRetried(t *testing.T) {
 // TestFullConnectionGrows: when every stream of the host's HTTP/2 connection
 // is held by a request the server has not answered (watches, slow lists),
 // requests beyond them get a second connection rather than waiting for a
-// stream of the first: the server holds all 150 at once, over 2 connections.
+// stream of the first: the server holds all 101 or 150 at once, over 2
+// connections (a lone request beyond the streams waits longer before it
+// goes to get one: TestLoneRequestWaitsForStream).
 func TestFullConnectionGrows(t *testing.T) {
-	hold := newRequestHold(t)
-	f := newFixture(t, testserver.Options{OnRequest: hold.onRequest})
-	p := newPool(t)
-	client := httpClient(t, p, f.srv.RestConfig(f.alice))
-	const n = 150
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	release := sendHeld(ctx, t, hold, client, f.srv.URL(), n)
-	waitFor(t, "the server holds every request", func() bool { return hold.held.Load() == n })
-	st := f.srv.Stats()
-	release()
-	if st.Accepted != 2 || st.Open != 2 {
-		t.Errorf("%d requests held by the server: %d connections accepted, %d open; want 2 and 2", n, st.Accepted, st.Open)
+	for _, n := range []int{101, 150} {
+		t.Run(fmt.Sprint(n), func(t *testing.T) {
+			hold := newRequestHold(t)
+			f := newFixture(t, testserver.Options{OnRequest: hold.onRequest})
+			p := newPool(t)
+			client := httpClient(t, p, f.srv.RestConfig(f.alice))
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			release := sendHeld(ctx, t, hold, client, f.srv.URL(), n)
+			waitFor(t, "the server holds every request", func() bool { return hold.held.Load() == int64(n) })
+			st := f.srv.Stats()
+			release()
+			if st.Accepted != 2 || st.Open != 2 {
+				t.Errorf("%d requests held by the server: %d connections accepted, %d open; want 2 and 2", n, st.Accepted, st.Open)
+			}
+		})
+	}
+}
+
+// TestLoneRequestWaitsForStream: one request beyond a full connection's 100
+// streams, with a stream freeing 50 ms later, takes that stream: the server
+// accepts 1 connection. client-go alone, the control, dials a second
+// connection at once. A connection dialed for so few requests is what a
+// load hovering at the stream count (Karmada's seed load through
+// kube-apiserver, TestOwnConnectClusterSeedLoad) saw closed as surplus on
+// arrival: Go keeps it only if every other connection is full just then.
+func TestLoneRequestWaitsForStream(t *testing.T) {
+	const freeAfter = 50 * time.Millisecond // half the pool's wait for one request
+	for _, pooled := range []bool{false, true} {
+		name := "client-go alone"
+		if pooled {
+			name = "pool"
+		}
+		t.Run(name, func(t *testing.T) {
+			hold := newRequestHold(t)
+			f := newFixture(t, testserver.Options{OnRequest: hold.onRequest})
+			cfg := f.srv.RestConfig(f.alice)
+			var client *http.Client
+			if pooled {
+				client = httpClient(t, newPool(t), cfg)
+			} else {
+				var err error
+				client, err = rest.HTTPClientFor(cfg)
+				must(t, err)
+			}
+			// The first request alone, so that client-go alone has one
+			// connection to fill too.
+			if _, err := getUA(context.Background(), client, f.srv.URL(), "first"); err != nil {
+				t.Fatal(err)
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			const n = 100
+			release := sendHeld(ctx, t, hold, client, f.srv.URL(), n)
+			waitFor(t, "the server holds 100 requests", func() bool { return hold.held.Load() == n })
+			lone := make(chan error, 1)
+			go func() {
+				_, err := getUA(ctx, client, f.srv.URL(), "lone")
+				lone <- err
+			}()
+			time.Sleep(freeAfter)
+			hold.releaseOne()
+			if err := <-lone; err != nil {
+				t.Fatal(err)
+			}
+			st := f.srv.Stats()
+			release()
+			t.Logf("%s: 100 requests held, one more, a stream freed %v later: the server accepted %d connections", name, freeAfter, st.Accepted)
+			switch {
+			case pooled && st.Accepted != 1:
+				t.Errorf("pool: the server accepted %d connections, want 1 (the lone request waits for the stream that frees)", st.Accepted)
+			case !pooled && st.Accepted < 2:
+				t.Errorf("client-go alone: the server accepted %d connections; the control should dial a second at once", st.Accepted)
+			}
+		})
 	}
 }
 

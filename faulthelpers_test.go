@@ -443,13 +443,14 @@ func (r *switchRelay) switchTo(target string) {
 type requestHold struct {
 	held    atomic.Int64
 	release chan struct{}
+	one     chan struct{} // releaseOne: one held request goes
 	once    sync.Once
 }
 
 // newRequestHold returns a hold released when the test ends (before the
 // server closes, so no handler is left waiting).
 func newRequestHold(t testing.TB) *requestHold {
-	h := &requestHold{release: make(chan struct{})}
+	h := &requestHold{release: make(chan struct{}), one: make(chan struct{})}
 	t.Cleanup(h.releaseAll)
 	return h
 }
@@ -457,11 +458,17 @@ func newRequestHold(t testing.TB) *requestHold {
 func (h *requestHold) onRequest(ri testserver.RequestInfo) {
 	if strings.Contains(ri.UserAgent, "hold") {
 		h.held.Add(1)
-		<-h.release
+		select {
+		case <-h.release:
+		case <-h.one:
+		}
 	}
 }
 
 func (h *requestHold) releaseAll() { h.once.Do(func() { close(h.release) }) }
+
+// releaseOne lets one held request go, waiting until one is held.
+func (h *requestHold) releaseOne() { h.one <- struct{}{} }
 
 // openFDs returns the numbers of this process's open file descriptors
 // (/proc/self/fd).

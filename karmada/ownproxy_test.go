@@ -93,6 +93,7 @@ func runOwnConnectCluster(t *testing.T, limit int) row {
 		w = startWatch(t, url)
 	}
 	stopSampling := sampleTunnels(proxy)
+	loadStart := time.Now()
 	res := load(t, url, seedClients, seedRequests)
 	points := stopSampling()
 	st := proxy.Stats()
@@ -114,7 +115,7 @@ func runOwnConnectCluster(t *testing.T, limit int) row {
 	case patched && limit > 0 && st.Tunnels > uint64(limit):
 		t.Errorf("patched, cap %d: %d tunnels for %d requests", limit, st.Tunnels, total)
 	case patched && st.Tunnels > 3:
-		t.Errorf("patched: %d tunnels for %d requests, want at most 3", st.Tunnels, total)
+		t.Errorf("patched: %d tunnels for %d requests, want at most 3:%s", st.Tunnels, total, timeline(proxy, loadStart))
 	}
 	if w != nil {
 		w.wantEvent(t, fmt.Sprintf("own-after-the-load-%d-%d", limit, time.Now().UnixNano()))
@@ -123,6 +124,20 @@ func runOwnConnectCluster(t *testing.T, limit int) row {
 		}
 	}
 	return r
+}
+
+// timeline says when each tunnel of p opened and closed, and by which end,
+// from start: a surplus connection Go closes on arrival shows as one the
+// client closed a few milliseconds after it opened.
+func timeline(p *connectproxy.Proxy, start time.Time) string {
+	var b strings.Builder
+	for i, tn := range p.Tunnels() {
+		fmt.Fprintf(&b, "\n\ttunnel %d: opened at %v", i+1, tn.Opened.Sub(start).Round(time.Millisecond))
+		if tn.ClosedBy != "" {
+			fmt.Fprintf(&b, ", closed by the %s at %v", tn.ClosedBy, tn.Closed.Sub(start).Round(time.Millisecond))
+		}
+	}
+	return b.String()
 }
 
 // TestOwnConnectClusterCABundleChange: a new caBundle in the cluster's

@@ -48,6 +48,12 @@ type Tunnel struct {
 	// connection to the target. Upstream is the address the target sees as
 	// its peer.
 	Client, Proxy, Upstream, Server string
+	// Opened is when the tunnel was answered 200; Closed when it ended
+	// (zero while open), and ClosedBy which end ended it: "client" (its
+	// connection to the proxy closed first), "server" (the target's did)
+	// or "proxy" (CloseTunnels or Close).
+	Opened, Closed time.Time
+	ClosedBy       string
 }
 
 // Stats are the proxy's counts since it started or since ResetStats.
@@ -66,8 +72,8 @@ type Proxy struct {
 
 	accepted, tunnels, rejected, failed atomic.Uint64
 
-	mu     sync.Mutex // guards seen, open and closed
-	seen   []Tunnel   // every tunnel opened since start or ResetStats, in order
+	mu     sync.Mutex // guards seen, open, closed and every tunnel's Closed and ClosedBy
+	seen   []*tunnel  // every tunnel opened since start or ResetStats, in order
 	open   map[*tunnel]struct{}
 	closed bool
 	wg     sync.WaitGroup // the accept loop and every connection's goroutines
@@ -126,7 +132,11 @@ func (p *Proxy) ResetStats() {
 func (p *Proxy) Tunnels() []Tunnel {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	return slices.Clone(p.seen)
+	out := make([]Tunnel, len(p.seen))
+	for i, t := range p.seen {
+		out[i] = t.Tunnel
+	}
+	return out
 }
 
 // Carried returns the open tunnel whose connection to the target has the
@@ -150,6 +160,9 @@ func (p *Proxy) CloseTunnels() int {
 	p.mu.Lock()
 	open := p.open
 	p.open = map[*tunnel]struct{}{}
+	for t := range open {
+		t.end("proxy")
+	}
 	p.mu.Unlock()
 	for t := range open {
 		t.client.Close()
@@ -230,18 +243,21 @@ func (p *Proxy) handle(c net.Conn) {
 		up.Close()
 		return
 	}
+	t.Opened = time.Now()
 	p.open[t] = struct{}{}
-	p.seen = append(p.seen, t.Tunnel)
+	p.seen = append(p.seen, t)
 	p.tunnels.Add(1)
 	p.mu.Unlock()
-	defer func() {
+	ended := func(by string) {
 		p.mu.Lock()
+		t.end(by)
 		delete(p.open, t)
 		p.mu.Unlock()
-	}()
+	}
 
 	_ = c.SetReadDeadline(time.Time{})
 	if _, err := io.WriteString(c, "HTTP/1.1 200 Connection established\r\n\r\n"); err != nil {
+		ended("client")
 		c.Close()
 		up.Close()
 		return
@@ -256,13 +272,22 @@ func (p *Proxy) handle(c net.Conn) {
 	go func() {
 		defer close(done)
 		copyThrough(up, client)
+		ended("client")
 		up.Close()
 		c.Close()
 	}()
 	copyThrough(c, up)
+	ended("server")
 	c.Close()
 	up.Close()
 	<-done
+}
+
+// end records that t ended, by whom, unless it already had; p.mu is held.
+func (t *tunnel) end(by string) {
+	if t.ClosedBy == "" {
+		t.Closed, t.ClosedBy = time.Now(), by
+	}
 }
 
 // copyThrough copies src to dst through a buffer of its own. io.Copy between

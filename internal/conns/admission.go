@@ -26,6 +26,14 @@ const (
 	growWait    = 10 * time.Millisecond
 	maxGrowWait = 4 * growWait
 
+	// loneWait is how long the connections stay full with one request
+	// waiting before it goes to get another; n waiting wait loneWait/n, and
+	// never less than growAfter. A new connection is worth its handshake
+	// for many requests; a few are served sooner by the next stream that
+	// frees, and a connection dialed for them is mostly closed as surplus
+	// on arrival (Go keeps it only if every other is full at that moment).
+	loneWait = 100 * time.Millisecond
+
 	// resetHold bounds how long the place of a request cancelled after it
 	// was sent stays taken when nothing shows that the server read the reset.
 	resetHold = time.Second
@@ -185,7 +193,7 @@ func (h *host) waitLocked(ctx context.Context, front bool) (woken bool, err erro
 	}
 	var growC <-chan time.Time
 	if !h.fullSince.IsZero() && !h.leading {
-		grow := time.NewTimer(max(h.growAfter-time.Since(h.fullSince), time.Nanosecond))
+		grow := time.NewTimer(max(h.growWaitLocked(len(h.queue)+1)-time.Since(h.fullSince), time.Nanosecond))
 		defer grow.Stop()
 		growC = grow.C
 	}
@@ -256,7 +264,7 @@ func (h *host) tryAdmitHTTP2Locked() (place, bool) {
 		if h.fullSince.IsZero() {
 			h.fullSince = now
 		}
-		if now.Sub(h.fullSince) < h.growAfter {
+		if now.Sub(h.fullSince) < h.growWaitLocked(len(h.queue)+1) {
 			return place{}, false
 		}
 	}
@@ -289,6 +297,12 @@ func (h *host) tryAdmitHTTP1Locked() (place, bool) {
 	}
 	h.leading = true
 	return place{rt: h.shared, counted: true, lead: true, trace: true}, true
+}
+
+// growWaitLocked is how long the connections stay full, with waiting
+// requests waiting, before a lead goes to get another (see loneWait).
+func (h *host) growWaitLocked(waiting int) time.Duration {
+	return max(h.growAfter, loneWait/time.Duration(max(waiting, 1)))
 }
 
 func (h *host) leadLocked() place {
