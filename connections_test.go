@@ -865,6 +865,49 @@ func TestLoneRequestWaitsForStream(t *testing.T) {
 	}
 }
 
+// TestLoneRequestDueSoon: a lone request beyond a full connection's 100
+// streams, due in 90 ms, with no stream freeing, is served: it goes to get a
+// second connection halfway to its deadline instead of waiting the 100 ms a
+// lone request waits. client-go alone, the control, dials at once.
+func TestLoneRequestDueSoon(t *testing.T) {
+	const due = 90 * time.Millisecond
+	for _, pooled := range []bool{false, true} {
+		name := "client-go alone"
+		if pooled {
+			name = "pool"
+		}
+		t.Run(name, func(t *testing.T) {
+			hold := newRequestHold(t)
+			f := newFixture(t, testserver.Options{OnRequest: hold.onRequest})
+			cfg := f.srv.RestConfig(f.alice)
+			var client *http.Client
+			if pooled {
+				client = httpClient(t, newPool(t), cfg)
+			} else {
+				var err error
+				client, err = rest.HTTPClientFor(cfg)
+				must(t, err)
+			}
+			if _, err := getUA(context.Background(), client, f.srv.URL(), "first"); err != nil {
+				t.Fatal(err)
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			release := sendHeld(ctx, t, hold, client, f.srv.URL(), 100)
+			waitFor(t, "the server holds 100 requests", func() bool { return hold.held.Load() == 100 })
+			soon, cancelSoon := context.WithTimeout(context.Background(), due)
+			_, err := getUA(soon, client, f.srv.URL(), "due soon")
+			cancelSoon()
+			st := f.srv.Stats()
+			release()
+			t.Logf("%s: 100 requests held, one more due in %v: %v; the server accepted %d connections", name, due, err, st.Accepted)
+			if err != nil {
+				t.Errorf("%s: a request due in %v beside 100 held ones: %v", name, due, err)
+			}
+		})
+	}
+}
+
 // TestConnectionCapFewerStreams: under a cap of 1, against a server allowing
 // no more streams (90) than the pool fills under a cap, the requests beyond
 // them wait on the pool's one connection: none goes to get another. The

@@ -145,13 +145,14 @@ func (h *host) protocol() int32 {
 // must; ErrRetired when the Transports close meanwhile. Requests go in
 // turn: a place that frees goes to the one that waited longest.
 func (h *host) admit(ctx context.Context) (place, error) {
+	deadline, _ := ctx.Deadline()
 	h.mu.Lock()
 	failures := h.leadFailures
 	inTurn := len(h.queue) == 0 && h.woken == 0
 	front := false // a woken request that finds no place keeps its turn
 	for {
 		if inTurn {
-			if p, ok := h.tryAdmitLocked(); ok {
+			if p, ok := h.tryAdmitLocked(deadline); ok {
 				p.seq = h.admitted
 				if front {
 					h.wakeOneLocked() // the next may find a place too
@@ -193,7 +194,8 @@ func (h *host) waitLocked(ctx context.Context, front bool) (woken bool, err erro
 	}
 	var growC <-chan time.Time
 	if !h.fullSince.IsZero() && !h.leading {
-		grow := time.NewTimer(max(h.growWaitLocked(len(h.queue)+1)-time.Since(h.fullSince), time.Nanosecond))
+		deadline, _ := ctx.Deadline()
+		grow := time.NewTimer(max(h.growWaitLocked(len(h.queue)+1, deadline)-time.Since(h.fullSince), time.Nanosecond))
 		defer grow.Stop()
 		growC = grow.C
 	}
@@ -220,7 +222,7 @@ func (h *host) waitLocked(ctx context.Context, front bool) (woken bool, err erro
 
 // tryAdmitLocked admits a request when the protocol and the connections let
 // it go now.
-func (h *host) tryAdmitLocked() (place, bool) {
+func (h *host) tryAdmitLocked(deadline time.Time) (place, bool) {
 	select {
 	case <-h.closedCh:
 		return place{}, false // the wait returns ErrRetired at once
@@ -233,13 +235,13 @@ func (h *host) tryAdmitLocked() (place, bool) {
 		}
 		return h.leadLocked(), true
 	case protoHTTP2:
-		return h.tryAdmitHTTP2Locked()
+		return h.tryAdmitHTTP2Locked(deadline)
 	default:
 		return h.tryAdmitHTTP1Locked()
 	}
 }
 
-func (h *host) tryAdmitHTTP2Locked() (place, bool) {
+func (h *host) tryAdmitHTTP2Locked(deadline time.Time) (place, bool) {
 	perConn, conns := h.streamsPerConn, h.conns
 	if h.maxConns > 0 {
 		// A margin under a cap: a response that ends with its headers frees
@@ -264,7 +266,7 @@ func (h *host) tryAdmitHTTP2Locked() (place, bool) {
 		if h.fullSince.IsZero() {
 			h.fullSince = now
 		}
-		if now.Sub(h.fullSince) < h.growWaitLocked(len(h.queue)+1) {
+		if now.Sub(h.fullSince) < h.growWaitLocked(len(h.queue)+1, deadline) {
 			return place{}, false
 		}
 	}
@@ -300,9 +302,15 @@ func (h *host) tryAdmitHTTP1Locked() (place, bool) {
 }
 
 // growWaitLocked is how long the connections stay full, with waiting
-// requests waiting, before a lead goes to get another (see loneWait).
-func (h *host) growWaitLocked(waiting int) time.Duration {
-	return max(h.growAfter, loneWait/time.Duration(max(waiting, 1)))
+// requests waiting, before a lead goes to get another (see loneWait). A
+// request due sooner goes halfway to its deadline, so that the wait never
+// costs it the time a new connection needs.
+func (h *host) growWaitLocked(waiting int, deadline time.Time) time.Duration {
+	wait := loneWait / time.Duration(max(waiting, 1))
+	if !deadline.IsZero() {
+		wait = min(wait, deadline.Sub(h.fullSince)/2)
+	}
+	return max(h.growAfter, wait)
 }
 
 func (h *host) leadLocked() place {
