@@ -303,12 +303,12 @@ func (h *host) tryAdmitHTTP1Locked() (place, bool) {
 
 // growWaitLocked is how long the connections stay full, with waiting
 // requests waiting, before a lead goes to get another (see loneWait). A
-// request due sooner goes halfway to its deadline, so that the wait never
-// costs it the time a new connection needs.
+// request due sooner goes a quarter of the way to its deadline, so that
+// the wait leaves it the time a new connection needs.
 func (h *host) growWaitLocked(waiting int, deadline time.Time) time.Duration {
 	wait := loneWait / time.Duration(max(waiting, 1))
 	if !deadline.IsZero() {
-		wait = min(wait, deadline.Sub(h.fullSince)/2)
+		wait = min(wait, deadline.Sub(h.fullSince)/4)
 	}
 	return max(h.growAfter, wait)
 }
