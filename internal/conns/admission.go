@@ -186,18 +186,21 @@ func (h *host) admit(ctx context.Context) (place, error) {
 // caller was woken (and so keeps its turn at the front); h.mu is held again
 // when it returns.
 func (h *host) waitLocked(ctx context.Context, front bool) (woken bool, err error) {
+	var growC <-chan time.Time
+	if !h.fullSince.IsZero() && !h.leading {
+		// The caller and the queue before it joins: the count
+		// tryAdmitHTTP2Locked checks, so that the caller does not wake
+		// before it may lead.
+		deadline, _ := ctx.Deadline()
+		grow := time.NewTimer(max(h.growWaitLocked(len(h.queue)+1, deadline)-time.Since(h.fullSince), time.Nanosecond))
+		defer grow.Stop()
+		growC = grow.C
+	}
 	ready := make(chan struct{}, 1)
 	if front {
 		h.queue = slices.Insert(h.queue, 0, ready)
 	} else {
 		h.queue = append(h.queue, ready)
-	}
-	var growC <-chan time.Time
-	if !h.fullSince.IsZero() && !h.leading {
-		deadline, _ := ctx.Deadline()
-		grow := time.NewTimer(max(h.growWaitLocked(len(h.queue)+1, deadline)-time.Since(h.fullSince), time.Nanosecond))
-		defer grow.Stop()
-		growC = grow.C
 	}
 	h.mu.Unlock()
 	select {
