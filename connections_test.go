@@ -30,26 +30,37 @@ import (
 // cold-start lead, the stream count and the connection cap, protocols
 // learned per host, and response bodies that hold their place until they end.
 
-// TestColdStartBurst: a burst of first requests through one new client waits
-// for the first connection instead of dialing one each.
+// netHTTPBound is how many connections the server may accept for c
+// concurrent requests of one identity: one per 100 streams, and what
+// net/http's own dialing adds at the boundary (a connection dialed while a
+// stream frees is closed as surplus on arrival).
+func netHTTPBound(c int) uint64 { return uint64((c+99)/100 + 3) }
+
+// TestColdStartBurst: a burst of first requests through one new client
+// waits for the first connection instead of dialing one each; client-go
+// alone, the control, dials for every request waiting.
 func TestColdStartBurst(t *testing.T) {
 	for _, n := range []int{100, 300} {
 		t.Run(fmt.Sprint(n), func(t *testing.T) {
-			f := newFixture(t, testserver.Options{})
-			p := newPool(t)
-			burst(t, wrappedClient(t, p, f.srv.RestConfig(f.alice)), n)
-			st := f.srv.Stats()
-			// The physical minimum is one connection per 100 concurrent
-			// streams, the server's limit. Beyond the first 100, Go may
-			// finish a dial whose request was served meanwhile and close it
-			// as surplus, which the server can see open for a moment: what
-			// net/http does on its own allows one more (4 open at once for
-			// 300, once in a -race run of the whole package).
-			minimum := (n + 99) / 100
-			limit := minimum + 1
-			t.Logf("burst of %d: server accepted %d connections (minimum %d), peak open %d", n, st.Accepted, minimum, st.PeakOpen)
-			if st.PeakOpen > limit || (n <= 100 && st.Accepted != 1) {
-				t.Errorf("burst of %d first requests: %d connections accepted, %d open at once; want at most %d open", n, st.Accepted, st.PeakOpen, limit)
+			var control uint64
+			for _, pooled := range []bool{false, true} {
+				f := newFixture(t, testserver.Options{})
+				cfg := f.srv.RestConfig(f.alice)
+				if pooled {
+					burst(t, wrappedClient(t, newPool(t), cfg), n)
+				} else {
+					cfg.QPS = -1
+					cs, err := kubernetes.NewForConfig(cfg)
+					must(t, err)
+					burst(t, cs, n)
+				}
+				st := f.srv.Stats()
+				t.Logf("pool %v, burst of %d: the server accepted %d connections, peak open %d", pooled, n, st.Accepted, st.PeakOpen)
+				if !pooled {
+					control = st.Accepted
+				} else if st.Accepted > netHTTPBound(n) || st.Accepted > control {
+					t.Errorf("burst of %d first requests: the server accepted %d connections; want at most %d, and no more than client-go alone (%d)", n, st.Accepted, netHTTPBound(n), control)
+				}
 			}
 		})
 	}
@@ -57,16 +68,12 @@ func TestColdStartBurst(t *testing.T) {
 
 // TestLoadAtTheStreamCount: 101 clients that each send their next list as
 // soon as the last one ends, against a server allowing 100 streams per
-// connection: at most ceil(101/100)+1 connections open at once, where
-// client-go alone, the control, opens up to one per client (21-102).
-// It does not reproduce the surplus dials of a load that sits one request
-// above a connection's streams (the gate before 9e272a7 passes it too, 1-2
-// connections accepted in 5 runs: an in-process load on 2 cores rarely has
-// 100 lists in flight); TestOwnConnectClusterSeedLoad against patched
-// Karmada does (2-7 tunnels before that change, 1-4 after, 1-2 since a
-// lone request waits longer: TestLoneRequestWaitsForStream).
+// connection: client-go alone, the control, opens up to one connection per
+// client; the pool, whose transport dials one connection at a time per
+// host, no more than net/http needs at the boundary.
 func TestLoadAtTheStreamCount(t *testing.T) {
 	const clients, each = 101, 60
+	var control uint64
 	for _, tc := range []struct {
 		name string
 		cs   func(t testing.TB, cfg *rest.Config) kubernetes.Interface
@@ -90,28 +97,72 @@ func TestLoadAtTheStreamCount(t *testing.T) {
 			}))
 			st := f.srv.Stats()
 			t.Logf("%d clients x %d lists: the server accepted %d connections, peak open %d", clients, each, st.Accepted, st.PeakOpen)
-			// What the server holds at once: a connection Go dials while a
-			// stream frees is still closed as surplus on arrival now and then
-			// (4 accepted, 2 open, once in CI under -race).
-			if bound := (clients+99)/100 + 1; tc.name == "pool" && st.PeakOpen > bound {
-				t.Errorf("%d clients x %d lists: %d connections open at once, want at most %d", clients, each, st.PeakOpen, bound)
+			if tc.name == "client-go alone" {
+				control = st.Accepted
+			} else if st.Accepted > netHTTPBound(clients) || st.Accepted > control {
+				t.Errorf("%d clients x %d lists: the server accepted %d connections; want at most %d, and no more than client-go alone (%d)", clients, each, st.Accepted, netHTTPBound(clients), control)
 			}
 		})
 	}
 }
 
-// TestConnectionCap: a cap of 1 with 500 concurrent requests against a
-// server allowing 100 streams per connection: one connection, every request
-// succeeds, the ones beyond the stream limit queue.
-func TestConnectionCap(t *testing.T) {
-	f := newFixture(t, testserver.Options{Latency: 20 * time.Millisecond})
-	p := newPool(t, WithMaxConnsPerHost(1))
-	const n = 500
-	burst(t, wrappedClient(t, p, f.srv.RestConfig(f.alice)), n)
-	st := f.srv.Stats()
-	t.Logf("cap 1, %d concurrent requests: server accepted %d connections, peak open %d", n, st.Accepted, st.PeakOpen)
-	if st.Accepted != 1 {
-		t.Errorf("cap 1: the server accepted %d connections", st.Accepted)
+// TestSeedLoadBesideWatch: the seed's load, 100 workers each sending its
+// lists through a fresh config and clientset, beside a watch, against a
+// server allowing 100 streams per connection and taking 50 ms over each
+// list, so that the workers' lists overlap; the watch starts with them.
+// client-go's best case, the control, is configs without Proxy, which its
+// cache keys alike: one transport, where net/http dials for every request
+// waiting on a cold start. Through the
+// pool, with Wrap and with HTTPClientFor of configs with a Proxy function
+// (Karmada's member clusters), the server accepts no more than net/http
+// needs at the boundary, and no more than the control.
+func TestSeedLoadBesideWatch(t *testing.T) {
+	const workers = 100
+	requests := 20
+	if raceDetector() {
+		requests = 4
+	}
+	var control uint64
+	for _, mode := range []string{"client-go alone", "pool, Wrap", "pool, HTTPClientFor with Proxy"} {
+		t.Run(mode, func(t *testing.T) {
+			f := newFixture(t, testserver.Options{Latency: 50 * time.Millisecond})
+			p := newPool(t)
+			newClient := func() (kubernetes.Interface, error) {
+				cfg := f.srv.RestConfig(f.alice)
+				cfg.QPS = -1
+				switch mode {
+				case "pool, Wrap":
+					return wrapped(cfg, wrapFn(p))
+				case "pool, HTTPClientFor with Proxy":
+					cfg.Proxy = nilProxy
+					return pooledClientset(p, cfg)
+				}
+				return kubernetes.NewForConfig(cfg)
+			}
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			watching := make(chan error, 1)
+			go func() { // cold, with the load, as a controller starting up
+				cs, err := newClient()
+				if err == nil {
+					var w watch.Interface
+					if w, err = cs.CoreV1().Nodes().Watch(ctx, metav1.ListOptions{}); err == nil {
+						defer w.Stop()
+					}
+				}
+				watching <- err
+				<-ctx.Done()
+			}()
+			seedLoad(t, workers, requests, newClient)
+			must(t, <-watching)
+			st := f.srv.Stats()
+			t.Logf("%s: a watch and %d workers x %d lists, each through a fresh config: the server accepted %d connections, peak open %d", mode, workers, requests, st.Accepted, st.PeakOpen)
+			if mode == "client-go alone" {
+				control = st.Accepted
+			} else if st.Accepted > netHTTPBound(workers+1) || st.Accepted > control {
+				t.Errorf("%s: the server accepted %d connections; want at most %d, and no more than client-go alone (%d)", mode, st.Accepted, netHTTPBound(workers+1), control)
+			}
+		})
 	}
 }
 
@@ -361,7 +412,7 @@ func (b *protocolBackends) url() string { return "https://" + b.relay.addr() }
 // TestProtocolSwitch: a backend fails over from HTTP/2 to HTTP/1.1 at the
 // same address and back. Over HTTP/1.1, concurrent watches each run at once
 // (no request queues behind another's watch); when HTTP/2 is back, a burst
-// shares one connection again.
+// after the first response shares one connection again.
 func TestProtocolSwitch(t *testing.T) {
 	f := newFixture(t, testserver.Options{})
 	b := newProtocolBackends(t, f)
@@ -412,6 +463,11 @@ func TestProtocolSwitch(t *testing.T) {
 
 	b.relay.switchTo(b.h2.Addr())
 	waitFor(t, "the pool sees its connections to the HTTP/1.1 backend closed", func() bool { return p.Stats().OpenConns == b.relay.open() })
+	// A host known to speak HTTP/1.1 is sent to as client-go sends: the
+	// first response over HTTP/2 tells the pool, and the next burst shares.
+	if proto, err := getUA(ctx, client, b.url(), "HTTP/2 is back"); err != nil || proto != "HTTP/2.0" {
+		t.Fatalf("the first list after HTTP/2 came back: %s %v", proto, err)
+	}
 	wantSharedHTTP2(ctx, t, client, b.url(), b.h2, 40, 1, "after HTTP/2 came back")
 }
 
@@ -428,88 +484,6 @@ func TestProtocolPerHost(t *testing.T) {
 		t.Fatalf("HTTP/1.1 host: %s %v", proto, err)
 	}
 	wantSharedHTTP2(ctx, t, client, f.srv.URL(), f.srv, 40, 1, "the HTTP/2 host after a list to an HTTP/1.1 host")
-}
-
-// TestConnectionCapPerHost: WithMaxConnsPerHost caps each host on its own:
-// watches filling host A's connection leave host B untouched.
-func TestConnectionCapPerHost(t *testing.T) {
-	f := newFixture(t, testserver.Options{})
-	other := f.startServer(t, testserver.Options{})
-	p := newPool(t, WithMaxConnsPerHost(1))
-	cs := wrappedClient(t, p, f.srv.RestConfig(f.alice))
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	if _, err := cs.CoreV1().Nodes().List(ctx, metav1.ListOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	const watches = 90
-	for range watches {
-		w, err := cs.CoreV1().Nodes().Watch(ctx, metav1.ListOptions{})
-		must(t, err)
-		defer w.Stop()
-	}
-	cfgB := f.srv.RestConfig(f.alice)
-	cfgB.Host = other.URL()
-	csB := wrappedClient(t, p, cfgB)
-	bctx, bcancel := context.WithTimeout(ctx, 5*time.Second)
-	defer bcancel()
-	_, err := csB.CoreV1().Nodes().List(bctx, metav1.ListOptions{})
-	t.Logf("cap 1, %d watches on host A: a list to host B: %v; B accepted %d connections", watches, err, other.Stats().Accepted)
-	if err != nil || other.Stats().Accepted != 1 {
-		t.Errorf("a list to host B beside %d watches on host A: %v, B accepted %d connections", watches, err, other.Stats().Accepted)
-	}
-}
-
-// capStreams and growWait are the connection layer's (internal/conns):
-// what it fills of an HTTP/2 connection under a cap (nine tenths of the 100
-// streams it expects), and how long a host's connections stay full before
-// a request goes to get another one.
-const (
-	capStreams = 90
-	growWait   = 10 * time.Millisecond
-)
-
-// TestSlotReleasedAtEOF: under a cap, a response body read to its end frees
-// its stream slot even if it is never closed, and a body read to its end and
-// then closed frees it once: after 200 such requests, 100 requests the
-// server holds fill exactly the 90 streams the pool fills of its one
-// connection. A slot kept would leave fewer held, one freed twice more.
-func TestSlotReleasedAtEOF(t *testing.T) {
-	hold := newRequestHold(t)
-	f := newFixture(t, testserver.Options{OnRequest: hold.onRequest})
-	p := newPool(t, WithMaxConnsPerHost(1))
-	client := httpClient(t, p, f.srv.RestConfig(f.alice))
-	for i := range 200 {
-		closeBody := i%2 == 1
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		req, err := http.NewRequestWithContext(ctx, http.MethodGet, f.srv.URL()+"/version", nil)
-		must(t, err)
-		resp, err := client.Do(req)
-		if err == nil {
-			_, err = io.ReadAll(resp.Body)
-			if closeBody {
-				resp.Body.Close()
-			}
-		}
-		cancel()
-		if err != nil {
-			t.Fatalf("request %d, bodies read to EOF and every other one never closed: %v", i+1, err)
-		}
-	}
-	const n = 100
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	release := sendHeld(ctx, t, hold, client, f.srv.URL(), n)
-	waitFor(t, "the server holds 90 requests", func() bool { return hold.held.Load() >= capStreams })
-	time.Sleep(20 * growWait) // time for more to be let through, if a slot was freed twice
-	held := hold.held.Load()
-	release()
-	if held != capStreams {
-		t.Errorf("cap 1, after 200 bodies read to EOF (every other one closed): the server held %d of %d requests at once, want %d", held, n, capStreams)
-	}
-	if st := f.srv.Stats(); st.Accepted != 1 {
-		t.Errorf("cap 1: the server accepted %d connections", st.Accepted)
-	}
 }
 
 // upgradeEcho sends an upgrade request for proto (websocket, SPDY/3.1) to
@@ -565,24 +539,20 @@ func reverseProxyFront(t testing.TB, target string, rt http.RoundTripper) string
 
 // TestUpgrades: websocket and SPDY upgrades through a transport from a
 // wrapped config (rest.TransportFor), sent directly and through a reverse
-// proxy front, with and without a cap. Each works (the 101's body is
+// proxy front. Each works (the 101's body is
 // writable), takes no stream slot, and says nothing about HTTP/2: a burst
 // after them stays on the one HTTP/2 connection. client-go alone is the
 // control.
 func TestUpgrades(t *testing.T) {
-	for _, mode := range []string{"client-go", "pool", "pool, cap 1"} {
+	for _, mode := range []string{"client-go", "pool"} {
 		for _, proto := range []string{"websocket", "SPDY/3.1"} {
 			for _, via := range []string{"direct", "reverse proxy"} {
 				t.Run(strings.Join([]string{mode, proto, via}, ", "), func(t *testing.T) {
 					f := newFixture(t, testserver.Options{})
 					cfg := f.srv.RestConfig(f.alice)
-					upgrades := 3
-					switch mode {
-					case "pool":
+					const upgrades = 3
+					if mode == "pool" {
 						must(t, newPool(t).Wrap(cfg))
-					case "pool, cap 1":
-						upgrades = 95 // more than one connection's stream slots
-						must(t, newPool(t, WithMaxConnsPerHost(1)).Wrap(cfg))
 					}
 					rt, err := rest.TransportFor(cfg)
 					must(t, err)
@@ -784,8 +754,8 @@ func TestRetiredGenerationRetried(t *testing.T) {
 // is held by a request the server has not answered (watches, slow lists),
 // requests beyond them get a second connection rather than waiting for a
 // stream of the first: the server holds all 101 or 150 at once, over 2
-// connections (a lone request beyond the streams waits longer before it
-// goes to get one: TestLoneRequestWaitsForStream).
+// connections (net/http dials one at a time, and hands it to every
+// request waiting).
 func TestFullConnectionGrows(t *testing.T) {
 	for _, n := range []int{101, 150} {
 		t.Run(fmt.Sprint(n), func(t *testing.T) {
@@ -806,257 +776,93 @@ func TestFullConnectionGrows(t *testing.T) {
 	}
 }
 
-// TestLoneRequestWaitsForStream: one request beyond a full connection's 100
-// streams, with a stream freeing 20 ms later, takes that stream: the server
-// accepts 1 connection. client-go alone, the control, dials a second
-// connection at once. A connection dialed for so few requests is what a
-// load hovering at the stream count (Karmada's seed load through
-// kube-apiserver, TestOwnConnectClusterSeedLoad) saw closed as surplus on
-// arrival: Go keeps it only if every other connection is full just then.
-// The pool's wait is a matter of time: a scheduler that stalls the test for
-// the 80 ms left between the freed stream and the dial makes the pool dial,
-// so the pool gets 3 attempts; one that dials whenever it waits fails all 3.
-func TestLoneRequestWaitsForStream(t *testing.T) {
-	const freeAfter = 20 * time.Millisecond // a fifth of the pool's wait for one request
-	accepted := func(t *testing.T, pooled bool) uint64 {
-		f, hold, client := beyondFullConnection(t, pooled)
-		lone := make(chan error, 1)
-		go func() {
-			_, err := getUA(context.Background(), client, f.srv.URL(), "lone")
-			lone <- err
-		}()
-		time.Sleep(freeAfter)
-		hold.releaseOne()
-		if err := <-lone; err != nil {
-			t.Fatal(err)
+// slowDialClient returns an HTTP client of cfg, through client-go alone or
+// through the pool, whose every dial takes d.
+func slowDialClient(t testing.TB, cfg *rest.Config, pooled bool, d time.Duration) *http.Client {
+	t.Helper()
+	cfg.Dial = func(ctx context.Context, network, addr string) (net.Conn, error) {
+		select {
+		case <-time.After(d):
+		case <-ctx.Done():
+			return nil, ctx.Err()
 		}
-		n := f.srv.Stats().Accepted
-		t.Logf("pool %v: a stream freed %v after one more request: the server accepted %d connections", pooled, freeAfter, n)
-		return n
+		var nd net.Dialer
+		return nd.DialContext(ctx, network, addr)
 	}
-	t.Run("client-go alone", func(t *testing.T) {
-		if n := accepted(t, false); n < 2 {
-			t.Errorf("client-go alone: the server accepted %d connections; the control should dial a second at once", n)
-		}
-	})
-	t.Run("pool", func(t *testing.T) {
-		for range 3 {
-			if n := accepted(t, true); n == 1 {
-				return
-			}
-		}
-		t.Errorf("pool: the server accepted a second connection in each of 3 attempts; the lone request should wait for the stream that frees")
-	})
+	if !pooled {
+		return clientGoClient(t, cfg)
+	}
+	return httpClient(t, newPool(t, WithDialIdentity(func(*rest.Config) string { return "slow dials" })), cfg)
 }
 
-// TestLoneRequestDueSoon: a lone request beyond a full connection's 100
-// streams, due in 100 ms, with no stream freeing, is served where client-go
-// alone, the control, serves it: the pool's request goes to get a second
-// connection a quarter of the way to its deadline (25 ms) instead of
-// waiting the 100 ms a lone request waits, by when it is due (TestGrowWait
-// in internal/conns has the rule); client-go alone dials at once. A
-// scheduler that stalls the test can make either miss its deadline, so
-// each attempt runs the control and the pool, and the pool must serve it in
-// one of 3 attempts where the control did.
-func TestLoneRequestDueSoon(t *testing.T) {
-	const due = 100 * time.Millisecond
-	send := func(t *testing.T, pooled bool) error {
-		f, _, client := beyondFullConnection(t, pooled)
-		ctx, cancel := context.WithTimeout(context.Background(), due)
-		defer cancel()
-		_, err := getUA(ctx, client, f.srv.URL(), "due soon")
-		t.Logf("pool %v: one more request, due in %v: %v; the server accepted %d connections", pooled, due, err, f.srv.Stats().Accepted)
-		return err
-	}
+// servedAsClientGo runs attempt, through client-go alone and through the
+// pool, up to 3 times: the pool must serve what client-go alone serves in
+// one of them. A scheduler that stalls the test can make either miss a
+// deadline; a pool that waits where net/http dials misses it every time.
+func servedAsClientGo(t *testing.T, what string, attempt func(t *testing.T, pooled bool) error) {
 	var errs []error
 	for range 3 {
 		var controlErr, poolErr error
-		t.Run("client-go alone", func(t *testing.T) { controlErr = send(t, false) })
-		t.Run("pool", func(t *testing.T) { poolErr = send(t, true) })
+		t.Run("client-go alone", func(t *testing.T) { controlErr = attempt(t, false) })
+		t.Run("pool", func(t *testing.T) { poolErr = attempt(t, true) })
 		if controlErr == nil && poolErr == nil {
 			return
 		}
 		errs = append(errs, fmt.Errorf("client-go alone: %v; pool: %v", controlErr, poolErr))
 	}
-	t.Errorf("a request due in %v beside 100 held ones, 3 attempts: %v", due, errs)
+	t.Errorf("%s, 3 attempts: %v", what, errs)
 }
 
-// beyondFullConnection returns a server allowing 100 streams per connection
-// that holds 100 requests of the returned client (through client-go alone,
-// or through the pool) on one connection, until the test ends.
-func beyondFullConnection(t *testing.T, pooled bool) (*fixture, *requestHold, *http.Client) {
-	t.Helper()
-	hold := newRequestHold(t)
-	f := newFixture(t, testserver.Options{OnRequest: hold.onRequest})
-	cfg := f.srv.RestConfig(f.alice)
-	var client *http.Client
-	if pooled {
-		client = httpClient(t, newPool(t), cfg)
-	} else {
-		var err error
-		client, err = rest.HTTPClientFor(cfg)
-		must(t, err)
-	}
-	// The first request alone, so that client-go alone has one connection
-	// to fill too.
-	if _, err := getUA(context.Background(), client, f.srv.URL(), "first"); err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	const n = 100
-	release := sendHeld(ctx, t, hold, client, f.srv.URL(), n)
-	t.Cleanup(func() {
-		release()
-		cancel()
-	})
-	waitFor(t, "the server holds 100 requests", func() bool { return hold.held.Load() == n })
-	return f, hold, client
-}
-
-// TestConnectionCapFewerStreams: under a cap of 1, against a server allowing
-// no more streams (90) than the pool fills under a cap, the requests beyond
-// them wait on the pool's one connection: none goes to get another. The
-// server holds 90 requests on 1 connection, and after every request was
-// released all 100 succeeded over that one connection.
-func TestConnectionCapFewerStreams(t *testing.T) {
-	hold := newRequestHold(t)
-	f := newFixture(t, testserver.Options{OnRequest: hold.onRequest, MaxConcurrentStreams: capStreams})
-	p := newPool(t, WithMaxConnsPerHost(1))
-	client := httpClient(t, p, f.srv.RestConfig(f.alice))
-	const n = 100
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	release := sendHeld(ctx, t, hold, client, f.srv.URL(), n)
-	waitFor(t, "the server holds 90 requests", func() bool { return hold.held.Load() >= capStreams })
-	// Time for a request to go and get another connection, as a full
-	// connection's waiters do after growWait.
-	time.Sleep(20 * growWait)
-	st, held := f.srv.Stats(), hold.held.Load()
-	release()
-	if st.Accepted != 1 || held != capStreams {
-		t.Errorf("cap 1, %d requests, %d streams: the server accepted %d connections and held %d requests; want 1 and %d", n, capStreams, st.Accepted, held, capStreams)
-	}
-	if after := f.srv.Stats(); after.Accepted != 1 {
-		t.Errorf("cap 1: the server accepted %d connections in all", after.Accepted)
-	}
-}
-
-// TestConnectionCapHTTP1: over HTTP/1.1, a connection per request in flight,
-// a cap of 2 holds 2 requests in flight: the server holds 2 of 5 at once, and
-// all 5 succeed once released.
-// The transport speaks HTTP/1.1 only (keep-alive off), or offers HTTP/2 to a
-// server that does not speak it.
-func TestConnectionCapHTTP1(t *testing.T) {
-	for _, tc := range []struct {
-		name      string
-		server    testserver.Options
-		keepAlive bool
-	}{
-		{"keep-alive off", testserver.Options{}, false},
-		{"server without HTTP/2", testserver.Options{DisableHTTP2: true}, true},
-	} {
-		t.Run(tc.name, func(t *testing.T) {
-			hold := newRequestHold(t)
-			tc.server.OnRequest = hold.onRequest
-			f := newFixture(t, tc.server)
-			p := newPool(t, WithMaxConnsPerHost(2), WithKeepAlive(tc.keepAlive))
-			client := httpClient(t, p, f.srv.RestConfig(f.alice))
-			if tc.keepAlive {
-				// The protocol known, requests no longer wait for the first.
-				if _, err := getUA(context.Background(), client, f.srv.URL(), "first"); err != nil {
-					t.Fatal(err)
-				}
-			}
-			const n = 5
-			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-			defer cancel()
-			release := sendHeld(ctx, t, hold, client, f.srv.URL(), n)
-			waitFor(t, "the server holds 2 requests", func() bool { return hold.held.Load() >= 2 })
-			// Time for a third request to get a connection if the cap let it.
-			time.Sleep(20 * growWait)
-			held := hold.held.Load()
+// TestDueSoonBesideFullConnection: one request due in 420 ms beside 100
+// the server holds on a connection allowing 100 streams, every dial taking
+// 350 ms: net/http dials for it at once, and it is served through the pool
+// as through client-go alone.
+func TestDueSoonBesideFullConnection(t *testing.T) {
+	const dial, due = 350 * time.Millisecond, 420 * time.Millisecond
+	servedAsClientGo(t, "a request due soon beside a full connection", func(t *testing.T, pooled bool) error {
+		hold := newRequestHold(t)
+		f := newFixture(t, testserver.Options{OnRequest: hold.onRequest})
+		client := slowDialClient(t, f.srv.RestConfig(f.alice), pooled, dial)
+		// The first request alone, so that client-go alone has one
+		// connection to fill too.
+		if _, err := getUA(context.Background(), client, f.srv.URL(), "first"); err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		const n = 100
+		release := sendHeld(ctx, t, hold, client, f.srv.URL(), n)
+		defer func() {
 			release()
-			if held != 2 {
-				t.Errorf("cap 2, %d requests: the server held %d at once, want 2", n, held)
-			}
-			// With keep-alive off the server sees a connection closed a
-			// moment after the client let go of it and dialed the next.
-			if st := f.srv.Stats(); tc.keepAlive && st.PeakOpen > 2 {
-				t.Errorf("cap 2, %d requests: %d connections open at once, want at most 2", n, st.PeakOpen)
-			}
-		})
-	}
+			cancel()
+		}()
+		waitFor(t, "the server holds 100 requests", func() bool { return hold.held.Load() == n })
+		dueCtx, cancelDue := context.WithTimeout(context.Background(), due)
+		defer cancelDue()
+		_, err := getUA(dueCtx, client, f.srv.URL(), "due soon")
+		t.Logf("pool %v: one more request, due in %v, dials taking %v: %v; the server accepted %d connections", pooled, due, dial, err, f.srv.Stats().Accepted)
+		return err
+	})
 }
 
-// TestConnectionCapAfterClose: under a cap of 1, when the server closes the
-// pool's connection, the next request gets a new one: the closed connection no
-// longer counts against the cap.
-func TestConnectionCapAfterClose(t *testing.T) {
-	f := newFixture(t, testserver.Options{})
-	p := newPool(t, WithMaxConnsPerHost(1))
-	client := httpClient(t, p, f.srv.RestConfig(f.alice))
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	for i := range 3 {
-		if _, err := getUA(ctx, client, f.srv.URL(), "after close"); err != nil {
-			t.Fatalf("request %d, the server having closed every earlier connection: %v", i, err)
+// TestHTTP1BurstAfterQuietSpell: against a server that speaks HTTP/1.1
+// only, once its connections are gone, a burst of 8 lists due in 480 ms,
+// every dial taking 300 ms and every list 100 ms: each dials at once, and
+// all 8 are served through the pool as through client-go alone (one after
+// another on one connection, or behind a first one's dial, they are not).
+func TestHTTP1BurstAfterQuietSpell(t *testing.T) {
+	const dial, due, n = 300 * time.Millisecond, 480 * time.Millisecond, 8
+	servedAsClientGo(t, "a burst to an HTTP/1.1 server after its connections closed", func(t *testing.T, pooled bool) error {
+		f := newFixture(t, testserver.Options{DisableHTTP2: true, Latency: 100 * time.Millisecond})
+		client := slowDialClient(t, f.srv.RestConfig(f.alice), pooled, dial)
+		if proto, err := getUA(context.Background(), client, f.srv.URL(), "first"); err != nil || proto != "HTTP/1.1" {
+			t.Fatalf("the first list: %s %v", proto, err)
 		}
 		f.srv.CloseClientConnections()
-		// The pool sees the close when its connection's reader does.
-		waitFor(t, "the connections closed on both ends", func() bool {
-			return f.srv.Stats().Open == 0 && p.Stats().OpenConns == 0
-		})
-	}
-	if st := f.srv.Stats(); st.Accepted != 3 {
-		t.Errorf("3 requests, the server closing the connection after each: %d connections accepted, want 3", st.Accepted)
-	}
-}
-
-// TestConnectionCapCancelledRequests: under WithMaxConnsPerHost, requests
-// cancelled after they were sent do not let the pool pass the cap: Go's
-// HTTP/2 client counts a stream it reset until the server confirms the
-// reset, so a place freed when the request returns would be one Go does
-// not have. 40 requests the server holds, then bursts of 200 requests each
-// cancelled after 0-3 ms; the held ones and a last list all succeed.
-func TestConnectionCapCancelledRequests(t *testing.T) {
-	for _, limit := range []int{1, 2} {
-		t.Run(fmt.Sprint("cap ", limit), func(t *testing.T) {
-			f := newFixture(t, testserver.Options{Latency: 300 * time.Millisecond})
-			p := newPool(t, WithMaxConnsPerHost(limit))
-			client := httpClient(t, p, f.srv.RestConfig(f.alice))
-			ctx := context.Background()
-			held := make(chan error, 40)
-			for range 40 {
-				go func() {
-					_, err := getUA(ctx, client, f.srv.URL(), "held")
-					held <- err
-				}()
-			}
-			waitFor(t, "40 requests held", func() bool { return f.srv.Delayed() >= 40 })
-			for round := range 5 {
-				var wg sync.WaitGroup
-				for i := range 200 {
-					wg.Add(1)
-					go func() {
-						defer wg.Done()
-						ctx, cancel := context.WithTimeout(ctx, time.Duration((i+round)%4)*time.Millisecond)
-						defer cancel()
-						getUA(ctx, client, f.srv.URL(), "cancelled")
-					}()
-				}
-				wg.Wait()
-			}
-			for range 40 {
-				if err := <-held; err != nil {
-					t.Errorf("a held request failed: %v", err)
-				}
-			}
-			if _, err := getUA(ctx, client, f.srv.URL(), "last"); err != nil {
-				t.Errorf("a request after the bursts: %v", err)
-			}
-			if st := f.srv.Stats(); st.Accepted > uint64(limit) || int(st.PeakOpen) > limit {
-				t.Errorf("cap %d: the server accepted %d connections, %d open at once", limit, st.Accepted, st.PeakOpen)
-			}
-		})
-	}
+		waitFor(t, "the server's connections closed", func() bool { return f.srv.OpenConns() == 0 })
+		ctx, cancel := context.WithTimeout(context.Background(), due)
+		defer cancel()
+		protos, err := concurrentGets(ctx, client, f.srv.URL(), "burst", n)
+		t.Logf("pool %v: %d lists due in %v, dials taking %v: %v %v; the server accepted %d connections", pooled, n, due, dial, protos, err, f.srv.Stats().Accepted)
+		return err
+	})
 }

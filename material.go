@@ -266,9 +266,8 @@ func newGeneration(id *identity, m *material, prev *generation, opts *options, c
 		KeepAlive:          opts.keepAlive,
 		// An exec plugin's certificate changes without a new generation, and
 		// a resumed session would authenticate as the old one.
-		ResumeSessions:  opts.sessionResumption && id.key.getCert == nil,
-		MaxConnsPerHost: opts.maxConnsPerHost,
-		Counters:        counters,
+		ResumeSessions: opts.sessionResumption && id.key.getCert == nil,
+		Counters:       counters,
 	}, older)
 	return g, nil
 }

@@ -46,7 +46,6 @@ type Option func(*options)
 type options struct {
 	keepAlive         bool
 	sessionResumption bool
-	maxConnsPerHost   int
 	idleTimeout       time.Duration
 	dialIdentity      func(*rest.Config) string
 	pollInterval      time.Duration
@@ -93,22 +92,6 @@ func WithSessionResumption(enabled bool) Option {
 	return func(o *options) { o.sessionResumption = enabled }
 }
 
-// WithMaxConnsPerHost caps the connections one identity keeps to each host,
-// across rotations: when the new material first needs a connection, the
-// old material's HTTP/2 connections close as soon as only watches run on
-// them (see WithDrainTimeout). Requests beyond what the cap can carry wait
-// (bounded by their context) instead of dialing or failing: over HTTP/2, n
-// connections carry n x 90 requests at once (kube-apiserver allows 100
-// streams per connection); over HTTP/1.1, n. A request holds its place until
-// its response body is read to the end or closed, so a watch holds its
-// stream while it runs. Upgrades (exec, attach, port-forward sent through the
-// pool's transport) run on connections of their own and are not counted.
-// Zero, the default, means no cap; bursts still open no more connections
-// than their concurrency needs. A negative n is ignored.
-func WithMaxConnsPerHost(n int) Option {
-	return func(o *options) { setNonNegative(&o.maxConnsPerHost, n) }
-}
-
 // WithIdleTimeout sets how long an identity no client refers to any more
 // keeps its connections before they are closed and its memory released:
 // code that builds a config per request reuses the connection between two
@@ -144,10 +127,7 @@ func WithPollInterval(d time.Duration) Option {
 // connections close at once, the others when their requests end; a request
 // not sent yet when they close is sent with the new material. The default
 // is 2 minutes, so informers re-list spread out rather than all at the
-// rotation. Under WithMaxConnsPerHost, when the new material first needs a
-// connection, the old HTTP/2 connections close once only watches run on
-// them, as client-go's own rotation closes every connection at once. A
-// negative d is ignored.
+// rotation. A negative d is ignored.
 func WithDrainTimeout(d time.Duration) Option {
 	return func(o *options) { setNonNegative(&o.drainTimeout, d) }
 }

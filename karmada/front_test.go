@@ -41,12 +41,10 @@ const (
 	// the front's pool: the pool's TLSTransport of the settings Karmada's
 	// transport carries.
 	pooled
-	// pooledCapped: pooled, the pool with WithMaxConnsPerHost(2).
-	pooledCapped
 )
 
 var modeNames = map[mode]string{connectCluster: "ConnectCluster as is", asIs: "Karmada as is (keep-alive off)",
-	keepAliveOn: "Karmada, keep-alive on", pooled: "Karmada + TLSTransport", pooledCapped: "Karmada + TLSTransport, WithMaxConnsPerHost(2)"}
+	keepAliveOn: "Karmada, keep-alive on", pooled: "Karmada + TLSTransport"}
 
 func (m mode) String() string { return modeNames[m] }
 
@@ -107,7 +105,7 @@ func (f *front) handler(r *http.Request, cl *clusterapis.Cluster, resp *responde
 	switch f.mode {
 	case keepAliveOn:
 		rt.(*http.Transport).DisableKeepAlives = false
-	case pooled, pooledCapped:
+	case pooled:
 		if !patched {
 			return nil, fmt.Errorf("%s needs Karmada with karmada/patches (karmada/hack/test-patched.sh)", f.mode)
 		}

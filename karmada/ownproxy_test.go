@@ -37,52 +37,29 @@ import (
 
 // TestOwnConnectClusterSeedLoad is the seed's load through Karmada's own
 // ConnectCluster, called per request as the cluster proxy calls it: a
-// tunnel per request as is; patched, at most 3 (2 with a cap of 2), none
+// tunnel per request as is; patched, at most maxSeedTunnels, none
 // refused or lost, every request seen as its own user, and a watch through
 // the patched proxy that outlives the load on the load's tunnels.
 func TestOwnConnectClusterSeedLoad(t *testing.T) {
-	caps := []int{0}
+	r := runOwnConnectCluster(t)
+	name, order := "as is", 1
 	if patched {
-		caps = append(caps, 2)
-	}
-	var rows []row
-	for _, limit := range caps {
-		rows = append(rows, runOwnConnectCluster(t, limit))
+		name, order = "patched", 2
 	}
 	t.Logf("\n| Karmada v1.18.2's ConnectCluster | tunnels | open after the load | full handshakes | resumed | refused | lost | req/s | test-process CPU per request |\n|---|---|---|---|---|---|---|---|---|")
-	for i, r := range rows {
-		name := "as is"
-		switch {
-		case patched && caps[i] > 0:
-			name = fmt.Sprintf("patched, WithMaxConnsPerHost(%d)", caps[i])
-		case patched:
-			name = "patched"
-		}
-		t.Logf("| %s | %d | %d | %d | %d | %d | %d | %.0f | %.2f ms |", name, r.tunnels, r.openAtEnd, r.handshakes, r.resumed, r.refused, r.lost+r.wrong, r.reqPerSec, r.cpuPerReq)
-		peak := 0
-		for _, p := range r.tunnelsOpen {
-			peak = max(peak, p.Open)
-		}
-		order, short := i+1, name // as is
-		if patched {
-			order++
-		}
-		if caps[i] > 0 {
-			short = fmt.Sprintf("patched, cap %d", caps[i])
-		}
-		keepRun(t, order, chart.Series{Name: short, Points: r.tunnelsOpen,
-			End: fmt.Sprintf("%d tunnel(s), peak %d open", r.tunnels, peak)})
+	t.Logf("| %s | %d | %d | %d | %d | %d | %d | %.0f | %.2f ms |", name, r.tunnels, r.openAtEnd, r.handshakes, r.resumed, r.refused, r.lost+r.wrong, r.reqPerSec, r.cpuPerReq)
+	peak := 0
+	for _, p := range r.tunnelsOpen {
+		peak = max(peak, p.Open)
 	}
+	keepRun(t, order, chart.Series{Name: name, Points: r.tunnelsOpen,
+		End: fmt.Sprintf("%d tunnel(s), peak %d open", r.tunnels, peak)})
 }
 
-func runOwnConnectCluster(t *testing.T, limit int) row {
+func runOwnConnectCluster(t *testing.T) row {
 	var pool *sharedtransport.Pool
 	if patched {
-		var opts []sharedtransport.Option
-		if limit > 0 {
-			opts = append(opts, sharedtransport.WithMaxConnsPerHost(limit))
-		}
-		pool = sharedtransport.New(opts...)
+		pool = sharedtransport.New()
 		t.Cleanup(clusterTransports(pool))
 	}
 	proxy := newProxy(t)
@@ -112,13 +89,11 @@ func runOwnConnectCluster(t *testing.T, limit int) row {
 	switch {
 	case !patched && st.Tunnels != uint64(total):
 		t.Errorf("as is: %d tunnels for %d requests, want one per request", st.Tunnels, total)
-	case patched && limit > 0 && st.Tunnels > uint64(limit):
-		t.Errorf("patched, cap %d: %d tunnels for %d requests", limit, st.Tunnels, total)
-	case patched && st.Tunnels > 3:
-		t.Errorf("patched: %d tunnels for %d requests, want at most 3:%s", st.Tunnels, total, timeline(proxy, loadStart))
+	case patched && st.Tunnels > maxSeedTunnels:
+		t.Errorf("patched: %d tunnels for %d requests, want at most %d:%s", st.Tunnels, total, maxSeedTunnels, timeline(proxy, loadStart))
 	}
 	if w != nil {
-		w.wantEvent(t, fmt.Sprintf("own-after-the-load-%d-%d", limit, time.Now().UnixNano()))
+		w.wantEvent(t, fmt.Sprintf("own-after-the-load-%d", time.Now().UnixNano()))
 		if n := proxy.Stats().Tunnels; n > st.Tunnels {
 			t.Errorf("the watch's event came over a new tunnel (%d, %d after the load)", n, st.Tunnels)
 		}

@@ -49,21 +49,20 @@ import (
 )
 
 type options struct {
-	kubeconfig      string
-	workers         int
-	requests        int
-	repeat          int
-	modes           []string
-	duration        time.Duration
-	resource        string
-	json            bool
-	svg             string
-	svgModes        []string
-	maxConnsPerHost int
-	timeout         time.Duration
-	sample          time.Duration
-	progress        bool
-	cpuProfile      string
+	kubeconfig string
+	workers    int
+	requests   int
+	repeat     int
+	modes      []string
+	duration   time.Duration
+	resource   string
+	json       bool
+	svg        string
+	svgModes   []string
+	timeout    time.Duration
+	sample     time.Duration
+	progress   bool
+	cpuProfile string
 }
 
 // Defaults of the load. Five rounds of 2,000 requests per mode keep the
@@ -95,7 +94,6 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.StringVar(&o.svg, "svg", "", "write a chart of open connections over time per mode to this SVG file")
 	var svgModes string
 	fs.StringVar(&svgModes, "svg-modes", "", "comma-separated modes the --svg chart shows (default: every mode run)")
-	fs.IntVar(&o.maxConnsPerHost, "max-conns-per-host", 0, "sharedtransport modes: WithMaxConnsPerHost (0: the library's default)")
 	fs.DurationVar(&o.timeout, "timeout", 30*time.Second, "timeout of one request")
 	fs.DurationVar(&o.sample, "sample", 20*time.Millisecond, "how often open connections are sampled for --svg and the peak (real clusters: at least 50ms)")
 	fs.BoolVar(&o.progress, "progress", true, "show progress on stderr while a mode runs")

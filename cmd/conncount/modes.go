@@ -97,9 +97,6 @@ func sharedTransportMode(keepAlive, resumption, withProxy bool) func(*clientSpec
 			sharedtransport.WithKeepAlive(keepAlive),
 			sharedtransport.WithSessionResumption(resumption),
 		}
-		if o.MaxConnsPerHost > 0 {
-			opts = append(opts, sharedtransport.WithMaxConnsPerHost(o.MaxConnsPerHost))
-		}
 		pool := sharedtransport.New(opts...)
 		st := &modeState{
 			prepare: func(cfg *rest.Config) error { return pool.Wrap(cfg) },
@@ -253,14 +250,13 @@ func preflight(ctx context.Context, base *rest.Config, resource string) error {
 
 // clientSpec is what the parent tells a mode's client process.
 type clientSpec struct {
-	Kubeconfig      string        `json:"kubeconfig"`
-	Mode            string        `json:"mode"`
-	Workers         int           `json:"workers"`
-	Requests        int           `json:"requests"`
-	Resource        string        `json:"resource"`
-	Timeout         time.Duration `json:"timeout"`
-	Duration        time.Duration `json:"duration"`
-	MaxConnsPerHost int           `json:"max_conns_per_host"`
+	Kubeconfig string        `json:"kubeconfig"`
+	Mode       string        `json:"mode"`
+	Workers    int           `json:"workers"`
+	Requests   int           `json:"requests"`
+	Resource   string        `json:"resource"`
+	Timeout    time.Duration `json:"timeout"`
+	Duration   time.Duration `json:"duration"`
 	// CPUProfile, when set, is the file the load's CPU profile goes to.
 	CPUProfile string `json:"cpu_profile,omitempty"`
 	// Label prefixes the progress lines (empty: no progress).

@@ -56,14 +56,13 @@ func runOnce(ctx context.Context, o *options, t target, name string, round, seq 
 	}
 	defer tr.close()
 	spec := clientSpec{
-		Kubeconfig:      tr.kubeconfig(),
-		Mode:            name,
-		Workers:         o.workers,
-		Requests:        o.requests,
-		Resource:        o.resource,
-		Timeout:         o.timeout,
-		Duration:        o.duration,
-		MaxConnsPerHost: o.maxConnsPerHost,
+		Kubeconfig: tr.kubeconfig(),
+		Mode:       name,
+		Workers:    o.workers,
+		Requests:   o.requests,
+		Resource:   o.resource,
+		Timeout:    o.timeout,
+		Duration:   o.duration,
 	}
 	if o.cpuProfile != "" {
 		spec.CPUProfile = fmt.Sprintf("%s.%s.%d", o.cpuProfile, name, round)

@@ -28,25 +28,27 @@ const (
 	tcpKeepAlive        = 30 * time.Second
 )
 
-// newTransport builds a transport of t as client-go's cache builds its own.
+// newTransport builds a transport of t as client-go's cache builds its
+// own: HTTP/2 unless DISABLE_HTTP2 was set when the identity was first
+// seen, or tlsConfig offers protocols without h2.
 func (t *Transports) newTransport(c Config, tlsConfig *tls.Config) *http.Transport {
 	dial := c.Dial
 	if dial == nil {
 		dial = clientGoDialer.DialContext
 	}
-	rt := utilnet.SetOldTransportDefaults(&http.Transport{
-		Proxy:               c.Proxy, // nil: SetOldTransportDefaults installs the environment's, like client-go
+	rt := &http.Transport{
+		Proxy:               c.Proxy, // nil: the defaults install the environment's, as in client-go
 		TLSHandshakeTimeout: tlsHandshakeTimeout,
 		TLSClientConfig:     tlsConfig,
 		MaxIdleConnsPerHost: idleConnsPerHost,
-		MaxConnsPerHost:     t.maxConns,
 		DialContext:         t.dialer(dial),
 		DisableCompression:  c.DisableCompression,
 		DisableKeepAlives:   !c.KeepAlive,
 		ProxyConnectHeader:  c.ProxyConnectHeader,
-	})
+	}
+	utilnet.SetOldTransportDefaults(rt)
 	if !c.DisableHTTP2 {
-		configureHTTP2(rt)
+		configureHTTP2(rt) // not utilnet.SetTransportDefaults, which reads DISABLE_HTTP2 again
 	}
 	// Where net/http's own HTTP/2 serves rt, it rewrites
 	// TLSClientConfig.NextProtos at first use: done now, before rt is
@@ -68,22 +70,8 @@ func speaksHTTP2(rt *http.Transport) bool {
 	return ok
 }
 
-// http1Only returns a copy of tlsConfig that offers HTTP/1.1 alone, unless
-// it names protocols of its own, which are the config's to keep.
-func http1Only(tlsConfig *tls.Config) *tls.Config {
-	if tlsConfig == nil {
-		return nil
-	}
-	c := tlsConfig.Clone()
-	if len(c.NextProtos) == 0 {
-		c.NextProtos = []string{"http/1.1"}
-	}
-	return c
-}
-
 // configureHTTP2 turns HTTP/2 on for rt as utilnet.SetTransportDefaults
 // does, with the same health checks, but not for an ALPN list without h2.
-// DISABLE_HTTP2 is left to the caller (Config.DisableHTTP2).
 func configureHTTP2(rt *http.Transport) {
 	if c := rt.TLSClientConfig; c != nil && len(c.NextProtos) > 0 && !slices.Contains(c.NextProtos, http2.NextProtoTLS) {
 		return
@@ -104,6 +92,19 @@ func envSeconds(name string, def int) time.Duration {
 		n = def
 	}
 	return time.Duration(n) * time.Second
+}
+
+// http1Only returns a copy of tlsConfig that offers HTTP/1.1 alone, unless
+// it names protocols of its own, which are the config's to keep.
+func http1Only(tlsConfig *tls.Config) *tls.Config {
+	if tlsConfig == nil {
+		return nil
+	}
+	c := tlsConfig.Clone()
+	if len(c.NextProtos) == 0 {
+		c.NextProtos = []string{"http/1.1"}
+	}
+	return c
 }
 
 func (t *Transports) countHandshake(cs tls.ConnectionState) error {
@@ -128,13 +129,19 @@ func (t *Transports) dialer(dial func(ctx context.Context, network, address stri
 		if err != nil {
 			return nil, err
 		}
-		c := &Conn{Conn: nc, set: t.conns, counters: t.counters}
+		c := &Conn{Conn: nc, t: t}
 		for _, n := range t.counters {
 			n.Dials.Add(1)
 			n.Open.Add(1)
 		}
-		if !t.conns.add(c) {
-			c.Close() // t closed while this dial ran
+		t.mu.Lock()
+		open := !t.closed() // close closes closedCh under t.mu
+		if open {
+			t.conns[c] = struct{}{}
+		}
+		t.mu.Unlock()
+		if !open {
+			c.Close()
 			return nil, t.refusal(address)
 		}
 		return c, nil
@@ -150,73 +157,29 @@ func (t *Transports) refusal(address string) error {
 	return fmt.Errorf("%w (dial %s)", ErrRetired, address)
 }
 
-// connSet is the connections a Transports dialed.
-type connSet struct {
-	mu     sync.Mutex // guards conns and closed
-	conns  map[*Conn]struct{}
-	closed bool
-}
-
-// add keeps c, unless the set was closed.
-func (s *connSet) add(c *Conn) bool {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if !s.closed {
-		s.conns[c] = struct{}{}
-	}
-	return !s.closed
-}
-
-func (s *connSet) remove(c *Conn) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	delete(s.conns, c)
-}
-
-func (s *connSet) all() []*Conn {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	out := make([]*Conn, 0, len(s.conns))
-	for c := range s.conns {
-		out = append(out, c)
-	}
-	return out
-}
-
-// close closes the set to new connections and returns the ones it holds.
-func (s *connSet) close() []*Conn {
-	s.mu.Lock()
-	s.closed = true
-	s.mu.Unlock()
-	return s.all()
-}
-
 // Conn is a connection a Transports dialed. It hides behind a *tls.Conn's
 // NetConn.
 type Conn struct {
 	net.Conn
-	set      *connSet
-	counters []*Counters
+	t *Transports
 
 	mu     sync.Mutex // guards closed and host
 	closed bool
-	// host is set when a lead got the connection over HTTP/2. Go hands a
-	// request the first connection with a free stream, not the one dialed
-	// for it, so a connection counts when seen in use: a surplus one never.
-	host *host
+	host   *host // the host a lead got it for over HTTP/2 (host.claim)
 }
 
 func (c *Conn) Close() error {
 	c.mu.Lock()
-	first := !c.closed
+	first, h := !c.closed, c.host
 	c.closed = true
-	h := c.host
 	c.mu.Unlock()
 	if first {
-		for _, n := range c.counters {
+		for _, n := range c.t.counters {
 			n.Open.Add(-1)
 		}
-		c.set.remove(c)
+		c.t.mu.Lock()
+		delete(c.t.conns, c)
+		c.t.mu.Unlock()
 		if h != nil {
 			h.connClosed()
 		}
@@ -229,28 +192,4 @@ func (c *Conn) Open() bool {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	return !c.closed
-}
-
-// carriesStreams reports whether c is an open HTTP/2 connection of a host.
-func (c *Conn) carriesStreams() bool {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return c.host != nil && !c.closed
-}
-
-// claim makes c one of h's connections. It reports whether c is new to h;
-// mine reports whether c is h's (new or not).
-func (c *Conn) claim(h *host) (isNew, mine bool) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	switch {
-	case c.closed:
-		return false, false
-	case c.host == h:
-		return false, true
-	case c.host != nil:
-		return false, false
-	}
-	c.host = h
-	return true, true
 }

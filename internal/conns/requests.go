@@ -1,6 +1,6 @@
 // A request's way through a Transports, and its bodies: a request body of a
 // known, small length is held so that net/http can send it again, and a
-// response body holds the request's place until it ends.
+// response body tells a retired Transports when its request ends.
 
 package conns
 
@@ -9,8 +9,6 @@ import (
 	"fmt"
 	"io"
 	"net/http"
-	"strings"
-	"sync"
 	"sync/atomic"
 
 	"k8s.io/apimachinery/pkg/util/httpstream"
@@ -26,86 +24,48 @@ const maxHeldBody = 64 << 10
 // sent on a newer Transports (Resendable).
 func (t *Transports) RoundTrip(req *http.Request, owner any) (*http.Response, error) {
 	if httpstream.IsUpgradeRequest(req) {
-		return t.upgrade(req, owner)
+		return t.send(t.http1, req, owner) // a connection of its own: the caller's, not a stream
 	}
-	h := t.hostFor(req)
-	// Counted from before admission, so that a Transports yielding the cap
-	// never closes its connections under a request it admits.
-	short := t.maxConns > 0 && !longRunning(req)
-	if short {
-		t.shortRequests.Add(1)
+	h := t.hosts.get(req)
+	if !t.http2 {
+		return t.send(t.shared, req, owner)
 	}
-	p, err := h.admit(req.Context())
-	if short && (err != nil || !p.counted) { // a counted body ends it
-		t.requestEnded(true)
-		short = false
-	}
+	w, err := h.route(req.Context(), t.closedCh)
 	if err != nil {
 		return nil, err
 	}
-	if t.maxConns > 0 && p.lead {
-		t.takeCap() // it may dial
-	}
-	sent := req
-	if p.alone {
-		sent = req.WithContext(req.Context())
+	rt, sent := t.shared, req
+	switch {
+	case w.open:
+		rt = t.open
+	case w.alone:
+		rt, sent = t.http1, req.WithContext(req.Context())
 		sent.Close = true
 	}
-	var ct *connTrace
-	if p.trace {
-		ct = &connTrace{h: h, lead: p.lead}
-		sent = ct.attach(req)
+	if w.lead != nil {
+		sent = h.traceLead(req, w.lead)
 	}
-	resp, err := p.rt.RoundTrip(sent)
-	if ct != nil {
-		ct.ended(req.Context(), err)
-	}
-	var set *bodySet
-	switch {
-	case p.counted && err != nil && req.Context().Err() != nil && t.maxConns > 0 && p.rt == t.shared && h.protocol() == protoHTTP2:
-		h.cancel()
-	case p.counted:
-		set = h.answered(p.seq, err != nil)
+	resp, err := rt.RoundTrip(sent)
+	if w.lead != nil {
+		h.leadEnded(req.Context(), w.lead, err)
 	}
 	if err != nil {
-		if short || p.counted {
-			t.requestEnded(short)
-		}
+		w.turn.release()
 		return nil, err
 	}
 	resp.Request = req
-	if !p.counted {
-		h = nil
-	}
-	resp.Body = t.wrapBody(resp.Body, owner, h, set, short)
+	resp.Body = t.wrapBody(resp.Body, owner, h.answered(w, resp.ProtoMajor))
 	return resp, nil
 }
 
-// upgrade sends an upgrade request (exec, port-forward) on a connection of
-// its own: the caller's, not a stream, so it holds no place.
-func (t *Transports) upgrade(req *http.Request, owner any) (*http.Response, error) {
-	resp, err := t.http1.RoundTrip(req)
+// send sends req over rt, its response body keeping owner reachable.
+func (t *Transports) send(rt *http.Transport, req *http.Request, owner any) (*http.Response, error) {
+	resp, err := rt.RoundTrip(req)
 	if err != nil {
 		return nil, err
 	}
-	resp.Body = t.wrapBody(resp.Body, owner, nil, nil, false)
+	resp.Body = t.wrapBody(resp.Body, owner, nil)
 	return resp, nil
-}
-
-// longRunning reports whether req asks the API server for a stream that runs
-// until one side ends it: a watch, a followed log.
-func longRunning(req *http.Request) bool {
-	raw := req.URL.RawQuery
-	if !strings.Contains(raw, "watch") && !strings.Contains(raw, "follow") {
-		return false // most requests: no query to parse
-	}
-	q := req.URL.Query()
-	for _, k := range []string{"watch", "follow"} {
-		if v := q.Get(k); v == "true" || v == "1" {
-			return true
-		}
-	}
-	return false
 }
 
 // Replayable gives req a GetBody when it has none and its body a known
@@ -144,11 +104,11 @@ func Resendable(req *http.Request, err error) (*http.Request, error) {
 	return again, nil
 }
 
-// wrapBody returns body keeping owner reachable. With h set, the body ends
-// its request's place at EOF, an error or Close, whichever comes first. A
-// 101 response's body stays writable.
-func (t *Transports) wrapBody(body io.ReadCloser, owner any, h *host, set *bodySet, short bool) io.ReadCloser {
-	b := responseBody{ReadCloser: body, owner: owner, t: t, h: h, set: set, short: short}
+// wrapBody returns body keeping owner reachable and ending its request,
+// turn included, at EOF, an error or Close, whichever comes first. A 101
+// response's body stays writable.
+func (t *Transports) wrapBody(body io.ReadCloser, owner any, turn *turn) io.ReadCloser {
+	b := &responseBody{ReadCloser: body, owner: owner, t: t, turn: turn}
 	if body == http.NoBody {
 		b.end()
 		return body
@@ -156,11 +116,11 @@ func (t *Transports) wrapBody(body io.ReadCloser, owner any, h *host, set *bodyS
 	rw, ok := body.(io.ReadWriteCloser)
 	switch {
 	case !ok:
-		return &b
+		return b
 	case hasCloseWrite(body):
-		return &upgradedBodyCloseWrite{upgradedBody{&b, rw}}
+		return &upgradedBodyCloseWrite{upgradedBody{b, rw}}
 	default:
-		return &upgradedBody{&b, rw}
+		return &upgradedBody{b, rw}
 	}
 }
 
@@ -168,33 +128,16 @@ type responseBody struct {
 	io.ReadCloser
 	owner any // held, never used
 	t     *Transports
-	h     *host    // nil: no place held
-	set   *bodySet // with h: the set the body is counted in
-	short bool     // with h: counted in t.shortRequests
+	turn  *turn // released at the end; nil if none
 	ended atomic.Bool
-	eof   atomic.Bool // read to its end and closed underneath: reads see EOF
-
-	closeOnce sync.Once
-	closeErr  error
 }
 
 func (b *responseBody) Read(p []byte) (int, error) {
-	if b.eof.Load() {
-		return 0, io.EOF
-	}
 	n, err := b.ReadCloser.Read(p)
-	switch {
-	case err == nil:
-	case err == io.EOF:
-		if b.h != nil {
-			// Go frees the stream just after EOF, and Close waits for it:
-			// the next request must not find the connection full.
-			b.eof.Store(true)
-			b.closeBody()
-			b.end()
-		}
-	default:
+	if err != nil {
 		b.end()
+	}
+	if err != nil && err != io.EOF {
 		if cause := b.t.closedBy(); cause != nil {
 			err = fmt.Errorf("%w while the response was read: %w", cause, err)
 		}
@@ -203,22 +146,17 @@ func (b *responseBody) Read(p []byte) (int, error) {
 }
 
 func (b *responseBody) Close() error {
-	err := b.closeBody()
+	err := b.ReadCloser.Close()
 	b.end()
 	return err
 }
 
-func (b *responseBody) closeBody() error {
-	b.closeOnce.Do(func() { b.closeErr = b.ReadCloser.Close() })
-	return b.closeErr
-}
-
 func (b *responseBody) end() {
-	if b.h == nil || b.ended.Swap(true) {
+	if b.ended.Swap(true) {
 		return
 	}
-	b.h.release(b.set)
-	b.t.requestEnded(b.short)
+	b.turn.release()
+	b.t.requestEnded()
 }
 
 // upgradedBody is a 101 response's body: the upgraded connection.

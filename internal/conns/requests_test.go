@@ -6,23 +6,6 @@ import (
 	"testing"
 )
 
-// TestLongRunning: the requests that do not count as short under a cap are
-// watches and followed logs, told from the query alone.
-func TestLongRunning(t *testing.T) {
-	for query, want := range map[string]bool{
-		"": false, "watch=true": true, "watch=1": true, "limit=500&watch=true": true, "follow=true": true,
-		"watch=false": false, "labelSelector=watcher%3Dtrue": false, "limit=500": false, "allowWatchBookmarks=true": false,
-	} {
-		req, err := http.NewRequest(http.MethodGet, "https://h/api/v1/pods?"+query, nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if got := longRunning(req); got != want {
-			t.Errorf("%q: longRunning %v, want %v", query, got, want)
-		}
-	}
-}
-
 // BenchmarkRoundTripNoopBase: what the connection layer adds per request,
 // over an http.Transport that hands every https request to a round tripper
 // that does nothing ("Transports"), beside that base alone
@@ -45,9 +28,7 @@ func BenchmarkRoundTripNoopBase(b *testing.B) {
 		t := NewTransports(Config{TLS: &tls.Config{}, KeepAlive: true}, nil)
 		defer t.Close(nil)
 		t.shared = noopTransport()
-		h := t.hostFor(req)
-		h.proto.Store(protoHTTP2)
-		h.conns = 1
+		t.hosts.get(req).proto.Store(protoHTTP2)
 		b.ReportAllocs()
 		for b.Loop() {
 			if _, err := t.RoundTrip(req, nil); err != nil {
@@ -67,6 +48,6 @@ func noopTransport() *http.Transport {
 	return t
 }
 
-var noopResponse = &http.Response{StatusCode: http.StatusOK, Body: http.NoBody}
+var noopResponse = &http.Response{StatusCode: http.StatusOK, ProtoMajor: 2, Body: http.NoBody}
 
 func (noopRT) RoundTrip(*http.Request) (*http.Response, error) { return noopResponse, nil }

@@ -1,13 +1,16 @@
 // Package conns carries one TLS identity's requests to the wire: the
-// transports built for one version of its material, the connections they
-// dial, and when a request may take a stream, so that a burst opens the
-// connections it needs and no more. What it needs comes in a Config.
+// transports built for one version of its material and the connections
+// they dial. net/http decides when a request goes and when a connection is
+// dialed; a Transports adds what net/http cannot do: one request leads
+// while a host's protocol is unknown, keep-alive off with resumption, and
+// a drain when the material rotates. What it needs comes in a Config.
 package conns
 
 import (
 	"context"
 	"crypto/tls"
 	"errors"
+	"maps"
 	"net"
 	"net/http"
 	"net/url"
@@ -44,10 +47,7 @@ type Config struct {
 	// ResumeSessions gives the Transports a TLS session cache of its own: a
 	// resumed session authenticates as the certificate it came from.
 	ResumeSessions bool
-	// MaxConnsPerHost caps the connections to one host of this Transports
-	// and the ones it took over from together; 0: no cap.
-	MaxConnsPerHost int
-	Counters        []*Counters
+	Counters       []*Counters
 }
 
 // Counters are connection figures, counted as connections open and close.
@@ -60,51 +60,40 @@ type Counters struct {
 // material. Retired when the next is built, it serves what it was given and
 // closes connections as they become idle, and the rest when the drain ends.
 type Transports struct {
-	shared   *http.Transport // every request but upgrades
-	http1    *http.Transport // upgrades, which need HTTP/1.1; shared when that has no HTTP/2
+	shared   *http.Transport // HTTP/2 hosts, one dial at a time; every request when it has no HTTP/2
+	open     *http.Transport // HTTP/1.1 hosts: client-go's own transport, dialing what they need
+	http1    *http.Transport // upgrades, which need HTTP/1.1
 	http2    bool            // shared speaks HTTP/2
-	maxConns int
 	counters []*Counters
-	protos   *protocols // shared with the identity's other Transports
-	conns    *connSet   // every connection dialed
-
-	hostsMu  sync.RWMutex // guards hosts
-	hosts    map[hostKey]*host
-	lastHost atomic.Pointer[host] // most identities talk to one host
+	hosts    *hosts // shared with the identity's other Transports
 
 	retired  atomic.Bool
-	closedCh chan struct{} // closed once, by Close, with cause set: no more dials
+	closedCh chan struct{} // closed once, by close, with cause set: no more dials
 
-	mu sync.Mutex // guards older, cause, drainTimer and idleRecheck
+	mu    sync.Mutex         // guards conns, older, cause, drainTimer and idleRecheck
+	conns map[*Conn]struct{} // every connection dialed and not closed
 	// older are the Transports this one took over from that may still be
 	// draining; none once it is retired itself (the newer one holds them).
 	older       []*Transports
 	cause       error       // what Close was given
 	drainTimer  *time.Timer // closes a retired Transports at the end of its drain
 	idleRecheck *time.Timer // closes idle connections once more after a retired request ends
-
-	// Under a cap: shortRequests counts the requests in flight that are not
-	// watches; with yieldingCap set, the HTTP/2 connections close once it is 0.
-	shortRequests atomic.Int64
-	yieldingCap   atomic.Bool
 }
 
 // NewTransports builds Transports for c as client-go's tlsTransportCache
 // builds its own (utilnet.SetTransportDefaults), with keep-alive set before
 // HTTP/2 is configured, so that the HTTP/2 pool reads it. prev, if set, is
 // the Transports this one takes over from: they share what they know of the
-// hosts, and under a cap prev and its predecessors yield their connections.
+// hosts, and Close closes prev too while it drains.
 func NewTransports(c Config, prev *Transports) *Transports {
 	t := &Transports{
-		maxConns: c.MaxConnsPerHost,
 		counters: c.Counters,
-		protos:   &protocols{},
-		conns:    &connSet{conns: map[*Conn]struct{}{}},
-		hosts:    map[hostKey]*host{},
+		hosts:    &hosts{},
+		conns:    map[*Conn]struct{}{},
 		closedCh: make(chan struct{}),
 	}
 	if prev != nil {
-		t.protos = prev.protos
+		t.hosts = prev.hosts
 		t.older = append(prev.olderOpen(), prev)
 	}
 	tlsConfig := c.TLS
@@ -121,19 +110,21 @@ func NewTransports(c Config, prev *Transports) *Transports {
 	// HTTP/2 brings nothing, and Go's HTTP/2 pool dials surplus connections
 	// under concurrency. Plain http has no HTTP/2 to offer either.
 	if c.KeepAlive && tlsConfig != nil {
-		t.shared = t.newTransport(c, tlsConfig)
-		t.http2 = speaksHTTP2(t.shared)
+		t.open = t.newTransport(c, tlsConfig.Clone())
+		t.http2 = speaksHTTP2(t.open)
 	}
 	if !t.http2 {
 		t.shared = t.newTransport(c, http1TLS)
-		t.http1 = t.shared
+		t.open, t.http1 = t.shared, t.shared
 		return t
 	}
-	// One dial at a time per host: a request that finds no stream where
-	// the count saw one (GOAWAY, fewer streams) makes net/http dial, and
-	// those behind it wait for that connection. A connection that cannot
-	// take a stream leaves net/http's count, so the next can be dialed.
-	t.shared.MaxConnsPerHost = max(t.maxConns, 1)
+	// One dial at a time per host: a request that finds every connection
+	// full dials, and those behind it wait for that connection instead of
+	// dialing one each. A full connection leaves net/http's count, so a
+	// busy host still gets the connections it needs. It would serialize an
+	// HTTP/1.1 host's requests: those go over open.
+	t.shared = t.newTransport(c, tlsConfig)
+	t.shared.MaxConnsPerHost = 1
 	t.http1 = t.newTransport(c, http1TLS)
 	return t
 }
@@ -143,7 +134,7 @@ func NewTransports(c Config, prev *Transports) *Transports {
 func (t *Transports) Shared() *http.Transport { return t.shared }
 
 // Hosts lists the hosts the identity has talked to, as scheme://host, sorted.
-func (t *Transports) Hosts() []string { return t.protos.names() }
+func (t *Transports) Hosts() []string { return t.hosts.names() }
 
 // Retire takes t out of use for new requests: idle connections close now,
 // busy ones as they become idle, and what is left when drain ends.
@@ -189,10 +180,11 @@ func (t *Transports) close(cause error) {
 			timer.Stop()
 		}
 	}
+	conns := slices.Collect(maps.Keys(t.conns))
 	t.mu.Unlock()
 	t.retired.Store(true)
 	t.closeIdle()
-	for _, c := range t.conns.close() {
+	for _, c := range conns {
 		c.Close()
 	}
 }
@@ -226,21 +218,18 @@ func (t *Transports) CloseIdle() {
 
 func (t *Transports) closeIdle() {
 	t.shared.CloseIdleConnections()
-	if t.http1 != t.shared {
+	if t.http2 {
+		t.open.CloseIdleConnections()
 		t.http1.CloseIdleConnections()
 	}
 }
 
-// requestEnded is called when a request that held a place, or counted in
-// shortRequests (short), ends.
-func (t *Transports) requestEnded(short bool) {
-	if short && t.shortRequests.Add(-1) == 0 && t.yieldingCap.Load() {
-		t.closeStreams()
-	}
+// requestEnded is called when a response body ends. On a retired t it
+// closes idle connections now and once more when the stream is free.
+func (t *Transports) requestEnded() {
 	if !t.retired.Load() {
 		return
 	}
-	// Closes idle connections now and once more when the stream is free.
 	t.closeIdle()
 	t.mu.Lock()
 	defer t.mu.Unlock()
@@ -250,32 +239,5 @@ func (t *Transports) requestEnded(short bool) {
 		t.idleRecheck = time.AfterFunc(idleRecheckDelay, t.closeIdle)
 	default:
 		t.idleRecheck.Reset(idleRecheckDelay)
-	}
-}
-
-// takeCap is called under a cap before a request that may dial: the
-// Transports t took over from close their HTTP/2 connections once only
-// watches run on them, rather than at the end of their drain; the watches
-// resume on t, as after client-go's own rotation, which closes every
-// connection at once.
-func (t *Transports) takeCap() {
-	if t.retired.Load() {
-		return
-	}
-	for _, o := range t.olderOpen() {
-		o.yieldingCap.Store(true)
-		if o.shortRequests.Load() == 0 {
-			o.closeStreams()
-		}
-	}
-}
-
-// closeStreams closes t's HTTP/2 connections, the ones requests were seen
-// on, and leaves upgraded connections (exec, port-forward) to their callers.
-func (t *Transports) closeStreams() {
-	for _, c := range t.conns.all() {
-		if c.carriesStreams() {
-			c.Close()
-		}
 	}
 }
