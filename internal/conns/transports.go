@@ -20,14 +20,15 @@ import (
 	"time"
 )
 
-// sessionCacheSize is how many TLS sessions one Transports keeps: one per
-// server the identity talks to, with room to spare.
-const sessionCacheSize = 64
-
-// idleRecheckDelay is how long after a request of a retired Transports
-// ends its idle connections are closed once more: Go frees an HTTP/2 stream
-// just after its body ends.
-const idleRecheckDelay = 50 * time.Millisecond
+const (
+	// sessionCacheSize is how many TLS sessions one Transports keeps: one
+	// per server the identity talks to, with room to spare.
+	sessionCacheSize = 64
+	// idleRecheckDelay is how long after a request of a retired Transports
+	// ends its idle connections are closed once more: Go frees an HTTP/2
+	// stream just after its body ends.
+	idleRecheckDelay = 50 * time.Millisecond
+)
 
 // ErrRetired is returned for a request whose Transports closed (drain over)
 // before the request was sent: it may be sent on the newer one.
@@ -153,9 +154,7 @@ func (t *Transports) Retire(drain time.Duration) {
 // from, busy ones included. Requests refused from then on, and response
 // bodies cut, fail with cause.
 func (t *Transports) Close(cause error) {
-	older := t.olderOpen()
-	t.close(cause)
-	for _, o := range older {
+	for _, o := range append(t.olderOpen(), t) {
 		o.close(cause)
 	}
 }
@@ -210,17 +209,14 @@ func (t *Transports) closedBy() error {
 // CloseIdle closes the idle connections of t and of the Transports it took
 // over from.
 func (t *Transports) CloseIdle() {
-	t.closeIdle()
-	for _, o := range t.olderOpen() {
+	for _, o := range append(t.olderOpen(), t) {
 		o.closeIdle()
 	}
 }
 
 func (t *Transports) closeIdle() {
-	t.shared.CloseIdleConnections()
-	if t.http2 {
-		t.open.CloseIdleConnections()
-		t.http1.CloseIdleConnections()
+	for _, rt := range []*http.Transport{t.shared, t.open, t.http1} {
+		rt.CloseIdleConnections() // twice when they are one: idle is idle
 	}
 }
 
