@@ -643,7 +643,7 @@ func TestAdversaryCopyExecOverInline(t *testing.T) {
 // TransportFor. http.Transport asks the config's Proxy when it dials, and
 // every request here starts on a new connection: each goes where the
 // function sends it, never by the answer it gave for the identity's sample
-// request. TestTransportForAsksProxyAsNetHTTP covers open connections.
+// request. TestTransportForAsksProxyPerRequest covers every request.
 func TestAdversaryTransportForProxyPerPath(t *testing.T) {
 	f := newFixture(t, testserver.Options{})
 	proxy := newConnectProxy(t)

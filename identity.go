@@ -118,10 +118,7 @@ type sharing struct {
 	// Transport of its own). TransportFor builds the per-request layers
 	// from it, so an exec plugin's certificate and its wrapper come from
 	// one authenticator.
-	tc *transport.Config
-	// onlyHost, with a Proxy function, is the host it was asked about: only
-	// requests to it ride the shared transport.
-	onlyHost string
+	tc       *transport.Config
 	pass     passReason
 	proxyErr error // with proxyFailed: what the Proxy function returned
 }
@@ -148,9 +145,6 @@ func sharingFor(cfg *rest.Config, g given, files *fileReads, dialIdentity func(*
 	}
 	if s.tc, err = cfg.TransportConfig(); err != nil {
 		return s, false, fmt.Errorf("sharedtransport: %w", err)
-	}
-	if cfg.Proxy != nil {
-		s.onlyHost = req.URL.Host
 	}
 	s.id, s.pass, s.proxyErr, err = identityOf(cfg, s.tc, g, req, files, dialIdentity)
 	return s, s.pass == shares && err == nil, err
@@ -296,10 +290,10 @@ type route struct {
 }
 
 // proxyRoute asks cfg.Proxy about cfg's host. Functions cannot be compared:
-// two configs agree when theirs give the same answer for their host, and
-// only requests to that host sent that way use the shared transport
-// (configTransport). An answer the environment would give shares the
-// environment's transport.
+// two configs agree when theirs give the same answer for their host; every
+// request is then sent the way the function answers for it
+// (configTransport.viaProxy). An answer the environment would give shares
+// the environment's transport.
 func proxyRoute(cfg *rest.Config, req *http.Request) (route, error) {
 	got, err := cfg.Proxy(req)
 	if err != nil {

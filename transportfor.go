@@ -5,20 +5,15 @@ package sharedtransport
 
 import (
 	"context"
-	"crypto/tls"
 	"fmt"
 	"net/http"
-	"net/http/httptrace"
 	"net/url"
 	"sync"
 	"sync/atomic"
-	"weak"
 
 	utilnet "k8s.io/apimachinery/pkg/util/net"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/transport"
-
-	"github.com/sharedtransport/sharedtransport/internal/conns"
 )
 
 // TransportFor is [Pool.TransportFor] on the package's default pool.
@@ -41,11 +36,12 @@ func HTTPClientFor(cfg *rest.Config, opts ...CallOption) (*http.Client, error) {
 // is for code that hands the config to client-go. The round tripper keeps
 // the identity alive; later changes to cfg do not reach it.
 //
-// A config's Proxy function is asked once to key the identity, then as
-// net/http asks it: per request over HTTP/1.1, over HTTP/2 only for a
-// request with no connection to ride. Requests to cfg's host that it sends
-// where the shared transport goes use that transport; others go through
-// client-go's own transport for cfg, built at the first of them.
+// A config's Proxy function is asked for every request, as net/http asks
+// it over HTTP/1.1, and the request goes the way that answer says; an
+// error fails that request alone. It is also asked once when cfg is given,
+// to key the identity. A request the function sends where the shared
+// transport goes uses that transport; others go through client-go's own
+// transport for cfg, built at the first of them.
 //
 // A config the pool cannot share (its own Transport, one client-go sends
 // through [http.DefaultTransport], a custom Dial without
@@ -76,11 +72,7 @@ func (p *Pool) transportFor(cfg *rest.Config, g given) (http.RoundTripper, error
 	if err != nil {
 		return nil, err
 	}
-	base := &configTransport{lease: l, clientGo: &clientGoLater{tc: s.tc, id: s.id}}
-	if s.onlyHost != "" {
-		base.onlyHost = s.onlyHost
-		base.proxy = s.tc.Proxy
-	}
+	base := &configTransport{lease: l, proxy: s.tc.Proxy, clientGo: &clientGoLater{tc: s.tc, id: s.id}}
 	return transport.HTTPWrappersForConfig(s.tc, base)
 }
 
@@ -109,18 +101,9 @@ func (p *Pool) httpClientFor(cfg *rest.Config, g given) (*http.Client, error) {
 // carry.
 type configTransport struct {
 	lease *lease
-	// onlyHost, with a Proxy function, is the host the function was asked
-	// about; proxy is the function, asked as net/http asks it (viaProxy).
-	onlyHost string
-	proxy    func(*http.Request) (*url.URL, error)
-	// rides is the shared connection the last request to onlyHost that
-	// asked the function came back over with HTTP/2: while it is open,
-	// net/http sends over it without asking. Weak: a closed one goes.
-	rides atomic.Pointer[weak.Pointer[conns.Conn]]
-	// viaClientGo: the function sent a request to onlyHost elsewhere and it
-	// came back over HTTP/2 through clientGo, which carries the config's
-	// requests to onlyHost from then on.
-	viaClientGo atomic.Bool
+	// proxy is the config's Proxy function, asked for every request as
+	// net/http asks it over HTTP/1.1 (viaProxy); nil without one.
+	proxy func(*http.Request) (*url.URL, error)
 	// clientGo is client-go's transport for the config, built when first
 	// needed; nil for TLSTransport, which has no config.
 	clientGo  *clientGoLater
@@ -131,23 +114,16 @@ func (c *configTransport) RoundTrip(req *http.Request) (*http.Response, error) {
 	switch {
 	case c.handedOut.Load():
 		return c.clientGo.RoundTrip(req)
-	case c.onlyHost == "":
+	case c.proxy == nil:
 		return c.lease.RoundTrip(req)
-	case req.URL.Host != c.onlyHost || c.viaClientGo.Load():
-		// Another host: the function was asked about one host only.
-		return c.clientGo.RoundTrip(req)
-	}
-	if w := c.rides.Load(); w != nil {
-		if cc := w.Value(); cc != nil && cc.Open() {
-			return c.lease.RoundTrip(req)
-		}
 	}
 	return c.viaProxy(req)
 }
 
-// viaProxy sends req where the config's Proxy function sends it: over the
-// shared transport when that goes there too, else through clientGo. Its
-// error fails the request, as in net/http.
+// viaProxy sends req the way the config's Proxy function answers for it:
+// over the shared transport when that goes the same way, else through
+// clientGo, which is not asked again. Its error fails the request, as in
+// net/http.
 func (c *configTransport) viaProxy(req *http.Request) (*http.Response, error) {
 	u, err := c.proxy(req)
 	if err != nil {
@@ -158,34 +134,9 @@ func (c *configTransport) viaProxy(req *http.Request) (*http.Response, error) {
 	}
 	shared, err := c.lease.e.current.Load().conns.Shared().Proxy(req) // the pool's own: the environment's, or the route
 	if err != nil || !sameURL(u, shared) {
-		resp, err := c.clientGo.RoundTrip(withAskedProxy(req, u))
-		if err == nil && resp.ProtoMajor == 2 {
-			c.viaClientGo.Store(true)
-		}
-		return resp, err
+		return c.clientGo.RoundTrip(withAskedProxy(req, u))
 	}
-	var conn atomic.Pointer[conns.Conn]
-	resp, err := c.lease.RoundTrip(withConnTrace(req, &conn))
-	if cc := conn.Load(); err == nil && resp.ProtoMajor == 2 && cc != nil {
-		w := weak.Make(cc)
-		c.rides.Store(&w)
-	}
-	return resp, err
-}
-
-// withConnTrace returns req with a trace that stores in conn the pool's
-// connection the request gets.
-func withConnTrace(req *http.Request, conn *atomic.Pointer[conns.Conn]) *http.Request {
-	trace := &httptrace.ClientTrace{GotConn: func(info httptrace.GotConnInfo) {
-		c := info.Conn
-		if tc, ok := c.(*tls.Conn); ok {
-			c = tc.NetConn()
-		}
-		if cc, ok := c.(*conns.Conn); ok {
-			conn.Store(cc)
-		}
-	}}
-	return req.WithContext(httptrace.WithClientTrace(req.Context(), trace))
+	return c.lease.RoundTrip(req)
 }
 
 // askedProxyKey keys, in a request's context, the answer the Proxy function

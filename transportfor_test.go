@@ -712,25 +712,14 @@ func TestTransportForUnwrapped(t *testing.T) {
 	}
 }
 
-// TestTransportForAsksProxyAsNetHTTP: over HTTP/2 net/http asks a config's
-// Proxy function when it dials, not per request: a request on an open
-// connection never consults it. Through TransportFor the function must not
-// be asked more often (beyond once when the config is given, to key its
-// identity), nor its answers acted on where net/http would not: a function
-// that starts failing fails no request that client-go alone sends, and one
-// that routes by path sends every request over the connection its first
-// request opened, as client-go alone does. Over HTTP/1.1 (DISABLE_HTTP2)
-// net/http asks it for every request, and so does the pool.
-func TestTransportForAsksProxyAsNetHTTP(t *testing.T) {
-	for name, disable := range map[string]string{"HTTP/2": "", "HTTP/1.1": "1"} {
-		t.Run(name, func(t *testing.T) {
-			t.Setenv("DISABLE_HTTP2", disable)
-			asksProxyAsNetHTTP(t)
-		})
-	}
-}
-
-func asksProxyAsNetHTTP(t *testing.T) {
+// TestTransportForAsksProxyPerRequest: a config's Proxy function is asked
+// for every request, as net/http asks it over HTTP/1.1, and each request
+// goes the way the answer for it says; an error fails that request alone.
+// The control is client-go alone over HTTP/1.1 (DISABLE_HTTP2), where
+// net/http asks per request; the pool does the same over HTTP/2, where
+// net/http would ask only when it dials (beyond once when the config is
+// given, to key its identity).
+func TestTransportForAsksProxyPerRequest(t *testing.T) {
 	f := newFixture(t, testserver.Options{})
 	proxies := []*connectProxy{newConnectProxy(t), newConnectProxy(t)}
 	var urls []*url.URL
@@ -751,16 +740,23 @@ func asksProxyAsNetHTTP(t *testing.T) {
 		}
 		return "direct"
 	}
+	const control = "client-go alone, HTTP/1.1"
 	sides := []struct {
-		name  string
-		newRT func(*Pool, *rest.Config) (http.RoundTripper, error)
+		name, disableHTTP2 string
+		newRT              func(*Pool, *rest.Config) (http.RoundTripper, error)
 	}{
-		{"pool", func(p *Pool, cfg *rest.Config) (http.RoundTripper, error) { return p.TransportFor(cfg) }},
-		{"client-go", func(_ *Pool, cfg *rest.Config) (http.RoundTripper, error) { return rest.TransportFor(cfg) }},
+		{control, "1", func(_ *Pool, cfg *rest.Config) (http.RoundTripper, error) { return rest.TransportFor(cfg) }},
+		{"pool, HTTP/2", "", func(p *Pool, cfg *rest.Config) (http.RoundTripper, error) { return p.TransportFor(cfg) }},
+		{"pool, HTTP/1.1", "1", func(p *Pool, cfg *rest.Config) (http.RoundTripper, error) { return p.TransportFor(cfg) }},
 	}
-	t.Run("a function that starts failing", func(t *testing.T) {
-		failed, calls := map[string]int{}, map[string]int64{}
+	t.Run("a function that fails for a while", func(t *testing.T) {
+		type result struct {
+			failedWhile, failedAfter int
+			calls                    int64
+		}
+		results := map[string]result{}
 		for _, side := range sides {
+			t.Setenv("DISABLE_HTTP2", side.disableHTTP2)
 			var failing atomic.Bool
 			var n atomic.Int64
 			cfg := f.srv.RestConfig(f.alice)
@@ -776,21 +772,33 @@ func asksProxyAsNetHTTP(t *testing.T) {
 			if code, err := getVia(rt, f.srv.URL()+"/version"); err != nil || code >= 500 {
 				t.Fatalf("%s, the first request: %d %v", side.name, code, err)
 			}
+			var r result
 			failing.Store(true)
 			for range 6 {
 				if _, err := getVia(rt, f.srv.URL()+"/api/v1/nodes"); err != nil {
-					failed[side.name]++
+					r.failedWhile++
 				}
 			}
-			calls[side.name] = n.Load()
+			failing.Store(false)
+			for range 2 {
+				if _, err := getVia(rt, f.srv.URL()+"/api/v1/nodes"); err != nil {
+					r.failedAfter++
+				}
+			}
+			r.calls = n.Load()
+			results[side.name] = r
+			utilnet.CloseIdleConnectionsFor(rt)
 		}
-		t.Logf("after the function failed: %d of 6 requests failed through the pool, %d through client-go alone; asked %d and %d times",
-			failed["pool"], failed["client-go"], calls["pool"], calls["client-go"])
-		if failed["pool"] != failed["client-go"] {
-			t.Errorf("requests failed: %d of 6 through the pool, %d through client-go alone", failed["pool"], failed["client-go"])
-		}
-		if calls["pool"] > calls["client-go"]+1 {
-			t.Errorf("the function was asked %d times through the pool, %d through client-go alone (the pool may ask once more, for the identity)", calls["pool"], calls["client-go"])
+		t.Logf("6 requests while the function fails, 2 after: %+v", results)
+		want := results[control]
+		for _, side := range sides[1:] {
+			got := results[side.name]
+			if got.failedWhile != want.failedWhile || got.failedAfter != want.failedAfter {
+				t.Errorf("%s: %d failed while the function failed and %d after; %s: %d and %d", side.name, got.failedWhile, got.failedAfter, control, want.failedWhile, want.failedAfter)
+			}
+			if got.calls < want.calls || got.calls > want.calls+1 {
+				t.Errorf("%s: the function was asked %d times, %s %d (the pool asks once more, for the identity)", side.name, got.calls, control, want.calls)
+			}
 		}
 	})
 	t.Run("a function that routes by path", func(t *testing.T) {
@@ -801,23 +809,68 @@ func asksProxyAsNetHTTP(t *testing.T) {
 			return urls[1], nil
 		}
 		for _, first := range []string{"/api/v1/nodes", "/version"} {
-			vias := map[string][]string{}
+			vias := map[string]string{}
 			for _, side := range sides {
+				t.Setenv("DISABLE_HTTP2", side.disableHTTP2)
 				cfg := f.srv.RestConfig(f.alice)
 				cfg.Proxy = byPath
 				rt, err := side.newRT(newPool(t), cfg)
 				must(t, err)
+				var got []string
 				for _, path := range []string{first, "/apis/apps/v1", "/api/v1/pods", "/version", "/api/v1/nodes"} {
 					if code, err := getVia(rt, f.srv.URL()+path); err != nil || code >= 500 {
 						t.Fatalf("%s %s: %d %v", side.name, path, code, err)
 					}
-					vias[side.name] = append(vias[side.name], path+" "+via(t, path))
+					got = append(got, path+" "+via(t, path))
 				}
+				vias[side.name] = strings.Join(got, ", ")
 				utilnet.CloseIdleConnectionsFor(rt)
 			}
-			if got, want := strings.Join(vias["pool"], ", "), strings.Join(vias["client-go"], ", "); got != want {
-				t.Errorf("first %s: through the pool %s; through client-go alone %s", first, got, want)
+			for _, side := range sides[1:] {
+				if vias[side.name] != vias[control] {
+					t.Errorf("first %s: %s %s; %s %s", first, side.name, vias[side.name], control, vias[control])
+				}
 			}
 		}
 	})
+}
+
+// TestProxyAnswerMoves: HTTPClientFor of a config whose Proxy function reads
+// the route from a setting. The setting moves from proxy 1 to proxy 2, and
+// proxy 1 stops taking new tunnels while its tunnel stays open; the server
+// holds 100 requests on that connection, so the next request needs a new
+// one. client-go alone asks the function when it dials and goes through
+// proxy 2; so does the pool, which asks for every request.
+func TestProxyAnswerMoves(t *testing.T) {
+	for _, pooled := range []bool{false, true} {
+		t.Run(fmt.Sprint("pool ", pooled), func(t *testing.T) {
+			hold := newRequestHold(t)
+			f := newFixture(t, testserver.Options{OnRequest: hold.onRequest})
+			proxies := []*connectProxy{newConnectProxy(t), newConnectProxy(t)}
+			var setting atomic.Int32
+			cfg := f.srv.RestConfig(f.alice)
+			cfg.Proxy = func(*http.Request) (*url.URL, error) { return url.Parse(proxies[setting.Load()].url()) }
+			client := clientGoClient(t, cfg)
+			if pooled {
+				client = httpClient(t, newPool(t), cfg)
+			}
+			if _, err := getUA(context.Background(), client, f.srv.URL(), "through proxy 1"); err != nil {
+				t.Fatal(err)
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			release := sendHeld(ctx, t, hold, client, f.srv.URL(), 100)
+			defer release()
+			waitFor(t, "the server holds 100 requests", func() bool { return hold.held.Load() == 100 })
+			setting.Store(1)
+			must(t, proxies[0].StopAccepting())
+			moved, cancelMoved := context.WithTimeout(ctx, 10*time.Second)
+			defer cancelMoved()
+			_, err := getUA(moved, client, f.srv.URL(), "after the move")
+			t.Logf("pool %v: after the setting moved to proxy 2 and proxy 1 stopped taking tunnels: %v; proxy 2 opened %d tunnels", pooled, err, proxies[1].Stats().Tunnels)
+			if err != nil || proxies[1].Stats().Tunnels != 1 {
+				t.Errorf("pool %v: a request after the move: %v, %d tunnels through proxy 2; want it served through proxy 2", pooled, err, proxies[1].Stats().Tunnels)
+			}
+		})
+	}
 }

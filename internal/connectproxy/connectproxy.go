@@ -171,6 +171,10 @@ func (p *Proxy) CloseTunnels() int {
 	return len(open)
 }
 
+// StopAccepting closes the proxy's listener: new connections are refused,
+// tunnels open go on until Close.
+func (p *Proxy) StopAccepting() error { return p.ln.Close() }
+
 // Close stops the proxy, closes its tunnels and returns once every goroutine
 // it started has exited. It may be called more than once.
 func (p *Proxy) Close() error {

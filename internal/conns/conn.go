@@ -186,10 +186,3 @@ func (c *Conn) Close() error {
 	}
 	return c.Conn.Close()
 }
-
-// Open reports whether c has not been closed.
-func (c *Conn) Open() bool {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return !c.closed
-}
