@@ -30,9 +30,10 @@ import (
 // own that calls the original: the proxy, the dialer or the client
 // certificate. It gets client-go's cached transport for the config, and
 // the client's requests go through what it made of it, as without the
-// pool. Without the pool every client of that cache key uses the changed
-// transport from then on: so do the wrapped config's other clients, those
-// built before and after.
+// pool. The change reaches that client alone: the wrapped config's other
+// clients, those built before and after, stay on the pool and see what
+// they saw (without the pool every client of that cache key would use the
+// changed transport, which the pool keeps no record of).
 func TestAboveTheHookDecorators(t *testing.T) {
 	f := newFixture(t, testserver.Options{})
 	r := newCopyRig(t, testserver.Options{CA: f.ca})
@@ -99,11 +100,14 @@ func TestAboveTheHookDecorators(t *testing.T) {
 			if st := p.Stats(); st.PassThrough != 0 {
 				t.Fatalf("pool %+v: the wrapped config's clients do not share, the test tests nothing", st)
 			}
+			was := before[0].observe()
 			r.check(t, pair.copies(func(cfg *rest.Config) { cfg.Wrap(inPlace(c.change)) }), &c.want)
-			if got, control := before[0].observe(), before[1].observe(); got != control || control != c.want {
-				t.Errorf("a client built before: through the pool %+v, client-go alone %+v (want %+v)", got, control, c.want)
+			after := r.client(pair.wrapped)
+			for name, client := range map[string]*rigClient{"built before": before[0], "built after": after} {
+				if got := client.observe(); got != was {
+					t.Errorf("a client %s, through the pool: %+v, want what it saw before, %+v (client-go alone: %+v)", name, got, was, before[1].observe())
+				}
 			}
-			r.check(t, pair, &c.want)
 		})
 	}
 }

@@ -17,10 +17,9 @@ import (
 // env is what every layer of a pool reads and counts into. A Pool owns one;
 // its registry, entries, hooks and watcher refer to it, never to the Pool.
 type env struct {
-	opts      options
-	stats     counters
-	files     fileReads           // reads of certificate files, bounded in time
-	handedOut handedOutTransports // client-go's transports handed to code above the pool
+	opts  options
+	stats counters
+	files fileReads // reads of certificate files, bounded in time
 
 	undeclaredOnce sync.Once // logs the first config passed through for undeclared wrappers
 	functionsOnce  sync.Once // logs the first config Wrap passes through for its Proxy or Dial

@@ -18,6 +18,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	spdystream "k8s.io/apimachinery/pkg/util/httpstream/spdy"
+	utilnet "k8s.io/apimachinery/pkg/util/net"
 	"k8s.io/client-go/discovery"
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/informers"
@@ -722,4 +723,20 @@ func TestWrapClientConfig(t *testing.T) {
 			}
 		})
 	}
+}
+
+// unwrapToTransport returns the *http.Transport under rt's wrappers, as
+// client-go's helpers find it (utilnet.RoundTripperWrapper), or nil.
+func unwrapToTransport(rt http.RoundTripper) *http.Transport {
+	for range 8 {
+		switch t := rt.(type) {
+		case *http.Transport:
+			return t
+		case utilnet.RoundTripperWrapper:
+			rt = t.WrappedRoundTripper()
+		default:
+			return nil
+		}
+	}
+	return nil
 }

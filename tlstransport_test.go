@@ -12,6 +12,8 @@ import (
 	"testing"
 	"time"
 
+	utilnet "k8s.io/apimachinery/pkg/util/net"
+
 	"github.com/sharedtransport/sharedtransport/internal/testserver"
 )
 
@@ -238,4 +240,74 @@ func TestTLSTransportRootsForgotten(t *testing.T) {
 		runtime.GC()
 		return p.Stats().Identities == 0 && count() <= before
 	})
+}
+
+// TestTLSTransportUnwrappedIsOwn: two callers of TLSTransport with equal
+// settings; the first unwraps its round tripper and changes the
+// *http.Transport it finds (a client certificate callback, a proxy): its
+// requests go the changed way, and the second caller's are untouched, as
+// with Go's own transports, one per caller (the control).
+func TestTLSTransportUnwrappedIsOwn(t *testing.T) {
+	f := newFixture(t, testserver.Options{ClientAuth: testserver.VerifyClientCertIfGiven})
+	bob, err := f.bob.TLSCertificate()
+	must(t, err)
+	proxy := newConnectProxy(t)
+	proxyURL, _ := url.Parse(proxy.url())
+	roots := x509.NewCertPool()
+	roots.AppendCertsFromPEM(f.ca.CertPEM())
+	settings := TLSTransportConfig{TLS: &tls.Config{RootCAs: roots}}
+	changes := map[string]struct {
+		change func(*http.Transport)
+		want   string // what the first caller's next request shows
+	}{
+		"GetClientCertificate": {func(rt *http.Transport) {
+			rt.TLSClientConfig.GetClientCertificate = func(*tls.CertificateRequestInfo) (*tls.Certificate, error) { return &bob, nil }
+		}, "bob, direct"},
+		"Proxy": {func(rt *http.Transport) { rt.Proxy = http.ProxyURL(proxyURL) }, "no certificate, via the proxy"},
+	}
+	for name, c := range changes {
+		for _, pooled := range []bool{false, true} {
+			t.Run(fmt.Sprintf("%s, pool %v", name, pooled), func(t *testing.T) {
+				p := newPool(t)
+				newRT := func() http.RoundTripper {
+					if !pooled {
+						return &http.Transport{TLSClientConfig: settings.TLS.Clone(), ForceAttemptHTTP2: true}
+					}
+					rt, err := p.TLSTransport(settings)
+					must(t, err)
+					return rt
+				}
+				seen := func(rt http.RoundTripper) string {
+					tunnels := proxy.Stats().Tunnels
+					utilnet.CloseIdleConnectionsFor(rt)                                             // the next request dials, with what is set now
+					if code, err := getVia(rt, f.srv.URL()+"/version"); err != nil || code >= 500 { // 401 without a certificate: seen all the same
+						t.Fatalf("pool %v: %d %v", pooled, code, err)
+					}
+					ri, _ := f.srv.LastRequest("/version")
+					who, way := ri.CertCN, "direct"
+					if who == "" {
+						who = "no certificate"
+					}
+					if proxy.Stats().Tunnels > tunnels {
+						way = "via the proxy"
+					}
+					return who + ", " + way
+				}
+				first, second := newRT(), newRT()
+				seen(first)
+				seen(second)
+				found := unwrapToTransport(first)
+				if found == nil {
+					t.Fatalf("pool %v: unwrapping the first caller's round tripper found no *http.Transport", pooled)
+				}
+				c.change(found)
+				if got := seen(first); got != c.want {
+					t.Errorf("pool %v: the first caller, after its change: %s, want %s", pooled, got, c.want)
+				}
+				if got := seen(second); got != "no certificate, direct" {
+					t.Errorf("pool %v: the second caller, after the first changed what it unwrapped: %s, want no certificate, direct", pooled, got)
+				}
+			})
+		}
+	}
 }

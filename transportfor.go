@@ -10,6 +10,9 @@ import (
 	"net/url"
 	"sync"
 	"sync/atomic"
+	"time"
+
+	"golang.org/x/sync/singleflight"
 
 	utilnet "k8s.io/apimachinery/pkg/util/net"
 	"k8s.io/client-go/rest"
@@ -72,7 +75,7 @@ func (p *Pool) transportFor(cfg *rest.Config, g given) (http.RoundTripper, error
 	if err != nil {
 		return nil, err
 	}
-	base := &configTransport{lease: l, proxy: s.tc.Proxy, clientGo: &clientGoLater{tc: s.tc, id: s.id}}
+	base := &configTransport{lease: l, proxy: s.tc.Proxy, clientGo: &clientGoLater{tc: s.tc, id: s.id, retryAfter: p.opts.debounce}}
 	return transport.HTTPWrappersForConfig(s.tc, base)
 }
 
@@ -105,13 +108,19 @@ type configTransport struct {
 	// net/http asks it over HTTP/1.1 (viaProxy); nil without one.
 	proxy func(*http.Request) (*url.URL, error)
 	// clientGo is client-go's transport for the config, built when first
-	// needed; nil for TLSTransport, which has no config.
-	clientGo  *clientGoLater
-	handedOut atomic.Bool // WrappedRoundTripper gave clientGo out: every request goes through it
+	// needed; nil for TLSTransport, which has no config and hands out own.
+	clientGo *clientGoLater
+	ownOnce  sync.Once
+	own      *http.Transport
+	// handedOut: WrappedRoundTripper gave clientGo or own out: every request
+	// goes through it.
+	handedOut atomic.Bool
 }
 
 func (c *configTransport) RoundTrip(req *http.Request) (*http.Response, error) {
 	switch {
+	case c.handedOut.Load() && c.clientGo == nil:
+		return c.own.RoundTrip(req)
 	case c.handedOut.Load():
 		return c.clientGo.RoundTrip(req)
 	case c.proxy == nil:
@@ -167,53 +176,73 @@ func (c *configTransport) CloseIdleConnections() {
 		c.clientGo.CloseIdleConnections()
 	}
 	utilnet.CloseIdleConnectionsFor(c.lease)
+	if c.handedOut.Load() && c.own != nil {
+		c.own.CloseIdleConnections()
+	}
 }
 
 // CancelRequest stops client-go's cancellation here (see
 // clientTransport.CancelRequest).
 func (c *configTransport) CancelRequest(req *http.Request) {
-	if c.clientGo != nil && c.clientGo.built.Load() {
-		if cr, ok := c.clientGo.rt.(interface{ CancelRequest(*http.Request) }); ok {
+	if c.clientGo == nil {
+		return
+	}
+	if rt := c.clientGo.rt.Load(); rt != nil {
+		if cr, ok := (*rt).(interface{ CancelRequest(*http.Request) }); ok {
 			cr.CancelRequest(req)
 		}
 	}
 }
 
 // clientGoLater is client-go's transport for a config, built at the first
-// request that needs it.
+// request or unwrap that needs it. A build that fails is not kept: client-go
+// read the files while they were being rewritten, say, and the next one
+// tries again.
 type clientGoLater struct {
-	tc    *transport.Config
-	id    *identity
-	once  sync.Once
-	rt    http.RoundTripper
-	err   error
-	built atomic.Bool // rt is there
+	tc *transport.Config
+	id *identity
+	// retryAfter is how long a failed build waits before it tries once
+	// more: a rotation written in place settles within a debounce.
+	retryAfter time.Duration
+	building   singleflight.Group
+	rt         atomic.Pointer[http.RoundTripper] // set once built
 }
 
 func (l *clientGoLater) get() (http.RoundTripper, error) {
-	l.once.Do(func() {
-		tc := *l.tc
-		if tc.Proxy != nil {
-			tc.Proxy = answeredProxy(tc.Proxy)
+	if rt := l.rt.Load(); rt != nil {
+		return *rt, nil
+	}
+	rt, err, _ := l.building.Do("", func() (any, error) {
+		if rt := l.rt.Load(); rt != nil {
+			return *rt, nil
 		}
-		rt, err := clientGoTransport(&tc)
+		rt, err := l.build()
 		if err != nil {
-			l.err = fmt.Errorf("sharedtransport: client-go's transport for the config: %w", err)
-			return
+			time.Sleep(l.retryAfter)
+			rt, err = l.build()
 		}
-		l.rt = l.id.withWrapperHeader(rt)
-		l.built.Store(l.err == nil)
+		if err != nil {
+			return nil, fmt.Errorf("sharedtransport: client-go's transport for the config: %w", err)
+		}
+		l.rt.Store(&rt)
+		return rt, nil
 	})
-	return l.rt, l.err
+	if err != nil {
+		return nil, err
+	}
+	return rt.(http.RoundTripper), nil
 }
 
-// handOut returns the transport, or, when client-go could not build it, a
-// round tripper that fails every request with the reason.
-func (l *clientGoLater) handOut() http.RoundTripper {
-	if rt, err := l.get(); err == nil {
-		return rt
+func (l *clientGoLater) build() (http.RoundTripper, error) {
+	tc := *l.tc
+	if tc.Proxy != nil {
+		tc.Proxy = answeredProxy(tc.Proxy)
 	}
-	return l
+	rt, err := clientGoTransport(&tc)
+	if err != nil {
+		return nil, err
+	}
+	return l.id.withWrapperHeader(rt), nil
 }
 
 func (l *clientGoLater) RoundTrip(req *http.Request) (*http.Response, error) {
@@ -230,29 +259,34 @@ func (l *clientGoLater) RoundTrip(req *http.Request) (*http.Response, error) {
 // CloseIdleConnections closes the transport's idle connections, if it was
 // built.
 func (l *clientGoLater) CloseIdleConnections() {
-	if l.built.Load() {
-		utilnet.CloseIdleConnectionsFor(l.rt)
+	if rt := l.rt.Load(); rt != nil {
+		utilnet.CloseIdleConnectionsFor(*rt)
 	}
 }
 
-// WrappedRoundTripper returns client-go's transport for the config, what
-// code that unwraps the round tripper (utilnet.TLSClientConfig, a wrapper
-// that changes the *http.Transport it finds) finds without the pool. Every
-// request goes through it from then on (counted in Stats.PassThrough), so
-// a change made there reaches only the clients that share it without the
-// pool (handedOutTransports). For TLSTransport it is the shared transport,
-// as the caller's own would be: apimachinery's UpgradeAwareHandler dials
-// upgrades with its dialer and TLS configuration.
+// WrappedRoundTripper returns a transport of the caller's own: code that
+// unwraps the round tripper (utilnet.TLSClientConfig, a wrapper that
+// changes the *http.Transport it finds) may change it, and the change
+// reaches no other caller. For TransportFor and HTTPClientFor it is
+// client-go's transport for the config, as rest.TransportFor gives it; for
+// TLSTransport one built as the pool builds its own, which apimachinery's
+// UpgradeAwareHandler dials upgrades with. This round tripper's requests go
+// through it from then on (counted in Stats.PassThrough). When client-go
+// cannot build its transport now, the requests stay on the pool and the
+// round tripper returned fails with the reason until a build succeeds.
 func (c *configTransport) WrappedRoundTripper() http.RoundTripper {
+	var rt http.RoundTripper
 	if c.clientGo == nil {
-		return c.lease
+		c.ownOnce.Do(func() { c.own = c.lease.e.current.Load().conns.Own() })
+		rt = c.own
+	} else if built, err := c.clientGo.get(); err == nil {
+		rt = built
+	} else {
+		return c.clientGo
 	}
-	p := c.lease.e.env
 	if !c.handedOut.Swap(true) {
-		p.stats.passThrough.Add(1)
+		c.lease.e.env.stats.passThrough.Add(1)
 	}
-	rt := c.clientGo.handOut()
-	p.handedOut.add(unwrapToTransport(rt))
 	return rt
 }
 

@@ -874,3 +874,48 @@ func TestProxyAnswerMoves(t *testing.T) {
 		})
 	}
 }
+
+// TestUnwrapDuringRotation: while a client's CA file is being rewritten,
+// utilnet.TLSClientConfig unwraps an HTTPClientFor client, and again once
+// the file is whole. client-go alone built its transport with the client
+// and answers both. The pool builds client-go's transport at the unwrap and
+// cannot from a torn file: that unwrap fails, the client's requests go on
+// over the pool, and the next unwrap, the file whole, succeeds: a failed
+// build is never kept.
+func TestUnwrapDuringRotation(t *testing.T) {
+	for _, pooled := range []bool{false, true} {
+		t.Run(fmt.Sprint("pool ", pooled), func(t *testing.T) {
+			f := newFixture(t, testserver.Options{})
+			d := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
+			cfg := d.config(f.srv.URL())
+			var client *http.Client
+			if pooled {
+				var err error
+				client, err = newPool(t, WithPollInterval(0)).HTTPClientFor(cfg)
+				must(t, err)
+			} else {
+				client = clientGoClient(t, cfg)
+			}
+			ctx := context.Background()
+			if _, err := getUA(ctx, client, f.srv.URL(), "before"); err != nil {
+				t.Fatal(err)
+			}
+			ca := f.ca.CertPEM()
+			must(t, os.WriteFile(d.ca, ca[:len(ca)/2], 0o600)) // rewritten in place, half written
+			_, tornErr := utilnet.TLSClientConfig(client.Transport)
+			_, duringErr := getUA(ctx, client, f.srv.URL(), "while torn")
+			d.write(t, f.alice, ca)
+			_, wholeErr := utilnet.TLSClientConfig(client.Transport)
+			var failed int
+			for range 5 {
+				if _, err := getUA(ctx, client, f.srv.URL(), "after"); err != nil {
+					failed++
+				}
+			}
+			t.Logf("pool %v: unwrap while the CA file was torn: %v; a request then: %v; unwrap once whole: %v; %d of 5 requests after failed", pooled, tornErr, duringErr, wholeErr, failed)
+			if duringErr != nil || wholeErr != nil || failed > 0 {
+				t.Errorf("pool %v: a request while the CA file was torn: %v; the unwrap once it was whole: %v; %d of 5 requests after failed; want none", pooled, duringErr, wholeErr, failed)
+			}
+		})
+	}
+}

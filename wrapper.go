@@ -124,16 +124,11 @@ func (h *hook) wrap(rt http.RoundTripper) http.RoundTripper {
 	}
 	g, ok := h.agrees(rt, l.e)
 	pinCA := h.id.key.caFile != "" && !caFileByPath()
-	bottom := unwrapToTransport(rt)
-	if !ok || pinCA && !trustsAlike(rt, g.conns.Shared().TLSClientConfig) || h.reg.handedOut.has(bottom) {
+	if !ok || pinCA && !trustsAlike(rt, g.conns.Shared().TLSClientConfig) {
 		h.reg.stats.passThrough.Add(1)
 		return rt // SPDY, websocket, a caller's own transport, another identity
 	}
-	c := &clientTransport{lease: l, pinCA: pinCA, ca: g.ca, clientGo: h.id.withWrapperHeader(rt)}
-	if c.clientGo == rt {
-		c.cachedBottom = bottom
-	}
-	return c
+	return &clientTransport{lease: l, pinCA: pinCA, ca: g.ca, clientGo: h.id.withWrapperHeader(rt)}
 }
 
 // caFileByPath reports whether client-go keys a CA file named without data
@@ -273,19 +268,14 @@ type clientTransport struct {
 	pinCA   bool
 	ca      digest
 	caMoved atomic.Bool // the CA changed: requests go through clientGo
-	// cachedBottom is the *http.Transport under clientGo when clientGo is
-	// client-go's cached transport itself, which every client of its key
-	// shares without the pool; nil otherwise.
-	cachedBottom *http.Transport
 	// handedOut: WrappedRoundTripper gave clientGo to a wrapper above the
-	// hook, which may change it in place: requests go through it from then
-	// on, as they would without the pool (for cachedBottom, every client's:
-	// see handedOutTransports).
+	// hook, which may change it in place: this client's requests go through
+	// it from then on, as they would without the pool.
 	handedOut atomic.Bool
 }
 
 func (c *clientTransport) RoundTrip(req *http.Request) (*http.Response, error) {
-	if c.handedOut.Load() || c.cachedBottom != nil && c.lease.e.env.handedOut.has(c.cachedBottom) {
+	if c.handedOut.Load() {
 		return c.clientGo.RoundTrip(req)
 	}
 	return c.lease.roundTrip(req, c, c.clientGo)
@@ -314,16 +304,11 @@ func (c *clientTransport) CloseIdleConnections() {
 
 // WrappedRoundTripper returns client-go's transport for the client, what a
 // wrapper above the hook finds without the pool. The caller may change it
-// in place, so the client's requests go through it from then on (counted
-// in Stats.PassThrough), and, for client-go's cached transport, those of
-// every client that has it.
+// in place, so this client's requests go through it from then on (counted
+// in Stats.PassThrough); the pool's other clients stay on the pool.
 func (c *clientTransport) WrappedRoundTripper() http.RoundTripper {
-	p := c.lease.e.env
-	if c.cachedBottom != nil {
-		p.handedOut.add(c.cachedBottom)
-	}
 	if !c.handedOut.Swap(true) {
-		p.stats.passThrough.Add(1)
+		c.lease.e.env.stats.passThrough.Add(1)
 	}
 	return c.clientGo
 }

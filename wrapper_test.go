@@ -1389,3 +1389,52 @@ func newMovedRig(t *testing.T, f *fixture) (*testserver.CA, *copyRig) {
 	must(t, err)
 	return newCA, newCopyRig(t, testserver.Options{CA: newCA, ServerCert: serving, ClientCAs: f.ca.Pool()})
 }
+
+// TestUnwrapReachesThatClientAlone: two pools wrap configs client-go keys
+// alike (Default() and another, say). A wrapper added after Wrap to one
+// client of the first pool unwraps its round tripper and repoints the proxy
+// of the transport it finds, client-go's cached one: that client goes the
+// new way, and the first pool's other clients and the second pool's stay
+// on their pools, as the README's rule says.
+func TestUnwrapReachesThatClientAlone(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	proxy := newConnectProxy(t)
+	u, _ := url.Parse(proxy.url())
+	pools := []*Pool{newPool(t), newPool(t)}
+	newClient := func(p *Pool, repoint bool) *http.Client {
+		cfg := f.srv.RestConfig(f.alice)
+		must(t, p.Wrap(cfg))
+		if repoint {
+			cfg.Wrap(func(rt http.RoundTripper) http.RoundTripper {
+				if found := unwrapToTransport(rt); found != nil {
+					found.Proxy = http.ProxyURL(u)
+				}
+				return rt
+			})
+		}
+		c, err := rest.HTTPClientFor(cfg)
+		must(t, err)
+		return c
+	}
+	other, second := newClient(pools[0], false), newClient(pools[1], false)
+	repointed := newClient(pools[0], true)
+	viaProxy := func(c *http.Client) bool {
+		before := proxy.Stats().Tunnels
+		c.CloseIdleConnections()
+		if _, err := getUA(context.Background(), c, f.srv.URL(), "which way"); err != nil {
+			t.Fatal(err)
+		}
+		return proxy.Stats().Tunnels > before
+	}
+	for name, tc := range map[string]struct {
+		c    *http.Client
+		want bool
+	}{"the repointed client": {repointed, true}, "another client of its pool": {other, false}, "a client of the second pool": {second, false}} {
+		if got := viaProxy(tc.c); got != tc.want {
+			t.Errorf("%s: through the proxy %v, want %v", name, got, tc.want)
+		}
+	}
+	if st := pools[1].Stats(); st.PassThrough != 0 {
+		t.Errorf("the second pool passed %d clients through, want none", st.PassThrough)
+	}
+}

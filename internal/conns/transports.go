@@ -65,6 +65,7 @@ type Transports struct {
 	open     *http.Transport // HTTP/1.1 hosts: client-go's own transport, dialing what they need
 	http1    *http.Transport // upgrades, which need HTTP/1.1
 	http2    bool            // shared speaks HTTP/2
+	own      func() *http.Transport
 	counters []*Counters
 	hosts    *hosts // shared with the identity's other Transports
 
@@ -117,8 +118,10 @@ func NewTransports(c Config, prev *Transports) *Transports {
 	if !t.http2 {
 		t.shared = t.newTransport(c, http1TLS)
 		t.open, t.http1 = t.shared, t.shared
+		t.own = func() *http.Transport { return t.newTransport(c, ownSessions(http1TLS)) }
 		return t
 	}
+	t.own = func() *http.Transport { return t.newTransport(c, ownSessions(tlsConfig)) }
 	// One dial at a time per host: a request that finds every connection
 	// full dials, and those behind it wait for that connection instead of
 	// dialing one each. A full connection leaves net/http's count, so a
@@ -130,9 +133,28 @@ func NewTransports(c Config, prev *Transports) *Transports {
 	return t
 }
 
+// ownSessions returns a copy of tlsConfig with a session cache of its own,
+// if it has one: a transport handed to a caller may be given another client
+// certificate, and a resumed session authenticates as the one before.
+func ownSessions(tlsConfig *tls.Config) *tls.Config {
+	if tlsConfig == nil {
+		return nil
+	}
+	c := tlsConfig.Clone()
+	if c.ClientSessionCache != nil {
+		c.ClientSessionCache = tls.NewLRUClientSessionCache(sessionCacheSize)
+	}
+	return c
+}
+
 // Shared is the transport that carries every request but upgrades: what
 // utilnet.TLSClientConfig and a caller's WrappedRoundTripper should see.
 func (t *Transports) Shared() *http.Transport { return t.shared }
+
+// Own builds a transport as client-go builds its own, for a caller that
+// unwraps the pool's round tripper and may change what it finds: shared
+// with no one, its connections counted and closed with t's.
+func (t *Transports) Own() *http.Transport { return t.own() }
 
 // Hosts lists the hosts the identity has talked to, as scheme://host, sorted.
 func (t *Transports) Hosts() []string { return t.hosts.names() }
