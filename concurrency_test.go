@@ -17,6 +17,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/go-logr/logr/funcr"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
@@ -474,4 +475,54 @@ func sumCounts(m map[string]int64) int64 {
 		n += v
 	}
 	return n
+}
+
+// TestCloseWaitsForIdleExpiry: Close returns after an idle expiry in
+// progress, so that nothing the pool does afterwards reaches what the
+// caller handed it (a logger restored after Close). The expiry's log line
+// blocks until the test lets it go; Close, started meanwhile, must not
+// return before.
+func TestCloseWaitsForIdleExpiry(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	inExpiry, release := make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	logger := funcr.New(func(_, args string) {
+		if strings.Contains(args, "Released an identity") {
+			once.Do(func() {
+				close(inExpiry)
+				<-release
+			})
+		}
+	}, funcr.Options{Verbosity: 10})
+	p := New(WithLogger(logger), WithIdleTimeout(time.Millisecond))
+	func() {
+		rt, err := p.TransportFor(f.srv.RestConfig(f.alice))
+		must(t, err)
+		if code, err := getVia(rt, f.srv.URL()+"/version"); err != nil || code != http.StatusOK {
+			t.Fatalf("%d %v", code, err)
+		}
+	}()
+	for deadline := time.Now().Add(10 * time.Second); ; runtime.GC() {
+		select {
+		case <-inExpiry:
+		case <-time.After(10 * time.Millisecond):
+			if time.Now().After(deadline) {
+				t.Fatal("the identity was not released after its client was collected")
+			}
+			continue
+		}
+		break
+	}
+	closed := make(chan struct{})
+	go func() {
+		p.Close()
+		close(closed)
+	}()
+	select {
+	case <-closed:
+		t.Error("Close returned while an expiry was in progress")
+	case <-time.After(100 * time.Millisecond):
+	}
+	close(release)
+	<-closed
 }

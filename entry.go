@@ -43,6 +43,9 @@ type registry struct {
 	entries map[identityKey]*held
 	closed  bool
 	watcher *fileWatcher // nil until a config names certificate files
+	// expiring counts the idle timers set and not stopped, so that close
+	// returns after any expiry in progress.
+	expiring sync.WaitGroup
 }
 
 // held is an entry in the registry and the leases that hold it.
@@ -119,10 +122,7 @@ func (r *registry) leaseEntry(id *identity) (*entry, error) {
 		return nil, nil
 	}
 	h.refs++
-	if h.idle != nil {
-		h.idle.Stop() // a pending release
-		h.idle = nil
-	}
+	r.stopIdleLocked(h) // a pending release
 	return h.e, nil
 }
 
@@ -213,8 +213,21 @@ func (r *registry) release(e *entry) {
 		return // closed, or expired with no lease left
 	}
 	if h.refs--; h.refs == 0 {
-		h.idle = time.AfterFunc(r.opts.idleTimeout, func() { r.expire(e) })
+		r.expiring.Add(1)
+		h.idle = time.AfterFunc(r.opts.idleTimeout, func() {
+			defer r.expiring.Done()
+			r.expire(e)
+		})
 	}
+}
+
+// stopIdleLocked stops h's idle timer, if it has one; one that fired
+// already counts itself out of expiring when its expiry ends.
+func (r *registry) stopIdleLocked(h *held) {
+	if h.idle != nil && h.idle.Stop() {
+		r.expiring.Done()
+	}
+	h.idle = nil
 }
 
 // expire releases e when its idle grace ends, unless a lease was taken
@@ -254,12 +267,16 @@ func (r *registry) close() error {
 	r.closed = true
 	entries := r.entries
 	r.entries = map[identityKey]*held{}
+	for _, h := range entries {
+		r.stopIdleLocked(h)
+	}
 	w := r.watcher
 	r.mu.Unlock()
 
 	for _, h := range entries {
 		h.e.close()
 	}
+	r.expiring.Wait() // an expiry that began before close took r.mu
 	if w != nil {
 		return w.close()
 	}
