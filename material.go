@@ -142,6 +142,9 @@ func checkCABundle(b []byte, now time.Time) error {
 	for rest := b; ; {
 		var block *pem.Block
 		if block, rest = pem.Decode(rest); block == nil {
+			if bytes.Contains(rest, []byte("-----BEGIN")) {
+				worse(1, errors.New("holds a PEM block that does not decode (its END line names another type, or its body is not base64), and no CA certificate for servers before it"))
+			}
 			return why
 		}
 		if block.Type != "CERTIFICATE" || len(block.Headers) != 0 {
@@ -165,19 +168,24 @@ func checkCABundle(b []byte, now time.Time) error {
 	}
 }
 
-// tornBlock reports a "-----BEGIN" without an "-----END" before the next
-// one, or a last block that the end of b cuts short: a write in progress cuts
-// a file at its end.
+// tornBlock reports a "-----BEGIN" without a whole "-----END ...-----" line
+// before the next one: a write in progress cuts a file at its end. A whole
+// END line that names another type is no cut, and client-go reads the
+// certificates before such a block.
 func tornBlock(b []byte) bool {
-	begin := []byte("-----BEGIN")
+	begin, end := []byte("-----BEGIN"), []byte("-----END")
 	blocks := bytes.Split(b, begin)
 	for _, block := range blocks[1:] {
-		if !bytes.Contains(block, []byte("-----END")) {
+		i := bytes.Index(block, end)
+		if i < 0 {
+			return true
+		}
+		line, _, _ := bytes.Cut(block[i+len(end):], []byte("\n"))
+		if !bytes.HasSuffix(bytes.TrimRight(line, " \t\r"), []byte("-----")) {
 			return true
 		}
 	}
-	last, _ := pem.Decode(b[max(bytes.LastIndex(b, begin), 0):])
-	return len(blocks) > 1 && last == nil
+	return false
 }
 
 // canVerifyServers reports whether cert's extended key usages allow server

@@ -497,8 +497,10 @@ func TestCertificateValidity(t *testing.T) {
 
 // TestCABundleText: a CA file with text around its PEM blocks (comments, a
 // trailing "# end of bundle", openssl's description of each certificate, a
-// key block) is accepted as client-go accepts it, at Wrap and on rotation;
-// only a torn block, a "-----BEGIN" without its "-----END", is refused.
+// key block, a last block whose END line names another type) is accepted as
+// client-go accepts it, at Wrap and on rotation; a torn block, a "-----BEGIN"
+// without a whole "-----END" line, is refused as incomplete, and a bundle
+// whose only block does not decode is refused saying so.
 func TestCABundleText(t *testing.T) {
 	f := newFixture(t, testserver.Options{})
 	other, err := testserver.NewCA("other-ca")
@@ -514,6 +516,7 @@ func TestCABundleText(t *testing.T) {
 		{"text between blocks", otherPEM + "\nthe cluster's CA follows\n\n" + ca + "\n"},
 		{"openssl's description before each block", "Certificate:\n    Data:\n        Version: 3 (0x2)\n" + otherPEM + "Certificate:\n    Data:\n" + ca},
 		{"a key block beside the CA", ca + string(f.alice.KeyPEM)},
+		{"a last block whose END line names another type", ca + strings.Replace(otherPEM, "-----END CERTIFICATE-----", "-----END X509 CRL-----", 1)},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			c := writeCredFiles(t, filepath.Join(f.dir, "text", strconv.Itoa(i)), []byte(tc.bundle), f.alice)
@@ -550,6 +553,16 @@ func TestCABundleText(t *testing.T) {
 			if err == nil || !strings.Contains(err.Error(), "incomplete PEM block") || !strings.Contains(err.Error(), c.ca) {
 				t.Errorf("Wrap of a torn bundle: %v", err)
 			}
+		}
+	})
+	t.Run("a block that does not decode", func(t *testing.T) {
+		bundle := strings.Replace(ca, "-----END CERTIFICATE-----", "-----END X509 CRL-----", 1)
+		c := writeCredFiles(t, filepath.Join(f.dir, "undecodable"), []byte(bundle), f.alice)
+		controlErr := listNodes(ctx, c.config(f.srv.URL()))
+		err := p.Wrap(c.config(f.srv.URL()))
+		t.Logf("client-go alone: %v; Wrap: %v", controlErr, err)
+		if controlErr == nil || err == nil || !strings.Contains(err.Error(), "does not decode") || strings.Contains(err.Error(), "incomplete") {
+			t.Errorf("a bundle whose only block does not decode: client-go alone %v, Wrap %v; want both refused, the pool saying it does not decode", controlErr, err)
 		}
 	})
 }
