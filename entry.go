@@ -96,7 +96,6 @@ func (r *registry) acquire(id *identity) (*lease, error) {
 			if !built {
 				r.stats.hits.Add(1)
 			}
-			e.checkExpiry()
 			l := &lease{e: e}
 			runtime.AddCleanup(l, r.release, e)
 			return l, nil

@@ -163,21 +163,3 @@ func (iw *identityWatch) mode() WatchMode {
 		return WatchPolling
 	}
 }
-
-// checkExpiry logs, once per generation, that the client certificate in
-// use expires within the warning's lead time: no rotation replaced it.
-func (e *entry) checkExpiry() {
-	lead := e.env.opts.expiryWarning
-	g := e.current.Load()
-	c := g.certificate()
-	if lead <= 0 || c == nil || g.warned.Load() {
-		return
-	}
-	left := c.NotAfter.Sub(e.env.opts.now())
-	if left > lead || !g.warned.CompareAndSwap(false, true) {
-		return
-	}
-	e.env.opts.logger.Info("Client certificate expires soon and no newer one has arrived: renew it",
-		"identity", e.id.key, "certificate", describe(e.id.key.certFile, "inline data"),
-		"subject", c.Subject.CommonName, "notAfter", stamp(c.NotAfter), "left", left.Round(time.Second))
-}

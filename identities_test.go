@@ -14,7 +14,6 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
-	"k8s.io/klog/v2"
 
 	"github.com/sharedtransport/sharedtransport/internal/testserver"
 )
@@ -230,58 +229,31 @@ func checkSnapshot(t *testing.T, p *Pool, server *serverConns, f *fixture, dir *
 	}
 }
 
-// TestExpiryWarning: a client certificate that expires within the lead time
-// is logged once: at Wrap, or at the reload that takes it into use, and at no
-// later poll or Wrap. One that is not near its expiry is not logged, and the
-// snapshot shows the expiry of each.
-func TestExpiryWarning(t *testing.T) {
-	logs := captureKlog(t, 0)
+// TestIdentitiesShowExpiry: the snapshot shows the expiry of each
+// identity's client certificate, and after a rotation the new one's.
+func TestIdentitiesShowExpiry(t *testing.T) {
 	f := newFixture(t, testserver.Options{})
-	issueShort := func(cn string) *testserver.KeyPair {
-		now := time.Now()
-		kp, err := f.ca.Issue(testserver.CertSpec{CommonName: cn, Client: true, NotBefore: now.Add(-time.Hour), NotAfter: now.Add(90 * time.Minute)})
-		must(t, err)
-		return kp
-	}
-	short, short2 := issueShort("short"), issueShort("short2")
-	p := newPool(t, WithExpiryWarning(2*time.Hour), WithPollInterval(20*time.Millisecond), withDebounce(10*time.Millisecond))
+	now := time.Now()
+	short, err := f.ca.Issue(testserver.CertSpec{CommonName: "short", Client: true, NotBefore: now.Add(-time.Hour), NotAfter: now.Add(90 * time.Minute)})
+	must(t, err)
+	p := newPool(t, WithPollInterval(0), withDebounce(10*time.Millisecond))
 	shortDir := newCertDir(t, renameOver, short, f.ca.CertPEM())
 	longDir := newCertDir(t, renameOver, f.alice, f.ca.CertPEM()) // valid for 24 hours
 	shortCfg, _ := shortDir.wrapped(t, p, f.srv.URL())
 	longCfg, _ := longDir.wrapped(t, p, f.srv.URL())
-	warnings := func() int { klog.Flush(); return strings.Count(logs.String(), "Client certificate expires soon") }
-	time.Sleep(200 * time.Millisecond) // polls come and go
-	must(t, p.Wrap(rest.CopyConfig(shortCfg)))
-	if n := warnings(); n != 1 {
-		t.Fatalf("%d expiry warnings, want 1 (the short certificate's):\n%s", n, logs.String())
-	}
-	if text := logs.String(); !strings.Contains(text, `subject="short"`) || !strings.Contains(text, shortDir.cert) {
-		t.Errorf("the warning names neither the certificate file nor its subject:\n%s", text)
-	}
-
-	infos := p.Identities()
-	for _, c := range []struct {
-		dir *certDir
-		kp  *testserver.KeyPair
-	}{{shortDir, short}, {longDir, f.alice}} {
-		i, ok := findIdentity(infos, func(i IdentityInfo) bool { return slices.Contains(i.Files, c.dir.cert) })
+	notAfter := func(dir *certDir) time.Time {
+		i, ok := findIdentity(p.Identities(), func(i IdentityInfo) bool { return slices.Contains(i.Files, dir.cert) })
 		if !ok {
-			t.Fatalf("no identity for %s", c.dir.cert)
+			t.Fatalf("no identity for %s", dir.cert)
 		}
-		if want := c.kp.Cert.NotAfter; !i.CertNotAfter.Equal(want) {
-			t.Errorf("%s: NotAfter %v, want %v", c.dir.cert, i.CertNotAfter, want)
+		return i.CertNotAfter
+	}
+	for dir, kp := range map[*certDir]*testserver.KeyPair{shortDir: short, longDir: f.alice} {
+		if got := notAfter(dir); !got.Equal(kp.Cert.NotAfter) {
+			t.Errorf("%s: NotAfter %v, want %v", dir.cert, got, kp.Cert.NotAfter)
 		}
 	}
-
-	// A rotation to a certificate that expires soon is logged when taken.
-	longDir.write(t, short2, f.ca.CertPEM())
-	waitFor(t, "a second warning", func() bool { return warnings() == 2 })
-	time.Sleep(200 * time.Millisecond)
-	if n := warnings(); n != 2 {
-		t.Errorf("%d expiry warnings, want 2", n)
-	}
-	if !strings.Contains(logs.String(), `subject="short2"`) {
-		t.Errorf("the second warning is not short2's:\n%s", logs.String())
-	}
+	longDir.write(t, short, f.ca.CertPEM())
+	waitFor(t, "the rotation shown", func() bool { return notAfter(longDir).Equal(short.Cert.NotAfter) })
 	runtime.KeepAlive([]*rest.Config{shortCfg, longCfg})
 }

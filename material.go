@@ -12,7 +12,6 @@ import (
 	"encoding/pem"
 	"errors"
 	"fmt"
-	"sync/atomic"
 	"time"
 
 	"k8s.io/client-go/transport"
@@ -219,8 +218,7 @@ func describe(file, inline string) string {
 // transports. A rotation builds the next and retires this one.
 type generation struct {
 	material *material
-	ca       digest      // of material.caPEM (clientTransport.pick)
-	warned   atomic.Bool // the expiry warning for its certificate was logged
+	ca       digest // of material.caPEM (clientTransport.pick)
 	conns    *conns.Transports
 }
 

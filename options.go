@@ -49,7 +49,6 @@ type options struct {
 	dialIdentity      func(*rest.Config) string
 	pollInterval      time.Duration
 	drainTimeout      time.Duration
-	expiryWarning     time.Duration
 	logger            klog.Logger
 
 	// Test seams, never exported.
@@ -67,7 +66,6 @@ func defaultOptions() options {
 		idleTimeout:       90 * time.Second,
 		pollInterval:      30 * time.Second,
 		drainTimeout:      2 * time.Minute,
-		expiryWarning:     24 * time.Hour,
 		logger:            klog.Background().WithName("sharedtransport"),
 		debounce:          100 * time.Millisecond,
 		fallbackPoll:      10 * time.Second,
@@ -129,15 +127,6 @@ func WithPollInterval(d time.Duration) Option {
 // rotation. A negative d is ignored.
 func WithDrainTimeout(d time.Duration) Option {
 	return func(o *options) { setNonNegative(&o.drainTimeout, d) }
-}
-
-// WithExpiryWarning sets how long before a client certificate expires the
-// pool logs, once per certificate, that no newer one has arrived. It looks
-// when a config is wrapped and at every poll and file event. The default is
-// 24 hours: set a shorter lead for certificates that live less than a day.
-// Zero turns the warning off. A negative d is ignored.
-func WithExpiryWarning(d time.Duration) Option {
-	return func(o *options) { setNonNegative(&o.expiryWarning, d) }
 }
 
 // WithLogger sets the logger. The default is klog's background logger named

@@ -65,7 +65,6 @@ func (e *entry) reload(done <-chan struct{}) {
 	e.files.reloading.Lock()
 	e.refresh(done)
 	e.files.reloading.Unlock()
-	e.checkExpiry()
 }
 
 func (e *entry) markDue(due bool) (was bool) { return e.files.setDue(due) }

@@ -56,9 +56,7 @@ type CertSpec struct {
 	Server, Client, CA bool
 	DNSNames           []string
 	IPAddresses        []net.IP
-	// NotBefore and NotAfter default to now-1h and now+30 days: past the
-	// pool's 24-hour expiry warning, so fixtures log no warning about
-	// themselves.
+	// NotBefore and NotAfter default to now-1h and now+30 days.
 	NotBefore, NotAfter time.Time
 	// Key is the certificate's key; by default a new one. A certificate
 	// issued over an existing key lets a test vary the certificate while
