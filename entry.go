@@ -192,11 +192,10 @@ func (r *registry) fileWatcher() (*fileWatcher, error) {
 	}
 	if r.watcher == nil {
 		r.watcher = newFileWatcher(watchSettings{
-			noEvents:     r.opts.disableNotify,
-			poll:         r.opts.pollInterval,
-			fallbackPoll: r.opts.fallbackPoll,
-			debounce:     r.opts.debounce,
-			logger:       r.opts.logger,
+			noEvents: r.opts.disableNotify,
+			poll:     r.opts.pollInterval,
+			debounce: r.opts.debounce,
+			logger:   r.opts.logger,
 		})
 	}
 	return r.watcher, nil
@@ -243,15 +242,15 @@ func (r *registry) expire(e *entry) {
 	e.close()
 }
 
-// live returns the registry's entries now, and its watcher.
-func (r *registry) live() ([]*entry, *fileWatcher) {
+// live returns the registry's entries now.
+func (r *registry) live() []*entry {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	es := make([]*entry, 0, len(r.entries))
 	for _, h := range r.entries {
 		es = append(es, h.e)
 	}
-	return es, r.watcher
+	return es
 }
 
 func (r *registry) isClosed() bool {

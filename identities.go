@@ -23,9 +23,8 @@ type IdentityInfo struct {
 	// (without user info, the proxy's credential); "direct" for none, ""
 	// when the environment's proxy settings apply.
 	Proxy string
-	Files []string  // the CA, client certificate and key files watched for rotation
-	Watch WatchMode // "" without files
-	Auth  AuthKind  // what the identity authenticates with at the TLS layer
+	Files []string // the CA, client certificate and key files watched for rotation
+	Auth  AuthKind // what the identity authenticates with at the TLS layer
 	// CertSubject and CertNotAfter are the common name and expiry of the
 	// client certificate in use; empty for exec plugins and identities
 	// without one.
@@ -52,20 +51,6 @@ type IdentityInfo struct {
 	FilesError string
 }
 
-// WatchMode is how an identity's files are watched for rotation.
-type WatchMode string
-
-const (
-	// WatchFileEvents: file events, with polling besides (see
-	// [WithPollInterval]).
-	WatchFileEvents WatchMode = "file events"
-	// WatchPolling: polling alone, because the kernel refused a watch on
-	// one of the files' directories.
-	WatchPolling WatchMode = "polling"
-	// WatchNone: neither runs.
-	WatchNone WatchMode = "none"
-)
-
 // AuthKind is what an identity authenticates with at the TLS layer.
 type AuthKind string
 
@@ -85,7 +70,7 @@ const (
 // name. Counters of one identity are read one after another, not at one
 // instant.
 func (p *Pool) Identities() []IdentityInfo {
-	entries, _ := p.reg.live()
+	entries := p.reg.live()
 	out := make([]IdentityInfo, 0, len(entries))
 	for _, e := range entries {
 		out = append(out, e.info())
@@ -131,9 +116,6 @@ func (e *entry) info() IdentityInfo {
 	default:
 		info.Auth = AuthNone
 	}
-	if e.watch != nil {
-		info.Watch = e.watch.mode()
-	}
 	if f := e.files.lastFailure(); f != nil {
 		info.LastError, info.LastErrorTime, info.LastErrorFile = f.err, f.at, f.file
 	}
@@ -141,25 +123,4 @@ func (e *entry) info() IdentityInfo {
 		info.FilesError = e.filesError()
 	}
 	return info
-}
-
-// mode says how iw's files are watched; see IdentityInfo.Watch.
-func (iw *identityWatch) mode() WatchMode {
-	w := iw.w
-	events := !w.set.noEvents
-	w.mu.Lock()
-	for _, d := range iw.dirs {
-		if wd := w.dirs[d]; wd == nil || !wd.watched {
-			events = false
-		}
-	}
-	w.mu.Unlock()
-	switch {
-	case events:
-		return WatchFileEvents
-	case w.set.noEvents && w.set.poll == 0:
-		return WatchNone
-	default:
-		return WatchPolling
-	}
 }

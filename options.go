@@ -54,7 +54,6 @@ type options struct {
 	// Test seams, never exported.
 	debounce      time.Duration    // how long file events settle before a reload
 	disableNotify bool             // poll only
-	fallbackPoll  time.Duration    // how often directories the kernel will not watch are polled
 	readTimeout   time.Duration    // how long a read of a certificate file may take
 	now           func() time.Time // the clock certificates are checked against
 }
@@ -68,7 +67,6 @@ func defaultOptions() options {
 		drainTimeout:      2 * time.Minute,
 		logger:            klog.Background().WithName("sharedtransport"),
 		debounce:          100 * time.Millisecond,
-		fallbackPoll:      10 * time.Second,
 		readTimeout:       5 * time.Second,
 		now:               time.Now,
 	}
@@ -111,10 +109,9 @@ func WithDialIdentity(fn func(cfg *rest.Config) string) Option {
 // WithPollInterval sets how often watched certificate and CA files are
 // re-read without a file-system event (network and overlay file systems,
 // bind mounts, a lost watch); an unchanged file costs a read and a
-// comparison. The default is 30 seconds; zero turns polling off.
-// Directories the kernel refuses to watch (its inotify limits) are polled
-// every 10 seconds regardless, until their watch can be set. A negative d
-// is ignored.
+// comparison. The default is 30 seconds; zero turns polling off. The poll
+// also covers directories the kernel refuses to watch (its inotify
+// limits), and tries their watch again. A negative d is ignored.
 func WithPollInterval(d time.Duration) Option {
 	return func(o *options) { setNonNegative(&o.pollInterval, d) }
 }

@@ -302,22 +302,36 @@ const (
 
 // TestInotifyLimits: when the kernel refuses the pool an inotify instance
 // (the test holds every one the user may have) or a watch (the user's watch
-// limit is reached), Wrap works, rotations are taken by polling, the refusal
-// is logged once and counted in Stats.UnwatchedDirs; when the kernel allows
-// them again the pool takes file events again, with polling off.
+// limit is reached), Wrap works, rotations are taken by the poll, and the
+// refusal is logged once; when the kernel allows them again the poll sets
+// the watches, and the pool takes file events again.
 //
 // Each subtest runs in a user namespace of its own (see inUserNamespace):
 // the test needs the kernel to allow one (root does) and a writable
 // /proc/sys/user in it, and fails saying so without them.
 func TestInotifyLimits(t *testing.T) {
-	const fallback = 200 * time.Millisecond
+	const poll = 200 * time.Millisecond
 
-	t.Run("instances", func(t *testing.T) { inotifyInstancesExhausted(t, fallback) })
-	t.Run("watches", func(t *testing.T) { inotifyWatchesExhausted(t, fallback) })
+	t.Run("instances", func(t *testing.T) { inotifyInstancesExhausted(t, poll) })
+	t.Run("watches", func(t *testing.T) { inotifyWatchesExhausted(t, poll) })
+}
+
+// unwatchedDirs counts the directories p's watcher holds no watch on.
+func unwatchedDirs(p *Pool) int {
+	w := p.reg.watcher
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	n := 0
+	for _, wd := range w.dirs {
+		if !wd.watched {
+			n++
+		}
+	}
+	return n
 }
 
 // inotifyInstancesExhausted is TestInotifyLimits's "instances" case.
-func inotifyInstancesExhausted(t *testing.T, fallback time.Duration) {
+func inotifyInstancesExhausted(t *testing.T, poll time.Duration) {
 	if !inUserNamespace(t, map[string]int{"max_inotify_instances": 8}) {
 		return
 	}
@@ -338,18 +352,18 @@ func inotifyInstancesExhausted(t *testing.T, fallback time.Duration) {
 		held = append(held, fd)
 	}
 	logs := &logLines{}
-	p := newPool(t, WithPollInterval(0), WithLogger(logs.logger()), func(o *options) { o.fallbackPoll = fallback })
+	p := newPool(t, WithPollInterval(poll), WithLogger(logs.logger()))
 	c := writeCredFiles(t, filepath.Join(f.dir, "files"), f.ca.CertPEM(), f.alice)
 	cfg := c.config(f.srv.URL())
 	if err := p.Wrap(cfg); err != nil {
 		t.Fatalf("Wrap with inotify instances exhausted: %v", err)
 	}
-	if st := p.Stats(); st.UnwatchedDirs != 1 {
-		t.Errorf("UnwatchedDirs = %d, want 1", st.UnwatchedDirs)
+	if n := unwatchedDirs(p); n != 1 {
+		t.Errorf("%d directories without a watch, want 1", n)
 	}
-	// No file events: the rotation is the fallback poll's.
+	// No file events: the rotation is the poll's.
 	rotate(t, p, rec, cfg, c, f.bob)
-	time.Sleep(3 * fallback) // more failed retries
+	time.Sleep(3 * poll) // more failed retries
 	if n := logs.count(refusedLog); n != 1 {
 		t.Errorf("the refusal was logged %d times, want once", n)
 	}
@@ -359,19 +373,19 @@ func inotifyInstancesExhausted(t *testing.T, fallback time.Duration) {
 		syscall.Close(fd)
 	}
 	held = nil
-	waitFor(t, "the directory watched again", func() bool { return p.Stats().UnwatchedDirs == 0 })
-	time.Sleep(fallback) // the last fallback poll's reload ends
+	waitFor(t, "the directory watched again", func() bool { return unwatchedDirs(p) == 0 })
+	time.Sleep(poll) // the poll's reload ends
 	if got := inotifyWatches(t); len(got) != 1 || sumValues(got) != 1 {
 		t.Errorf("the kernel holds watches %v, want one instance with 1 watch", got)
 	}
-	rotate(t, p, rec, cfg, c, f.carol) // polling is off: by the file event
+	rotate(t, p, rec, cfg, c, f.carol)
 	if n := logs.count(recoveredLog); n != 1 {
 		t.Errorf("the recovery was logged %d times, want once", n)
 	}
 }
 
 // inotifyWatchesExhausted is TestInotifyLimits's "watches" case.
-func inotifyWatchesExhausted(t *testing.T, fallback time.Duration) {
+func inotifyWatchesExhausted(t *testing.T, poll time.Duration) {
 	const limit = 2
 	if !inUserNamespace(t, map[string]int{"max_inotify_watches": limit}) {
 		return
@@ -379,7 +393,7 @@ func inotifyWatchesExhausted(t *testing.T, fallback time.Duration) {
 	rec := &cnRecorder{}
 	f := newFixture(t, testserver.Options{OnRequest: rec.record})
 	logs := &logLines{}
-	p := newPool(t, WithPollInterval(0), WithIdleTimeout(0), WithLogger(logs.logger()), func(o *options) { o.fallbackPoll = fallback })
+	p := newPool(t, WithPollInterval(poll), WithIdleTimeout(0), WithLogger(logs.logger()))
 	// Four identities in four directories: two watches, two refused.
 	var cfgs [4]*rest.Config
 	var files [4]*certDir
@@ -390,11 +404,11 @@ func inotifyWatchesExhausted(t *testing.T, fallback time.Duration) {
 			t.Fatalf("Wrap %d with the watch limit reached: %v", i, err)
 		}
 	}
-	if st := p.Stats(); st.UnwatchedDirs != 2 {
-		t.Errorf("UnwatchedDirs = %d, want 2", st.UnwatchedDirs)
+	if n := unwatchedDirs(p); n != 2 {
+		t.Errorf("%d directories without a watch, want 2", n)
 	}
-	rotate(t, p, rec, cfgs[2], files[2], f.bob) // by the fallback poll
-	time.Sleep(3 * fallback)
+	rotate(t, p, rec, cfgs[2], files[2], f.bob) // by the poll
+	time.Sleep(3 * poll)
 	if n := logs.count(refusedLog); n != 1 {
 		t.Errorf("the refusal was logged %d times, want once", n)
 	}
@@ -406,12 +420,12 @@ func inotifyWatchesExhausted(t *testing.T, fallback time.Duration) {
 		runtime.GC()
 		return p.Stats().Identities == 2
 	})
-	waitFor(t, "every directory watched", func() bool { return p.Stats().UnwatchedDirs == 0 })
-	time.Sleep(fallback)
+	waitFor(t, "every directory watched", func() bool { return unwatchedDirs(p) == 0 })
+	time.Sleep(poll)
 	if got := inotifyWatches(t); len(got) != 1 || sumValues(got) != limit {
 		t.Errorf("the kernel holds watches %v, want one instance with %d", got, limit)
 	}
-	rotate(t, p, rec, cfgs[3], files[3], f.carol) // polling is off: by the file event
+	rotate(t, p, rec, cfgs[3], files[3], f.carol)
 	if n := logs.count(recoveredLog); n != 1 {
 		t.Errorf("the recovery was logged %d times, want once", n)
 	}

@@ -162,20 +162,11 @@ type Stats struct {
 	Resumptions    uint64 // resumed TLS handshakes
 	Rotations      uint64 // certificate or CA changes taken into use
 	RotationErrors uint64 // reloads rejected (the last good material was kept)
-	// UnwatchedDirs counts the directories of certificate files watched by
-	// polling alone ([WithPollInterval]): the kernel refused an inotify
-	// instance or watch (fs.inotify.max_user_instances, max_user_watches),
-	// or the directory is gone. It returns to zero when their watches are set.
-	UnwatchedDirs int
 }
 
 // Stats returns a snapshot of the pool's counters.
 func (p *Pool) Stats() Stats {
-	entries, w := p.reg.live()
-	unwatched := 0
-	if w != nil {
-		unwatched = w.unwatchedDirs()
-	}
+	entries := p.reg.live()
 	return Stats{
 		Identities:     len(entries),
 		Hits:           p.stats.hits.Load(),
@@ -188,7 +179,6 @@ func (p *Pool) Stats() Stats {
 		Resumptions:    p.stats.conn.Resumptions.Load(),
 		Rotations:      p.stats.rotations.Load(),
 		RotationErrors: p.stats.rotationErrors.Load(),
-		UnwatchedDirs:  unwatched,
 	}
 }
 

@@ -1,7 +1,6 @@
 // Watching an identity's files: one fsnotify watcher per pool watches the
-// directories of the files, and events, polls and the fallback poll of
-// directories the kernel will not watch become reloads, run by a few
-// workers from one workqueue.
+// directories of the files, and events and polls become reloads, run by a
+// few workers from one workqueue.
 
 package sharedtransport
 
@@ -42,7 +41,6 @@ type fileWatcher struct {
 	notify        *fsnotify.Watcher // nil while the kernel refuses an inotify instance, or with disableNotify
 	notifyChanged chan struct{}     // the run goroutine takes a new notify's events
 	dirs          map[string]*watchedDir
-	unwatched     int  // dirs without their watch: polled every fallbackPoll
 	refusalLogged bool // cleared when every directory has its watch again
 }
 
@@ -69,11 +67,10 @@ type reloader interface {
 
 // watchSettings are a watcher's settings, from the pool's options.
 type watchSettings struct {
-	noEvents     bool          // poll only; fsnotify is not used
-	poll         time.Duration // how often every identity is re-read (0: never)
-	fallbackPoll time.Duration // how often directories without a watch are re-read
-	debounce     time.Duration // how long events settle before a reload
-	logger       klog.Logger
+	noEvents bool          // poll only; fsnotify is not used
+	poll     time.Duration // how often every identity is re-read (0: never); directories without a watch try again
+	debounce time.Duration // how long events settle before a reload
+	logger   klog.Logger
 }
 
 // newFileWatcher starts a watcher and its workers.
@@ -87,7 +84,7 @@ func newFileWatcher(set watchSettings) *fileWatcher {
 	}
 	if !set.noEvents {
 		// A refusal (fs.inotify.max_user_instances) is logged when the first
-		// directory goes without its watch, and retried by the fallback.
+		// directory goes without its watch, and retried at each poll.
 		w.notify, _ = fsnotify.NewWatcher()
 	}
 	w.running.Add(1 + maxLoads)
@@ -114,7 +111,6 @@ func (w *fileWatcher) add(r reloader, files ...string) *identityWatch {
 			wd = &watchedDir{identities: map[*identityWatch]struct{}{}}
 			w.dirs[d] = wd
 			if !w.set.noEvents {
-				w.unwatched++
 				w.watchLocked(d, wd)
 			}
 		}
@@ -134,11 +130,8 @@ func (iw *identityWatch) stop() {
 			continue
 		}
 		delete(w.dirs, d)
-		switch {
-		case wd.watched:
+		if wd.watched {
 			_ = w.notify.Remove(d) // the kernel drops the watch of a removed directory itself
-		case !w.set.noEvents:
-			w.unwatched--
 		}
 	}
 	w.logRecoveryLocked()
@@ -169,7 +162,6 @@ func (w *fileWatcher) watchLocked(d string, wd *watchedDir) {
 		return
 	}
 	wd.watched = true
-	w.unwatched--
 	w.logRecoveryLocked()
 }
 
@@ -185,15 +177,21 @@ func (w *fileWatcher) logRefusalLocked(d string, err error) {
 	case errors.Is(err, syscall.ENOSPC):
 		hint = "raise fs.inotify.max_user_watches"
 	}
-	w.set.logger.Info("File events unavailable for a watched directory; polling it instead until its watch can be set",
-		"dir", d, "err", err.Error(), "pollInterval", w.set.fallbackPoll, "hint", hint)
+	w.set.logger.Info("File events unavailable for a watched directory; the poll reads its files and tries its watch again",
+		"dir", d, "err", err.Error(), "pollInterval", w.set.poll, "hint", hint)
 }
 
 func (w *fileWatcher) logRecoveryLocked() {
-	if w.unwatched == 0 && w.refusalLogged {
-		w.refusalLogged = false
-		w.set.logger.Info("File events available again for every watched directory")
+	if !w.refusalLogged {
+		return
 	}
+	for _, wd := range w.dirs {
+		if !wd.watched {
+			return
+		}
+	}
+	w.refusalLogged = false
+	w.set.logger.Info("File events available again for every watched directory")
 }
 
 // close stops the watcher and waits for its goroutines, not for a read
@@ -210,7 +208,7 @@ func (w *fileWatcher) close() error {
 	return nil
 }
 
-// run turns file events, polls and fallback polls into reloads.
+// run turns file events and polls into reloads.
 func (w *fileWatcher) run() {
 	defer w.running.Done()
 	var poll <-chan time.Time
@@ -219,8 +217,6 @@ func (w *fileWatcher) run() {
 		defer t.Stop()
 		poll = t.C
 	}
-	fallback := time.NewTicker(w.set.fallbackPoll)
-	defer fallback.Stop()
 	var notify *fsnotify.Watcher
 	var events <-chan fsnotify.Event
 	var errs <-chan error
@@ -239,7 +235,7 @@ func (w *fileWatcher) run() {
 		case <-w.notifyChanged:
 		case ev, ok := <-events:
 			if !ok {
-				events, errs = nil, nil // fsnotify stopped: the fallback polls
+				events, errs = nil, nil // fsnotify stopped: the poll reads
 				continue
 			}
 			w.onEvent(ev)
@@ -252,9 +248,8 @@ func (w *fileWatcher) run() {
 			w.set.logger.Info("File watch error; re-reading every watched file", "err", err)
 			w.reload(w.all())
 		case <-poll:
+			w.retryWatches()
 			w.reload(w.all())
-		case <-fallback.C:
-			w.reload(w.retryWatches())
 		}
 	}
 }
@@ -270,7 +265,6 @@ func (w *fileWatcher) onEvent(ev fsnotify.Event) {
 	}
 	if wd := w.dirs[ev.Name]; wd != nil && wd.watched && ev.Has(fsnotify.Remove|fsnotify.Rename) {
 		wd.watched = false
-		w.unwatched++
 		due = slices.AppendSeq(due, maps.Keys(wd.identities))
 	}
 	w.mu.Unlock()
@@ -285,28 +279,26 @@ func (w *fileWatcher) onEvent(ev fsnotify.Event) {
 }
 
 // retryWatches notes the directories whose watch the kernel dropped
-// silently (an unmount), tries again to watch every directory without one,
-// and returns the identities with files in those, for the fallback poll.
-func (w *fileWatcher) retryWatches() []*identityWatch {
+// silently (an unmount) and tries again to watch every directory without
+// one; the poll reads their files meanwhile.
+func (w *fileWatcher) retryWatches() {
+	if w.set.noEvents {
+		return
+	}
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	if w.notify != nil && len(w.notify.WatchList()) != len(w.dirs)-w.unwatched {
-		list := w.notify.WatchList()
-		for d, wd := range w.dirs {
-			if wd.watched && !slices.Contains(list, d) {
-				wd.watched = false
-				w.unwatched++
-			}
-		}
+	var list []string
+	if w.notify != nil {
+		list = w.notify.WatchList()
 	}
-	var missed []*identityWatch
 	for d, wd := range w.dirs {
-		if w.unwatched > 0 && !wd.watched {
+		if wd.watched && !slices.Contains(list, d) {
+			wd.watched = false
+		}
+		if !wd.watched {
 			w.watchLocked(d, wd)
-			missed = slices.AppendSeq(missed, maps.Keys(wd.identities))
 		}
 	}
-	return missed
 }
 
 // work runs reloads until the queue shuts down.
@@ -337,11 +329,4 @@ func (w *fileWatcher) all() []*identityWatch {
 		maps.Copy(all, wd.identities)
 	}
 	return slices.Collect(maps.Keys(all))
-}
-
-// unwatchedDirs is the number of directories watched by polling alone.
-func (w *fileWatcher) unwatchedDirs() int {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	return w.unwatched
 }

@@ -25,16 +25,15 @@ func desc(name, help string, labels ...string) *prom.Desc {
 }
 
 var (
-	identitiesDesc    = desc("identities", "Identities with a live transport.")
-	connectionsDesc   = desc("connections", "TCP connections open now.")
-	dialsDesc         = desc("dials_total", "TCP connections dialed.")
-	handshakesDesc    = desc("handshakes_total", "TLS handshakes, by kind: full or resumed.", "kind")
-	rotationsDesc     = desc("rotations_total", "Certificate or CA changes taken into use.")
-	rotationErrsDesc  = desc("rotation_errors_total", "Reloads rejected; the last good material was kept.")
-	hitsDesc          = desc("cache_hits_total", "Wrap calls that found their identity's transport.")
-	missesDesc        = desc("cache_misses_total", "Wrap calls that built a transport.")
-	passThroughDesc   = desc("pass_through_total", "Configs and round trippers left to client-go.")
-	unwatchedDirsDesc = desc("unwatched_directories", "Directories of certificate files watched by polling alone.")
+	identitiesDesc   = desc("identities", "Identities with a live transport.")
+	connectionsDesc  = desc("connections", "TCP connections open now.")
+	dialsDesc        = desc("dials_total", "TCP connections dialed.")
+	handshakesDesc   = desc("handshakes_total", "TLS handshakes, by kind: full or resumed.", "kind")
+	rotationsDesc    = desc("rotations_total", "Certificate or CA changes taken into use.")
+	rotationErrsDesc = desc("rotation_errors_total", "Reloads rejected; the last good material was kept.")
+	hitsDesc         = desc("cache_hits_total", "Wrap calls that found their identity's transport.")
+	missesDesc       = desc("cache_misses_total", "Wrap calls that built a transport.")
+	passThroughDesc  = desc("pass_through_total", "Configs and round trippers left to client-go.")
 
 	idConnectionsDesc  = desc("identity_connections", "TCP connections of the identity open now.", identityLabels...)
 	idDialsDesc        = desc("identity_dials_total", "TCP connections the identity dialed.", identityLabels...)
@@ -61,7 +60,7 @@ func NewCollector(p *sharedtransport.Pool) *Collector { return &Collector{pool: 
 func (c *Collector) Describe(ch chan<- *prom.Desc) {
 	for _, d := range []*prom.Desc{
 		identitiesDesc, connectionsDesc, dialsDesc, handshakesDesc, rotationsDesc, rotationErrsDesc,
-		hitsDesc, missesDesc, passThroughDesc, unwatchedDirsDesc,
+		hitsDesc, missesDesc, passThroughDesc,
 		idConnectionsDesc, idDialsDesc, idHandshakesDesc, idRotationsDesc, idRotationErrsDesc, idLastErrorDesc, expiryDesc,
 	} {
 		ch <- d
@@ -87,7 +86,6 @@ func (c *Collector) Collect(ch chan<- prom.Metric) {
 	counter(hitsDesc, st.Hits)
 	counter(missesDesc, st.Misses)
 	counter(passThroughDesc, st.PassThrough)
-	gauge(unwatchedDirsDesc, float64(st.UnwatchedDirs))
 
 	for _, id := range c.pool.Identities() {
 		// One series per identity: an identity that talks to several hosts

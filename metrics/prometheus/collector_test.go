@@ -147,10 +147,10 @@ sharedtransport_identities 2
 		"sharedtransport_certificate_expiry_timestamp_seconds", "sharedtransport_identity_connections"); err != nil {
 		t.Error(err)
 	}
-	// 11 pool series (handshakes has two), 7 per identity with a
+	// 10 pool series (handshakes has two), 7 per identity with a
 	// certificate and no reload error (handshakes has two).
-	if n := testutil.CollectAndCount(c); n != 11+2*7 {
-		t.Errorf("scrape has %d series, want %d", n, 11+2*7)
+	if n := testutil.CollectAndCount(c); n != 10+2*7 {
+		t.Errorf("scrape has %d series, want %d", n, 10+2*7)
 	}
 	if problems, err := testutil.CollectAndLint(c); err != nil || len(problems) > 0 {
 		t.Errorf("lint: %v %v", problems, err)
