@@ -107,6 +107,20 @@ func http1Only(tlsConfig *tls.Config) *tls.Config {
 	return c
 }
 
+// ownSessions returns a copy of tlsConfig with a session cache of its own,
+// if it has one: a transport handed to a caller may be given another client
+// certificate, and a resumed session authenticates as the one before.
+func ownSessions(tlsConfig *tls.Config) *tls.Config {
+	if tlsConfig == nil {
+		return nil
+	}
+	c := tlsConfig.Clone()
+	if c.ClientSessionCache != nil {
+		c.ClientSessionCache = tls.NewLRUClientSessionCache(sessionCacheSize)
+	}
+	return c
+}
+
 func (t *Transports) countHandshake(cs tls.ConnectionState) error {
 	for _, c := range t.counters {
 		if cs.DidResume {

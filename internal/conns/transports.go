@@ -133,20 +133,6 @@ func NewTransports(c Config, prev *Transports) *Transports {
 	return t
 }
 
-// ownSessions returns a copy of tlsConfig with a session cache of its own,
-// if it has one: a transport handed to a caller may be given another client
-// certificate, and a resumed session authenticates as the one before.
-func ownSessions(tlsConfig *tls.Config) *tls.Config {
-	if tlsConfig == nil {
-		return nil
-	}
-	c := tlsConfig.Clone()
-	if c.ClientSessionCache != nil {
-		c.ClientSessionCache = tls.NewLRUClientSessionCache(sessionCacheSize)
-	}
-	return c
-}
-
 // Shared is the transport that carries every request but upgrades: what
 // utilnet.TLSClientConfig and a caller's WrappedRoundTripper should see.
 func (t *Transports) Shared() *http.Transport { return t.shared }
