@@ -14,7 +14,6 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
-	"weak"
 
 	"golang.org/x/sync/singleflight"
 	utilnet "k8s.io/apimachinery/pkg/util/net"
@@ -71,7 +70,7 @@ type entry struct {
 	// identity's configs (hook.agrees) while clientGoFor was current.
 	clientGoMu  sync.Mutex // guards clientGo and clientGoFor
 	clientGo    []http.RoundTripper
-	clientGoFor weak.Pointer[generation]
+	clientGoFor uint64 // a generation's seq
 
 	// mu orders rotate and close, so a generation is never taken into use
 	// after the entry closed.
@@ -169,6 +168,7 @@ func (r *registry) build(id *identity) (*entry, error) {
 	if err != nil {
 		return nil, err
 	}
+	g.seq = r.generations.Add(1)
 	e.current.Store(g)
 	e.since.Store(time.Now().UnixNano())
 	e.files.readAt = readAt
@@ -297,7 +297,7 @@ func (e *entry) close() {
 	// Leases may keep a closed entry reachable: it keeps none of
 	// client-go's transports alive.
 	e.clientGoMu.Lock()
-	e.clientGo, e.clientGoFor = nil, weak.Pointer[generation]{}
+	e.clientGo, e.clientGoFor = nil, 0
 	e.clientGoMu.Unlock()
 	e.current.Load().conns.Close(ErrClosed)
 }

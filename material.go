@@ -217,6 +217,7 @@ func describe(file, inline string) string {
 // generation is one version of an identity's TLS material and its
 // transports. A rotation builds the next and retires this one.
 type generation struct {
+	seq      uint64 // unique in the pool, greater for a newer one
 	material *material
 	ca       digest // of material.caPEM (clientTransport.pick)
 	conns    *conns.Transports

@@ -20,6 +20,8 @@ type env struct {
 	opts  options
 	stats counters
 	files fileReads // reads of certificate files, bounded in time
+	// generations numbers the pool's generations (generation.seq).
+	generations atomic.Uint64
 
 	undeclaredOnce sync.Once // logs the first config passed through for undeclared wrappers
 	functionsOnce  sync.Once // logs the first config Wrap passes through for its Proxy or Dial

@@ -141,6 +141,7 @@ func (e *entry) refresh(done <-chan struct{}) {
 			e.reject(err, m, now)
 			return
 		}
+		g.seq = v.generations.Add(1)
 		if !e.rotate(g, v.opts.drainTimeout) {
 			return
 		}

@@ -61,9 +61,10 @@ type hook struct {
 
 	mu    sync.Mutex // guards lease and askedFor
 	lease weak.Pointer[lease]
-	// askedFor is the generation current when the hook last asked
-	// client-go's cache for base (the answer is kept in entry.clientGo).
-	askedFor weak.Pointer[generation]
+	// askedFor is the seq of the generation current when the hook last
+	// asked client-go's cache for base (the answer is kept in
+	// entry.clientGo).
+	askedFor uint64
 }
 
 // newHook prepares the hook for s, holding l weakly. It asks client-go for
@@ -73,16 +74,16 @@ type hook struct {
 func newHook(r *registry, s sharing, l *lease) (*hook, error) {
 	h := &hook{reg: r, id: s.id, base: s.tc, lease: weak.Make(l)}
 	e := l.e
-	wg := weak.Make(e.current.Load())
-	if e.clientGoFound(wg, nil) {
+	seq := e.current.Load().seq
+	if e.clientGoFound(seq, nil) {
 		return h, nil
 	}
 	rt, err := clientGoTransport(s.tc)
 	if err != nil {
 		return nil, fmt.Errorf("sharedtransport: %w", err)
 	}
-	e.rememberClientGo(wg, rt)
-	h.askedFor = wg
+	e.rememberClientGo(seq, rt)
+	h.askedFor = seq
 	return h, nil
 }
 
@@ -168,7 +169,7 @@ func (h *hook) agrees(rt http.RoundTripper, e *entry) (*generation, bool) {
 		return nil, false
 	}
 	cur := e.current.Load()
-	g := weak.Make(cur)
+	g := cur.seq
 	if e.clientGoFound(g, rt) {
 		return cur, true
 	}
@@ -189,8 +190,8 @@ func (h *hook) agrees(rt http.RoundTripper, e *entry) (*generation, bool) {
 }
 
 // clientGoFound reports whether client-go's cache held rt for a config of
-// e while g was current; for a nil rt, whether any answer was kept for g.
-func (e *entry) clientGoFound(g weak.Pointer[generation], rt http.RoundTripper) bool {
+// e while the generation numbered g was current; for a nil rt, whether any answer was kept for g.
+func (e *entry) clientGoFound(g uint64, rt http.RoundTripper) bool {
 	e.clientGoMu.Lock()
 	defer e.clientGoMu.Unlock()
 	if e.clientGoFor != g {
@@ -203,8 +204,8 @@ func (e *entry) clientGoFound(g weak.Pointer[generation], rt http.RoundTripper) 
 }
 
 // rememberClientGo keeps that client-go's cache holds rt for a config of e
-// while g is current.
-func (e *entry) rememberClientGo(g weak.Pointer[generation], rt http.RoundTripper) {
+// while the generation numbered g is current.
+func (e *entry) rememberClientGo(g uint64, rt http.RoundTripper) {
 	e.clientGoMu.Lock()
 	defer e.clientGoMu.Unlock()
 	if e.clientGoFor != g {
