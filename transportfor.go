@@ -10,7 +10,6 @@ import (
 	"net/url"
 	"sync"
 	"sync/atomic"
-	"time"
 
 	"golang.org/x/sync/singleflight"
 
@@ -75,7 +74,7 @@ func (p *Pool) transportFor(cfg *rest.Config, g given) (http.RoundTripper, error
 	if err != nil {
 		return nil, err
 	}
-	base := &configTransport{lease: l, proxy: s.tc.Proxy, clientGo: &clientGoLater{tc: s.tc, id: s.id, retryAfter: p.opts.debounce}}
+	base := &configTransport{lease: l, proxy: s.tc.Proxy, clientGo: &clientGoLater{tc: s.tc, id: s.id}}
 	return transport.HTTPWrappersForConfig(s.tc, base)
 }
 
@@ -195,54 +194,46 @@ func (c *configTransport) CancelRequest(req *http.Request) {
 }
 
 // clientGoLater is client-go's transport for a config, built at the first
-// request or unwrap that needs it. A build that fails is not kept: client-go
-// read the files while they were being rewritten, say, and the next one
-// tries again.
+// request or unwrap that needs it; concurrent ones share the build. A build
+// that fails is not kept (client-go read the files while they were being
+// rewritten, say): the next request or unwrap tries again, and one that
+// joined a failed build tries once on its own.
 type clientGoLater struct {
-	tc *transport.Config
-	id *identity
-	// retryAfter is how long a failed build waits before it tries once
-	// more: a rotation written in place settles within a debounce.
-	retryAfter time.Duration
-	building   singleflight.Group
-	rt         atomic.Pointer[http.RoundTripper] // set once built
+	tc       *transport.Config
+	id       *identity
+	building singleflight.Group
+	rt       atomic.Pointer[http.RoundTripper] // set once built
 }
 
 func (l *clientGoLater) get() (http.RoundTripper, error) {
 	if rt := l.rt.Load(); rt != nil {
 		return *rt, nil
 	}
-	rt, err, _ := l.building.Do("", func() (any, error) {
-		if rt := l.rt.Load(); rt != nil {
-			return *rt, nil
-		}
-		rt, err := l.build()
-		if err != nil {
-			time.Sleep(l.retryAfter)
-			rt, err = l.build()
-		}
-		if err != nil {
-			return nil, fmt.Errorf("sharedtransport: client-go's transport for the config: %w", err)
-		}
-		l.rt.Store(&rt)
-		return rt, nil
-	})
+	rt, err, joined := l.building.Do("", l.build)
+	if err != nil && joined {
+		rt, err = l.build()
+	}
 	if err != nil {
 		return nil, err
 	}
 	return rt.(http.RoundTripper), nil
 }
 
-func (l *clientGoLater) build() (http.RoundTripper, error) {
+func (l *clientGoLater) build() (any, error) {
+	if rt := l.rt.Load(); rt != nil {
+		return *rt, nil
+	}
 	tc := *l.tc
 	if tc.Proxy != nil {
 		tc.Proxy = answeredProxy(tc.Proxy)
 	}
 	rt, err := clientGoTransport(&tc)
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("sharedtransport: client-go's transport for the config: %w", err)
 	}
-	return l.id.withWrapperHeader(rt), nil
+	rt = l.id.withWrapperHeader(rt)
+	l.rt.Store(&rt)
+	return rt, nil
 }
 
 func (l *clientGoLater) RoundTrip(req *http.Request) (*http.Response, error) {
