@@ -75,7 +75,7 @@ func BenchmarkFileIdentities(b *testing.B) {
 // pollOnce re-reads every watched identity's files in turn, as a poll does.
 func pollOnce(p *Pool) {
 	for _, iw := range p.reg.watcher.all() {
-		iw.r.reload(p.reg.watcher.done)
+		iw.r.reload()
 	}
 }
 

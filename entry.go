@@ -159,7 +159,7 @@ func (r *registry) addEntry(id *identity) (added bool, err error) {
 
 func (r *registry) build(id *identity) (*entry, error) {
 	readAt := r.opts.now()
-	m, err := loadMaterial(&r.files, id, r.opts.now)
+	m, err := loadMaterial(id, r.opts.now)
 	if err != nil {
 		return nil, err
 	}

@@ -274,7 +274,7 @@ func (fx *identityFixture) checkIdentityPair(t *testing.T, a, b identitySpec) {
 	var keys [2]string
 	for i, s := range []identitySpec{a, b} {
 		cfg := fx.config(s)
-		sh, share, err := sharingFor(cfg, given{}, &fx.pool.files, fx.pool.opts.dialIdentity, false)
+		sh, share, err := sharingFor(cfg, given{}, fx.pool.opts.dialIdentity, false)
 		id := sh.id
 		if !share {
 			id = nil
@@ -410,7 +410,7 @@ func FuzzCABundle(f *testing.F) {
 			}
 		}
 		// Through the whole loader, as inline CA data.
-		if _, lerr := loadMaterial(&p.files, &identity{caData: b}, p.opts.now); (lerr == nil) != (err == nil || len(b) == 0) {
+		if _, lerr := loadMaterial(&identity{caData: b}, p.opts.now); (lerr == nil) != (err == nil || len(b) == 0) {
 			t.Fatalf("loadMaterial: %v, checkCABundle: %v", lerr, err)
 		}
 	})
@@ -451,7 +451,7 @@ func FuzzKeyPair(f *testing.F) {
 	p := New()
 	f.Fuzz(func(t *testing.T, cert, key []byte) {
 		now := time.Now()
-		_, err := loadMaterial(&p.files, &identity{certData: cert, keyData: key}, p.opts.now)
+		_, err := loadMaterial(&identity{certData: cert, keyData: key}, p.opts.now)
 		pair, tlsErr := tls.X509KeyPair(cert, key)
 		// crypto/tls accepts the pair, and its certificate is valid now.
 		valid := tlsErr == nil && !now.After(pair.Leaf.NotAfter) && !now.Add(clockSkew).Before(pair.Leaf.NotBefore)

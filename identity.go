@@ -126,7 +126,7 @@ type sharing struct {
 // all, an unnamed custom Dial, undeclared wrappers, a Proxy function that
 // fails, and, for a config shared through Wrap's hook (viaHook), a Proxy or
 // Dial function.
-func sharingFor(cfg *rest.Config, g given, files *fileReads, dialIdentity func(*rest.Config) string, viaHook bool) (s sharing, share bool, err error) {
+func sharingFor(cfg *rest.Config, g given, dialIdentity func(*rest.Config) string, viaHook bool) (s sharing, share bool, err error) {
 	switch {
 	case cfg == nil:
 		return s, false, errors.New("sharedtransport: called with a nil *rest.Config")
@@ -144,16 +144,15 @@ func sharingFor(cfg *rest.Config, g given, files *fileReads, dialIdentity func(*
 	if s.tc, err = cfg.TransportConfig(); err != nil {
 		return s, false, fmt.Errorf("sharedtransport: %w", err)
 	}
-	s.id, s.pass, s.proxyErr, err = identityOf(cfg, s.tc, g, req, files, dialIdentity)
+	s.id, s.pass, s.proxyErr, err = identityOf(cfg, s.tc, g, req, dialIdentity)
 	return s, s.pass == shares && err == nil, err
 }
 
 // identityOf computes the identity of cfg, whose transport config is tc, or
 // why it passes through. req is a request to cfg's host for its Proxy
-// function; files reads the files read once; dialIdentity names a custom
-// Dial. It neither logs nor counts: its callers do.
+// function; dialIdentity names a custom Dial. It neither logs nor counts: its callers do.
 func identityOf(cfg *rest.Config, tc *transport.Config, g given, req *http.Request,
-	files *fileReads, dialIdentity func(*rest.Config) string) (id *identity, pass passReason, proxyErr, err error) {
+	dialIdentity func(*rest.Config) string) (id *identity, pass passReason, proxyErr, err error) {
 	hasTLS := tc.HasCA() || tc.HasCertAuth() || tc.HasCertCallback() || tc.TLS.Insecure ||
 		tc.TLS.ServerName != "" || len(tc.TLS.NextProtos) > 0
 	if !hasTLS && tc.DialHolder == nil && tc.Proxy == nil {
@@ -173,7 +172,7 @@ func identityOf(cfg *rest.Config, tc *transport.Config, g given, req *http.Reque
 		nextProtos: tc.TLS.NextProtos,
 	}
 	id.key.noHTTP2 = noHTTP2()
-	if err := setMaterial(id, tc, files); err != nil {
+	if err := setMaterial(id, tc); err != nil {
 		return nil, shares, nil, err
 	}
 	dialName, share := setDialer(id, cfg, tc, dialIdentity)
@@ -219,7 +218,7 @@ func (id *identity) completeKey(dialName, route string) {
 // setMaterial records where id's CA and client certificate come from. As
 // in client-go, files are reloaded only when named without inline data (for
 // the certificate, both halves); a mix is read once.
-func setMaterial(id *identity, tc *transport.Config, files *fileReads) error {
+func setMaterial(id *identity, tc *transport.Config) error {
 	var err error
 	if tc.TLS.CAFile != "" && len(tc.TLS.CAData) == 0 {
 		if id.key.caFile, err = filepath.Abs(tc.TLS.CAFile); err != nil {
@@ -237,10 +236,10 @@ func setMaterial(id *identity, tc *transport.Config, files *fileReads) error {
 		}
 		return nil
 	}
-	if id.certData, err = files.dataOrFile(tc.TLS.CertData, tc.TLS.CertFile, "client certificate"); err != nil {
+	if id.certData, err = dataOrFile(tc.TLS.CertData, tc.TLS.CertFile, "client certificate"); err != nil {
 		return err
 	}
-	if id.keyData, err = files.dataOrFile(tc.TLS.KeyData, tc.TLS.KeyFile, "client key"); err != nil {
+	if id.keyData, err = dataOrFile(tc.TLS.KeyData, tc.TLS.KeyFile, "client key"); err != nil {
 		return err
 	}
 	if len(id.certData) == 0 || len(id.keyData) == 0 {

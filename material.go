@@ -36,10 +36,10 @@ func (m *material) equal(o *material) bool {
 
 // loadMaterial reads id's files and validates all its material at the time
 // clock gives. Errors name the file and what is wrong, never what it holds.
-func loadMaterial(r *fileReads, id *identity, clock func() time.Time) (*material, error) {
-	m, err := readMaterial(r, id, nil)
+func loadMaterial(id *identity, clock func() time.Time) (*material, error) {
+	m, err := readMaterial(id)
 	if err == nil {
-		m, err = checkRead(r, id, m, clock, nil)
+		m, err = checkRead(id, m, clock)
 	}
 	return m, err
 }
@@ -48,28 +48,31 @@ func loadMaterial(r *fileReads, id *identity, clock func() time.Time) (*material
 // and key between their reads gives a torn pair, so a mismatch is read once
 // more before it counts. It returns the material checked last, nil if the
 // second read failed.
-func checkRead(r *fileReads, id *identity, m *material, clock func() time.Time, done <-chan struct{}) (*material, error) {
+func checkRead(id *identity, m *material, clock func() time.Time) (*material, error) {
 	err := checkMaterial(id, m, clock())
 	if !errors.As(err, new(*pairError)) || id.key.certFile == "" {
 		return m, err
 	}
-	if m, err = readMaterial(r, id, done); err != nil {
+	if m, err = readMaterial(id); err != nil {
 		return nil, err
 	}
 	return m, checkMaterial(id, m, clock())
 }
 
 // readMaterial reads id's files, unvalidated, beside its inline data.
-func readMaterial(r *fileReads, id *identity, done <-chan struct{}) (*material, error) {
+func readMaterial(id *identity) (*material, error) {
 	m := &material{caPEM: id.caData, certPEM: id.certData, keyPEM: id.keyData}
-	var files []fileToRead
+	var err error
 	if id.key.caFile != "" {
-		files = append(files, fileToRead{id.key.caFile, "CA", &m.caPEM})
+		m.caPEM, err = readFile(id.key.caFile, "CA")
 	}
-	if id.key.certFile != "" {
-		files = append(files, fileToRead{id.key.certFile, "client certificate", &m.certPEM}, fileToRead{id.key.keyFile, "client key", &m.keyPEM})
+	if err == nil && id.key.certFile != "" {
+		m.certPEM, err = readFile(id.key.certFile, "client certificate")
 	}
-	if err := r.read(done, files); err != nil {
+	if err == nil && id.key.certFile != "" {
+		m.keyPEM, err = readFile(id.key.keyFile, "client key")
+	}
+	if err != nil {
 		return nil, err
 	}
 	return m, nil

@@ -71,7 +71,7 @@ func badFiles(t testing.TB, f *fixture, otherCA *testserver.CA) []badFile {
 			t.Helper()
 			must(t, os.Remove(c.key))
 			must(t, os.Mkdir(c.key, 0o700))
-		}, key, "is a directory", nil},
+		}, key, "is not a regular file (mode d", nil},
 		{"certificate file deleted", remove(cert), cert, "no such file or directory", nil},
 		{"CA file deleted", remove(ca), ca, "no such file or directory", nil},
 		{"expired certificate", writePair(expired), cert, "has expired", dates(expired)},

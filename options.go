@@ -1,5 +1,5 @@
 // The options New takes, their defaults, and the environment every layer of
-// a pool shares: options, counters and the reads of certificate files.
+// a pool shares: options and counters.
 
 package sharedtransport
 
@@ -19,7 +19,6 @@ import (
 type env struct {
 	opts  options
 	stats counters
-	files fileReads // reads of certificate files, bounded in time
 	// generations numbers the pool's generations (generation.seq).
 	generations atomic.Uint64
 
@@ -56,7 +55,6 @@ type options struct {
 	// Test seams, never exported.
 	debounce      time.Duration    // how long file events settle before a reload
 	disableNotify bool             // poll only
-	readTimeout   time.Duration    // how long a read of a certificate file may take
 	now           func() time.Time // the clock certificates are checked against
 }
 
@@ -69,7 +67,6 @@ func defaultOptions() options {
 		drainTimeout:      2 * time.Minute,
 		logger:            klog.Background().WithName("sharedtransport"),
 		debounce:          100 * time.Millisecond,
-		readTimeout:       5 * time.Second,
 		now:               time.Now,
 	}
 }

@@ -5,7 +5,6 @@
 package sharedtransport
 
 import (
-	"errors"
 	"strconv"
 	"strings"
 	"sync"
@@ -58,12 +57,12 @@ func (st *filesState) setDue(due bool) (was bool) {
 
 // reload re-reads the identity's files for the watcher, and looks at the
 // expiry of the certificate in use.
-func (e *entry) reload(done <-chan struct{}) {
+func (e *entry) reload() {
 	if e.closed.Load() {
 		return
 	}
 	e.files.reloading.Lock()
-	e.refresh(done)
+	e.refresh()
 	e.files.reloading.Unlock()
 }
 
@@ -87,12 +86,11 @@ func (e *entry) fresh() error {
 		return st.err != nil || opts.now().Sub(st.readAt) >= opts.debounce
 	}
 	for waited := false; ; waited = true {
-		// A fresh good read is used without waiting for a reload in flight,
-		// which a hung file system holds up to the read timeout.
+		// A fresh good read is used without waiting for a reload in flight.
 		if stale() {
 			st.reloading.Lock()
 			if stale() { // not read meanwhile by the reload waited for
-				e.refresh(e.watch.w.done)
+				e.refresh()
 			}
 			st.reloading.Unlock()
 		}
@@ -115,9 +113,9 @@ func (e *entry) fresh() error {
 // refresh reads e's files and takes valid new material into use; the
 // caller holds e.files.reloading. Unchanged bytes cost a read and a
 // comparison. Invalid material keeps the last good one, counted once.
-func (e *entry) refresh(done <-chan struct{}) {
+func (e *entry) refresh() {
 	v := e.env
-	m, err := readMaterial(&v.files, e.id, done)
+	m, err := readMaterial(e.id)
 	now := v.opts.now()
 	switch {
 	case err == nil && m.equal(e.current.Load().material):
@@ -126,12 +124,9 @@ func (e *entry) refresh(done <-chan struct{}) {
 	case err == nil:
 		// Checked even when these bytes were rejected before: a certificate
 		// not valid yet becomes valid.
-		m, err = checkRead(&v.files, e.id, m, v.opts.now, done)
+		m, err = checkRead(e.id, m, v.opts.now)
 	}
-	switch {
-	case errors.Is(err, errStopped):
-		return
-	case err != nil:
+	if err != nil {
 		e.reject(err, m, now)
 		return
 	}

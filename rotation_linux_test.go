@@ -8,7 +8,6 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
-	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -19,7 +18,6 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 
-	"github.com/sharedtransport/sharedtransport/internal/hangfs"
 	"github.com/sharedtransport/sharedtransport/internal/nstest"
 	"github.com/sharedtransport/sharedtransport/internal/testserver"
 )
@@ -32,212 +30,96 @@ type unreadable struct {
 	want string // in the error
 }
 
-func unreadables(hung *hangfs.FS) []unreadable {
-	replace := func(t testing.TB, path string, create func(tmp string) error) {
-		t.Helper()
-		tmp := path + ".new"
-		must(t, create(tmp))
-		must(t, os.Rename(tmp, path))
-	}
-	return []unreadable{
-		{"named pipe", func(t testing.TB, path string) {
-			replace(t, path, func(tmp string) error { return syscall.Mkfifo(tmp, 0o600) })
-			// Before the fix a reader waits in open for a writer: let it go
-			// when the test ends, whatever happened.
-			t.Cleanup(func() {
-				if fd, err := syscall.Open(path, syscall.O_WRONLY|syscall.O_NONBLOCK, 0); err == nil {
-					syscall.Close(fd)
-				}
-			})
-		}, "is a named pipe, not a regular file"},
-		{"symlink to /dev/zero", func(t testing.TB, path string) {
-			replace(t, path, func(tmp string) error { return os.Symlink("/dev/zero", tmp) })
-		}, "is a device, not a regular file"},
-		{"file whose reads never return", func(t testing.TB, path string) {
-			replace(t, path, func(tmp string) error { return os.Symlink(hung.Path(), tmp) })
-		}, "(a hung network file system?)"},
-	}
+var unreadables = []unreadable{
+	{"named pipe", func(t testing.TB, path string) {
+		replaceWith(t, path, func(tmp string) error { return syscall.Mkfifo(tmp, 0o600) })
+		// A reader that opens the pipe waits for a writer: let it go when
+		// the test ends, whatever happened.
+		t.Cleanup(func() {
+			if fd, err := syscall.Open(path, syscall.O_WRONLY|syscall.O_NONBLOCK, 0); err == nil {
+				syscall.Close(fd)
+			}
+		})
+	}, "is not a regular file (mode p"},
+	{"symlink to /dev/zero", func(t testing.TB, path string) {
+		replaceWith(t, path, func(tmp string) error { return os.Symlink("/dev/zero", tmp) })
+	}, "is not a regular file (mode Dc"},
 }
 
-// TestRotationUnreadableFiles: a certificate file that is a named pipe, a
-// symlink to /dev/zero, or a file on a FUSE mount that never answers a read
-// is refused at Wrap (which returns), and after good material it is a
-// rejected reload that holds up no other identity's rotation; the hung file
-// holds one read, however often it is looked at; Close returns with that
-// read still outstanding.
-//
-// The hung file is a FUSE mount (internal/hangfs): the test needs /dev/fuse
-// and the right to mount (root, as on CI), and fails saying so without them.
+// replaceWith renames what create makes over path.
+func replaceWith(t testing.TB, path string, create func(tmp string) error) {
+	t.Helper()
+	tmp := path + ".new"
+	must(t, create(tmp))
+	must(t, os.Rename(tmp, path))
+}
+
+// TestRotationUnreadableFiles: a certificate file that is a named pipe or a
+// symlink to /dev/zero is refused unread at Wrap, naming the file; after good
+// material it is a rejected reload, the last good material serving on.
 func TestRotationUnreadableFiles(t *testing.T) {
 	rec := &cnRecorder{}
 	f := newFixture(t, testserver.Options{OnRequest: rec.record})
-	dave, err := f.ca.IssueClient("dave")
-	must(t, err)
-	// One hung file for Wrap, one for the watcher: each must hold exactly
-	// one read however often it is looked at.
-	var hung [2]*hangfs.FS
-	for i := range hung {
-		if hung[i], err = hangfs.Mount(t.TempDir()); err != nil {
-			t.Fatalf("this test needs FUSE (/dev/fuse) and the right to mount it (root): %v", err)
-		}
-	}
-	const readTimeout = 300 * time.Millisecond
-	p := New(WithPollInterval(100*time.Millisecond), withDebounce(10*time.Millisecond), func(o *options) { o.readTimeout = readTimeout })
-	closed := make(chan struct{})
-	t.Cleanup(func() {
-		// Before the fix a read hangs in the watcher until the mount is
-		// gone, and Close with it: abort the mount first.
-		for _, h := range hung {
-			if err := h.Close(); err != nil {
-				t.Error(err)
-			}
-		}
-		select {
-		case <-closed:
-		default:
-			p.Close()
-		}
-	})
+	p := New(WithPollInterval(100*time.Millisecond), withDebounce(10*time.Millisecond))
+	t.Cleanup(func() { p.Close() })
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 
-	t.Run("at Wrap", func(t *testing.T) { unreadableAtWrap(t, p, f, hung[0]) })
-
-	t.Run("after good material", func(t *testing.T) { unreadableAfterGood(t, ctx, p, f, hung[1], rec, dave) })
-
-	go func() {
-		p.Close()
-		close(closed)
-	}()
-	select {
-	case <-closed:
-	case <-time.After(10 * time.Second): // the read never returns: Close waiting for it never would
-		t.Fatal("Close waits for the hung read")
-	}
-	if n := settledHungReads(hung[1]); n != 1 {
-		t.Errorf("after Close %d reads of the hung file wait in the kernel, want the 1 Close left behind", n)
-	}
-}
-
-// settledHungReads is the number of reads h holds once the read left behind
-// has reached it: on a loaded machine the goroutine left with the read may
-// not have sent it to the kernel yet when its caller's wait ends. It waits
-// up to 10 s for one, then 100 ms more for any other.
-func settledHungReads(h *hangfs.FS) int {
-	for deadline := time.Now().Add(10 * time.Second); h.HungReads() == 0 && time.Now().Before(deadline); {
-		time.Sleep(10 * time.Millisecond)
-	}
-	time.Sleep(100 * time.Millisecond)
-	return h.HungReads()
-}
-
-// unreadableAtWrap is TestRotationUnreadableFiles's "at Wrap" case: every
-// unreadable file, h's hung one among them, refused twice, with one read of
-// the hung file left waiting.
-func unreadableAtWrap(t *testing.T, p *Pool, f *fixture, h *hangfs.FS) {
-	for i, u := range unreadables(h) {
-		t.Run(u.name, func(t *testing.T) {
+	for i, u := range unreadables {
+		t.Run("at Wrap/"+u.name, func(t *testing.T) {
 			c := writeCredFiles(t, filepath.Join(f.dir, "wrap", string(rune('a'+i))), f.ca.CertPEM(), f.alice)
 			u.make(t, c.cert)
-			// The third attempt names the key inline: client-go reads such a
-			// half-file pair once, and so does the pool, within the same
-			// bound.
-			for attempt := range 3 {
+			// The second attempt names the key inline: a half-file pair is
+			// read once, as client-go reads it.
+			for attempt := range 2 {
 				cfg := c.config(f.srv.URL())
-				if attempt == 2 {
+				if attempt == 1 {
 					cfg.KeyFile, cfg.KeyData = "", f.alice.KeyPEM
 				}
-				wrapped := make(chan error, 1)
-				go func() { wrapped <- p.Wrap(cfg) }()
-				select {
-				case err := <-wrapped:
-					if err == nil {
-						t.Fatal("Wrap succeeded")
+				err := p.Wrap(cfg)
+				if err == nil {
+					t.Fatal("Wrap succeeded")
+				}
+				t.Logf("attempt %d: %v", attempt+1, err)
+				for _, want := range []string{c.cert, u.want} {
+					if !strings.Contains(err.Error(), want) {
+						t.Errorf("error does not say %q", want)
 					}
-					t.Logf("attempt %d: %v", attempt+1, err)
-					for _, want := range []string{c.cert, u.want} {
-						if !strings.Contains(err.Error(), want) {
-							t.Errorf("error does not say %q", want)
-						}
-					}
-				case <-time.After(10 * time.Second):
-					t.Fatal("Wrap did not return in 10 s")
 				}
 			}
 		})
 	}
-	if n := settledHungReads(h); n != 1 {
-		t.Errorf("%d reads of the hung file wait in the kernel after three Wraps, want 1", n)
-	}
-}
 
-// unreadableAfterGood is TestRotationUnreadableFiles's "after good
-// material" case: the unreadable files (h's hung one among them) are
-// rejected reloads that hold up no other identity's rotation.
-func unreadableAfterGood(t *testing.T, ctx context.Context, p *Pool, f *fixture, h *hangfs.FS, rec *cnRecorder, dave *testserver.KeyPair) {
-	type badIdentity struct {
-		u  unreadable
-		c  *certDir
-		cs *kubernetes.Clientset
-	}
-	var bad []badIdentity
-	for i, u := range unreadables(h) {
-		c := writeCredFiles(t, filepath.Join(f.dir, "after", string(rune('a'+i))), f.ca.CertPEM(), f.alice)
-		cfg := c.config(f.srv.URL())
-		must(t, p.Wrap(cfg))
-		cs, err := kubernetes.NewForConfig(cfg)
-		must(t, err)
-		bad = append(bad, badIdentity{u, c, cs})
-	}
-	good := newCertDir(t, renameOver, f.alice, f.ca.CertPEM())
-	_, goodCS := good.wrapped(t, p, f.srv.URL())
-	before := p.Stats()
-	for _, b := range bad {
-		b.u.make(t, b.c.cert)
-	}
-	// The bad reloads are under way; another identity rotates meanwhile.
-	good.write(t, dave, f.ca.CertPEM())
-	written := time.Now()
-	waitFor(t, "the other identity's rotation", func() bool { return p.Stats().Rotations > before.Rotations })
-	f.srv.CloseClientConnections()
-	if _, err := goodCS.CoreV1().Nodes().List(ctx, metav1.ListOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	if _, ok := rec.firstSince("dave", written); !ok {
-		t.Error("the server did not see the rotated certificate")
-	}
-	waitFor(t, "every bad file rejected", func() bool {
-		return p.Stats().RotationErrors >= before.RotationErrors+uint64(len(bad))
-	})
-	// The last good material is kept: new connections still work.
-	f.srv.CloseClientConnections()
-	since := time.Now()
-	for _, b := range bad {
-		if _, err := b.cs.CoreV1().Nodes().List(ctx, metav1.ListOptions{}); err != nil {
-			t.Errorf("%s: a client built before: %v", b.u.name, err)
+	t.Run("after good material", func(t *testing.T) {
+		var clients []*kubernetes.Clientset
+		var certs []string
+		for i := range unreadables {
+			c := writeCredFiles(t, filepath.Join(f.dir, "after", string(rune('a'+i))), f.ca.CertPEM(), f.alice)
+			cfg := c.config(f.srv.URL())
+			must(t, p.Wrap(cfg))
+			cs, err := kubernetes.NewForConfig(cfg)
+			must(t, err)
+			clients, certs = append(clients, cs), append(certs, c.cert)
 		}
-	}
-	if _, ok := rec.firstSince("alice", since); !ok {
-		t.Error("the server did not see the last good certificate")
-	}
-	// Each poll of the hung identity is a rejected reload of its own.
-	hungCert := bad[len(bad)-1].c.cert
-	rejected := func() uint64 {
-		for _, info := range p.Identities() {
-			if slices.Contains(info.Files, hungCert) {
-				return info.RotationErrors
+		before := p.Stats()
+		for i, u := range unreadables {
+			u.make(t, certs[i])
+		}
+		waitFor(t, "every bad file rejected", func() bool {
+			return p.Stats().RotationErrors >= before.RotationErrors+uint64(len(unreadables))
+		})
+		// The last good material is kept: new connections still work.
+		f.srv.CloseClientConnections()
+		since := time.Now()
+		for i, cs := range clients {
+			if _, err := cs.CoreV1().Nodes().List(ctx, metav1.ListOptions{}); err != nil {
+				t.Errorf("%s: a client built before: %v", unreadables[i].name, err)
 			}
 		}
-		t.Fatalf("no identity reads %s", hungCert)
-		return 0
-	}
-	const polls = 5
-	seen := rejected()
-	waitFor(t, "more polls of the hung file", func() bool { return rejected() >= seen+polls })
-	if n := settledHungReads(h); n != 1 {
-		t.Errorf("%d reads of the hung file wait in the kernel after %d more polls, want 1", n, polls)
-	}
-	t.Logf("%+v", p.Stats())
+		if _, ok := rec.firstSince("alice", since); !ok {
+			t.Error("the server did not see the last good certificate")
+		}
+	})
 }
 
 // inUserNamespace runs the calling test again, alone, in a child process in

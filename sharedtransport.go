@@ -32,7 +32,6 @@ func New(opts ...Option) *Pool {
 	for _, opt := range opts {
 		opt(&v.opts)
 	}
-	v.files.timeout = v.opts.readTimeout
 	return &Pool{env: v, reg: &registry{env: v, entries: make(map[identityKey]*held)}}
 }
 
@@ -89,7 +88,7 @@ func (p *Pool) wrap(cfg *rest.Config, g given) error {
 	if p.isClosed() {
 		return ErrClosed
 	}
-	s, share, err := sharingFor(cfg, g, &p.files, p.opts.dialIdentity, true)
+	s, share, err := sharingFor(cfg, g, p.opts.dialIdentity, true)
 	if err != nil {
 		return err
 	}
@@ -113,7 +112,8 @@ func (p *Pool) wrap(cfg *rest.Config, g given) error {
 }
 
 // Close closes every connection of the pool, stops watching files and waits
-// for the pool's goroutines to exit. Requests sent afterwards through the
+// for the pool's goroutines to exit, a reload in a read the kernel holds
+// among them. Requests sent afterwards through the
 // pool, requests in flight and reads of bodies whose connection it closed
 // fail with [ErrClosed]. Every call returns once the pool is closed, with
 // the first call's result.

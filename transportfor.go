@@ -59,7 +59,7 @@ func (p *Pool) transportFor(cfg *rest.Config, g given) (http.RoundTripper, error
 	if p.isClosed() {
 		return nil, ErrClosed
 	}
-	s, share, err := sharingFor(cfg, g, &p.files, p.opts.dialIdentity, false)
+	s, share, err := sharingFor(cfg, g, p.opts.dialIdentity, false)
 	if err != nil {
 		return nil, err
 	}

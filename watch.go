@@ -1,6 +1,6 @@
 // Watching an identity's files: one fsnotify watcher per pool watches the
-// directories of the files, and events and polls become reloads, run by a
-// few workers from one workqueue.
+// directories of the files, and events and polls become reloads, each
+// identity's on a goroutine of its own.
 
 package sharedtransport
 
@@ -19,10 +19,6 @@ import (
 	"k8s.io/klog/v2"
 )
 
-// maxLoads is the number of workers running reloads: a poll of thousands
-// of identities starts four reads at a time.
-const maxLoads = 4
-
 // fileWatcher watches directories, not files: kubelet swaps a secret
 // volume's "..data" symlink beside the names a config holds, and
 // certificate managers rename new files over old ones; a watch on the file
@@ -32,10 +28,11 @@ const maxLoads = 4
 type fileWatcher struct {
 	set watchSettings
 	// queue holds the identities due a reload, each once; one added while
-	// its reload runs follows it, so reloads of one identity never race.
+	// its reload runs follows it, so reloads of one identity never race,
+	// and a read that hangs holds up its own identity's reloads only.
 	queue   *workqueue.Typed[*identityWatch]
-	done    chan struct{}  // closed by close: goroutines and reads stop
-	running sync.WaitGroup // the run goroutine and the workers
+	done    chan struct{}  // closed by close
+	running sync.WaitGroup // the run and dispatch goroutines, and reloads
 
 	mu            sync.Mutex        // guards the fields below
 	notify        *fsnotify.Watcher // nil while the kernel refuses an inotify instance, or with disableNotify
@@ -61,8 +58,8 @@ type reloader interface {
 	// markDue marks a debounced reload on its way (or, with false, no
 	// longer), and reports whether one was.
 	markDue(due bool) (was bool)
-	// reload re-reads the files; done closes when the watcher stops.
-	reload(done <-chan struct{})
+	// reload re-reads the files.
+	reload()
 }
 
 // watchSettings are a watcher's settings, from the pool's options.
@@ -87,11 +84,9 @@ func newFileWatcher(set watchSettings) *fileWatcher {
 		// directory goes without its watch, and retried at each poll.
 		w.notify, _ = fsnotify.NewWatcher()
 	}
-	w.running.Add(1 + maxLoads)
+	w.running.Add(2)
 	go w.run()
-	for range maxLoads {
-		go w.work()
-	}
+	go w.dispatch()
 	return w
 }
 
@@ -194,8 +189,8 @@ func (w *fileWatcher) logRecoveryLocked() {
 	w.set.logger.Info("File events available again for every watched directory")
 }
 
-// close stops the watcher and waits for its goroutines, not for a read
-// stuck in the kernel (see fileReads).
+// close stops the watcher and waits for its goroutines: a reload in a read
+// the kernel holds holds close too.
 func (w *fileWatcher) close() error {
 	close(w.done)
 	w.queue.ShutDown()
@@ -301,16 +296,22 @@ func (w *fileWatcher) retryWatches() {
 	}
 }
 
-// work runs reloads until the queue shuts down.
-func (w *fileWatcher) work() {
+// dispatch starts the reloads due until the queue shuts down, each on a
+// goroutine of its own: the queue hands out an identity only after its
+// reload in flight is done, so there is at most one per identity.
+func (w *fileWatcher) dispatch() {
 	defer w.running.Done()
 	for {
 		iw, shutdown := w.queue.Get()
 		if shutdown {
 			return
 		}
-		iw.r.reload(w.done)
-		w.queue.Done(iw)
+		w.running.Add(1)
+		go func() {
+			defer w.running.Done()
+			iw.r.reload()
+			w.queue.Done(iw)
+		}()
 	}
 }
 
