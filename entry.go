@@ -38,10 +38,13 @@ type registry struct {
 	*env
 	group singleflight.Group // one build per identity under concurrent first use
 
-	mu      sync.Mutex // guards entries, closed and watcher
+	mu      sync.Mutex // guards entries, closed, watcher and released
 	entries map[identityKey]*held
 	closed  bool
 	watcher *fileWatcher // nil until a config names certificate files
+	// released sums the counters of the identities released, which have
+	// no connection open.
+	released Stats
 	// expiring counts the idle timers set and not stopped, so that close
 	// returns after any expiry in progress.
 	expiring sync.WaitGroup
@@ -164,7 +167,7 @@ func (r *registry) build(id *identity) (*entry, error) {
 		return nil, err
 	}
 	e := &entry{env: r.env, id: id}
-	g, err := newGeneration(id, m, nil, &e.env.opts, &e.env.stats.conn, &e.stats.conn)
+	g, err := newGeneration(id, m, nil, &e.env.opts, &e.stats.conn)
 	if err != nil {
 		return nil, err
 	}
@@ -237,9 +240,30 @@ func (r *registry) expire(e *entry) {
 		return
 	}
 	delete(r.entries, e.id.key)
+	r.releasedLocked(e)
 	r.mu.Unlock()
 	r.opts.logger.V(4).Info("Released an identity no client uses", "identity", e.id.key)
 	e.close()
+}
+
+// releasedLocked adds the counters of e, taken out of the registry, to
+// those of the identities released before.
+func (r *registry) releasedLocked(e *entry) {
+	e.stats.addTo(&r.released)
+	r.released.OpenConns = 0 // e closes them
+}
+
+// sums returns the sums of the counters of the identities live and
+// released, and the number live.
+func (r *registry) sums() Stats {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	s := r.released
+	for _, h := range r.entries {
+		h.e.stats.addTo(&s)
+	}
+	s.Identities = len(r.entries)
+	return s
 }
 
 // live returns the registry's entries now.
@@ -267,6 +291,7 @@ func (r *registry) close() error {
 	r.entries = map[identityKey]*held{}
 	for _, h := range entries {
 		r.stopIdleLocked(h)
+		r.releasedLocked(h.e)
 	}
 	w := r.watcher
 	r.mu.Unlock()

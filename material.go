@@ -237,8 +237,8 @@ func (g *generation) certificate() *x509.Certificate {
 
 // newGeneration builds id's transports for m as client-go's
 // tlsTransportCache builds its own, with the pool's options, counting into
-// counters. prev is the generation they take over from; nil for the first.
-func newGeneration(id *identity, m *material, prev *generation, opts *options, counters ...*conns.Counters) (*generation, error) {
+// the identity's counters. prev is the generation they take over from; nil for the first.
+func newGeneration(id *identity, m *material, prev *generation, opts *options, counters *conns.Counters) (*generation, error) {
 	if len(m.certPEM) > 0 && m.cert == nil {
 		return nil, errors.New("sharedtransport: internal error: a client certificate was not checked before use")
 	}

@@ -26,17 +26,27 @@ type env struct {
 	functionsOnce  sync.Once // logs the first config Wrap passes through for its Proxy or Dial
 }
 
+// counters are what the pool counts itself; what happens to an identity's
+// connections and files is counted by the identity (identityCounters), and
+// the pool's figures are their sums.
 type counters struct {
 	hits, misses, passThrough, wrapErrors atomic.Uint64
-	rotations, rotationErrors             atomic.Uint64
-	conn                                  conns.Counters
 }
 
-// identityCounters are one identity's share of the pool's counters, counted
-// at the same places.
+// identityCounters are one identity's counters.
 type identityCounters struct {
 	conn                      conns.Counters
 	rotations, rotationErrors atomic.Uint64
+}
+
+// addTo adds c's figures to s.
+func (c *identityCounters) addTo(s *Stats) {
+	s.Dials += c.conn.Dials.Load()
+	s.OpenConns += int(c.conn.Open.Load())
+	s.Handshakes += c.conn.Handshakes.Load()
+	s.Resumptions += c.conn.Resumptions.Load()
+	s.Rotations += c.rotations.Load()
+	s.RotationErrors += c.rotationErrors.Load()
 }
 
 // An Option configures a [Pool]. Options are applied by [New] in order, after

@@ -131,7 +131,7 @@ func (e *entry) refresh() {
 		return
 	}
 	if !m.equal(e.current.Load().material) {
-		g, err := newGeneration(e.id, m, e.current.Load(), &v.opts, &v.stats.conn, &e.stats.conn)
+		g, err := newGeneration(e.id, m, e.current.Load(), &v.opts, &e.stats.conn)
 		if err != nil {
 			e.reject(err, m, now)
 			return
@@ -140,7 +140,6 @@ func (e *entry) refresh() {
 		if !e.rotate(g, v.opts.drainTimeout) {
 			return
 		}
-		v.stats.rotations.Add(1)
 		e.stats.rotations.Add(1)
 		v.opts.logger.V(2).Info("Rotated TLS material", "identity", e.id.key, "files", []string{e.id.key.caFile, e.id.key.certFile, e.id.key.keyFile})
 	}
@@ -157,7 +156,6 @@ func (st *filesState) good(now time.Time) {
 // unless the same bytes were rejected last.
 func (e *entry) reject(err error, m *material, now time.Time) {
 	if !e.files.rejectedAgain(err, m, now, e.id.key) {
-		e.env.stats.rotationErrors.Add(1)
 		e.stats.rotationErrors.Add(1)
 		e.env.opts.logger.Info("Keeping the last good TLS material", "identity", e.id.key, "reason", err.Error())
 	}

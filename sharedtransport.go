@@ -166,20 +166,10 @@ type Stats struct {
 
 // Stats returns a snapshot of the pool's counters.
 func (p *Pool) Stats() Stats {
-	entries := p.reg.live()
-	return Stats{
-		Identities:     len(entries),
-		Hits:           p.stats.hits.Load(),
-		Misses:         p.stats.misses.Load(),
-		PassThrough:    p.stats.passThrough.Load(),
-		WrapErrors:     p.stats.wrapErrors.Load(),
-		Dials:          p.stats.conn.Dials.Load(),
-		OpenConns:      int(p.stats.conn.Open.Load()),
-		Handshakes:     p.stats.conn.Handshakes.Load(),
-		Resumptions:    p.stats.conn.Resumptions.Load(),
-		Rotations:      p.stats.rotations.Load(),
-		RotationErrors: p.stats.rotationErrors.Load(),
-	}
+	s := p.reg.sums()
+	s.Hits, s.Misses = p.stats.hits.Load(), p.stats.misses.Load()
+	s.PassThrough, s.WrapErrors = p.stats.passThrough.Load(), p.stats.wrapErrors.Load()
+	return s
 }
 
 // WrapConfigFn wraps cfg and returns it, in the shape of cli-runtime's

@@ -122,12 +122,10 @@ func ownSessions(tlsConfig *tls.Config) *tls.Config {
 }
 
 func (t *Transports) countHandshake(cs tls.ConnectionState) error {
-	for _, c := range t.counters {
-		if cs.DidResume {
-			c.Resumptions.Add(1)
-		} else {
-			c.Handshakes.Add(1)
-		}
+	if cs.DidResume {
+		t.counters.Resumptions.Add(1)
+	} else {
+		t.counters.Handshakes.Add(1)
 	}
 	return nil
 }
@@ -144,10 +142,8 @@ func (t *Transports) dialer(dial func(ctx context.Context, network, address stri
 			return nil, err
 		}
 		c := &Conn{Conn: nc, t: t}
-		for _, n := range t.counters {
-			n.Dials.Add(1)
-			n.Open.Add(1)
-		}
+		t.counters.Dials.Add(1)
+		t.counters.Open.Add(1)
 		t.mu.Lock()
 		open := !t.closed() // close closes closedCh under t.mu
 		if open {
@@ -188,9 +184,7 @@ func (c *Conn) Close() error {
 	c.closed = true
 	c.mu.Unlock()
 	if first {
-		for _, n := range c.t.counters {
-			n.Open.Add(-1)
-		}
+		c.t.counters.Open.Add(-1)
 		c.t.mu.Lock()
 		delete(c.t.conns, c)
 		c.t.mu.Unlock()

@@ -48,7 +48,7 @@ type Config struct {
 	// ResumeSessions gives the Transports a TLS session cache of its own: a
 	// resumed session authenticates as the certificate it came from.
 	ResumeSessions bool
-	Counters       []*Counters
+	Counters       *Counters // counted into; never nil
 }
 
 // Counters are connection figures, counted as connections open and close.
@@ -66,7 +66,7 @@ type Transports struct {
 	http1    *http.Transport // upgrades, which need HTTP/1.1
 	http2    bool            // shared speaks HTTP/2
 	own      func() *http.Transport
-	counters []*Counters
+	counters *Counters
 	hosts    *hosts // shared with the identity's other Transports
 
 	retired  atomic.Bool
