@@ -63,7 +63,6 @@ type entry struct {
 	env     *env
 	id      *identity
 	current atomic.Pointer[generation]
-	since   atomic.Int64 // when current took effect, in Unix nanoseconds
 	closed  atomic.Bool
 	files   filesState     // rotation.go
 	watch   *identityWatch // fixed before the entry is in the pool; nil without files
@@ -167,13 +166,11 @@ func (r *registry) build(id *identity) (*entry, error) {
 		return nil, err
 	}
 	e := &entry{env: r.env, id: id}
-	g, err := newGeneration(id, m, nil, &e.env.opts, &e.stats.conn)
+	g, err := newGeneration(id, m, nil, r.env, &e.stats.conn)
 	if err != nil {
 		return nil, err
 	}
-	g.seq = r.generations.Add(1)
 	e.current.Store(g)
-	e.since.Store(time.Now().UnixNano())
 	e.files.readAt = readAt
 	if id.watchesFiles() {
 		w, err := r.fileWatcher()
@@ -338,29 +335,25 @@ func holdLease(*lease) {}
 // RoundTrip sends req through the identity's current transports; ErrClosed
 // means the pool or the identity was closed.
 func (l *lease) RoundTrip(req *http.Request) (*http.Response, error) {
-	return l.roundTrip(req, l, nil)
-}
-
-func (l *lease) pick(*http.Request) *generation { return l.e.current.Load() }
-
-// A picker chooses the generation a request goes over (nil: not the pool's).
-type picker interface {
-	pick(req *http.Request) *generation
+	return l.roundTrip(req, nil, nil)
 }
 
 // maxResends bounds how often a request is moved to a newer generation
 // because its own closed before it was sent.
 const maxResends = 3
 
-// roundTrip sends req through the generation p picks, or through other when
-// p picks none. A request its generation's close refused before it was
-// sent goes on the one p picks then.
-func (l *lease) roundTrip(req *http.Request, p picker, other http.RoundTripper) (*http.Response, error) {
+// roundTrip sends req through the generation pick picks (nil: the current
+// one), or through other when it picks none. A request its generation's
+// close refused before it was sent goes on the one picked then.
+func (l *lease) roundTrip(req *http.Request, pick func() *generation, other http.RoundTripper) (*http.Response, error) {
 	for resends := 0; ; resends++ {
 		if l.e.closed.Load() {
 			return nil, fmt.Errorf("%w: build the client from a config wrapped by an open pool", ErrClosed)
 		}
-		g := p.pick(req)
+		g := l.e.current.Load()
+		if pick != nil {
+			g = pick()
+		}
 		if g == nil {
 			return other.RoundTrip(req) // not the pool's: as it came
 		}

@@ -84,7 +84,7 @@ func (e *entry) info() IdentityInfo {
 	info := IdentityInfo{
 		Name:           id.key.String(),
 		Proxy:          id.key.proxy,
-		Since:          time.Unix(0, e.since.Load()),
+		Since:          g.since,
 		OpenConns:      int(e.stats.conn.Open.Load()),
 		Dials:          e.stats.conn.Dials.Load(),
 		Handshakes:     e.stats.conn.Handshakes.Load(),

@@ -95,7 +95,7 @@ type identity struct {
 	// Inline material, fixed for the identity; files (key.caFile ...) are
 	// watched and reloaded.
 	caData, certData, keyData []byte
-	dial                      func(ctx context.Context, network, address string) (net.Conn, error) // nil: the default dialer
+	dial                      dialFunc // nil: the default dialer
 	// connectHeader goes with every CONNECT request: what the caller
 	// declared its wrappers set (WithProxyConnectHeader).
 	connectHeader http.Header
@@ -144,6 +144,15 @@ func sharingFor(cfg *rest.Config, g given, dialIdentity func(*rest.Config) strin
 	if s.tc, err = cfg.TransportConfig(); err != nil {
 		return s, false, fmt.Errorf("sharedtransport: %w", err)
 	}
+	tc := s.tc
+	switch {
+	case !(tc.HasCA() || tc.HasCertAuth() || tc.HasCertCallback() || tc.TLS.Insecure || tc.TLS.ServerName != "" ||
+		len(tc.TLS.NextProtos) > 0 || tc.DialHolder != nil || tc.Proxy != nil):
+		s.pass = noTLS
+		return s, false, nil
+	case tc.HasCA() && tc.TLS.Insecure:
+		return s, false, errors.New("sharedtransport: a config cannot set both a CA and insecure: remove one of them")
+	}
 	s.id, s.pass, s.proxyErr, err = identityOf(cfg, s.tc, g, req, dialIdentity)
 	return s, s.pass == shares && err == nil, err
 }
@@ -153,119 +162,106 @@ func sharingFor(cfg *rest.Config, g given, dialIdentity func(*rest.Config) strin
 // function; dialIdentity names a custom Dial. It neither logs nor counts: its callers do.
 func identityOf(cfg *rest.Config, tc *transport.Config, g given, req *http.Request,
 	dialIdentity func(*rest.Config) string) (id *identity, pass passReason, proxyErr, err error) {
-	hasTLS := tc.HasCA() || tc.HasCertAuth() || tc.HasCertCallback() || tc.TLS.Insecure ||
-		tc.TLS.ServerName != "" || len(tc.TLS.NextProtos) > 0
-	if !hasTLS && tc.DialHolder == nil && tc.Proxy == nil {
-		return nil, noTLS, nil, nil
-	}
-	if tc.HasCA() && tc.TLS.Insecure {
-		return nil, shares, nil, errors.New("sharedtransport: a config cannot set both a CA and insecure: remove one of them")
-	}
-
-	id = &identity{
-		key: identityKey{
-			insecure:           tc.TLS.Insecure,
-			serverName:         tc.TLS.ServerName,
-			disableCompression: tc.DisableCompression,
-			getCert:            tc.TLS.GetCertHolder,
-		},
-		nextProtos: tc.TLS.NextProtos,
-	}
-	id.key.noHTTP2 = noHTTP2()
-	if err := setMaterial(id, tc); err != nil {
+	src, err := sourcesOf(tc)
+	if err != nil {
 		return nil, shares, nil, err
 	}
-	dialName, share := setDialer(id, cfg, tc, dialIdentity)
+	dial, dialName, share := dialerOf(cfg, tc, dialIdentity)
 	if !share {
 		return nil, unnamedDial, nil, nil
 	}
 	if cfg.WrapTransport != nil && !g.declared {
 		return nil, undeclaredWrappers, nil, nil
 	}
-	id.connectHeader = g.connectHeader
-	proxy, err := setProxy(id, cfg, req)
+	r, err := proxyRoute(cfg, req)
 	if err != nil {
 		return nil, proxyFailed, err, nil
 	}
-	id.completeKey(dialName, proxy)
-	return id, shares, nil, nil
+	return &identity{
+		key: identityKey{
+			insecure:           tc.TLS.Insecure,
+			serverName:         tc.TLS.ServerName,
+			nextProtos:         lengthPrefixed(tc.TLS.NextProtos),
+			disableCompression: tc.DisableCompression,
+			caFile:             src.caFile,
+			certFile:           src.certFile,
+			keyFile:            src.keyFile,
+			caData:             digestOf(src.caData),
+			certData:           digestOf(src.certData),
+			keyData:            digestOf(src.keyData),
+			getCert:            tc.TLS.GetCertHolder,
+			dialName:           dialName,
+			proxy:              r.url,
+			connectHeader:      digestOf(canonicalHeader(g.connectHeader)),
+			noHTTP2:            noHTTP2(),
+		},
+		nextProtos:    tc.TLS.NextProtos,
+		caData:        src.caData,
+		certData:      src.certData,
+		keyData:       src.keyData,
+		dial:          dial,
+		connectHeader: g.connectHeader,
+		proxy:         r.fixed,
+	}, shares, nil, nil
 }
 
-// setProxy sets id's proxy from cfg.Proxy and returns the route that keys
-// it (identityKey.proxy), or what cfg.Proxy failed with.
-func setProxy(id *identity, cfg *rest.Config, req *http.Request) (proxy string, err error) {
-	if cfg.Proxy == nil {
-		return "", nil
-	}
-	r, err := proxyRoute(cfg, req)
-	if err != nil || r.env {
-		return "", err
-	}
-	id.proxy = r.fixed
-	return r.url, nil
-}
-
-// completeKey derives the rest of id's key from its material, for a custom
-// Dial named dialName and a proxy route.
-func (id *identity) completeKey(dialName, route string) {
-	k := &id.key
-	k.nextProtos = lengthPrefixed(id.nextProtos)
-	k.caData, k.certData, k.keyData = digestOf(id.caData), digestOf(id.certData), digestOf(id.keyData)
-	k.connectHeader = digestOf(canonicalHeader(id.connectHeader))
-	k.dialName, k.proxy = dialName, route
-}
-
-// setMaterial records where id's CA and client certificate come from. As
+// sources are where an identity's CA and client certificate come from: as
 // in client-go, files are reloaded only when named without inline data (for
 // the certificate, both halves); a mix is read once.
-func setMaterial(id *identity, tc *transport.Config) error {
-	var err error
-	if tc.TLS.CAFile != "" && len(tc.TLS.CAData) == 0 {
-		if id.key.caFile, err = filepath.Abs(tc.TLS.CAFile); err != nil {
-			return fmt.Errorf("sharedtransport: CA file %q: %w", tc.TLS.CAFile, err)
-		}
-	} else {
-		id.caData = tc.TLS.CAData
-	}
-	if tc.TLS.CertFile != "" && len(tc.TLS.CertData) == 0 && tc.TLS.KeyFile != "" && len(tc.TLS.KeyData) == 0 {
-		if id.key.certFile, err = filepath.Abs(tc.TLS.CertFile); err != nil {
-			return fmt.Errorf("sharedtransport: client certificate file %q: %w", tc.TLS.CertFile, err)
-		}
-		if id.key.keyFile, err = filepath.Abs(tc.TLS.KeyFile); err != nil {
-			return fmt.Errorf("sharedtransport: client key file %q: %w", tc.TLS.KeyFile, err)
-		}
-		return nil
-	}
-	if id.certData, err = dataOrFile(tc.TLS.CertData, tc.TLS.CertFile, "client certificate"); err != nil {
-		return err
-	}
-	if id.keyData, err = dataOrFile(tc.TLS.KeyData, tc.TLS.KeyFile, "client key"); err != nil {
-		return err
-	}
-	if len(id.certData) == 0 || len(id.keyData) == 0 {
-		id.certData, id.keyData = nil, nil // half a pair: client-go presents none
-	}
-	return nil
+type sources struct {
+	caFile, certFile, keyFile string // absolute paths, watched
+	caData, certData, keyData []byte // inline, or read once
 }
 
-// setDialer sets id's dialer and returns the name that keys a custom Dial;
-// share is false for a custom Dial without a name.
-func setDialer(id *identity, cfg *rest.Config, tc *transport.Config, dialIdentity func(*rest.Config) string) (name string, share bool) {
+func sourcesOf(tc *transport.Config) (s sources, err error) {
+	if tc.TLS.CAFile != "" && len(tc.TLS.CAData) == 0 {
+		if s.caFile, err = filepath.Abs(tc.TLS.CAFile); err != nil {
+			return s, fmt.Errorf("sharedtransport: CA file %q: %w", tc.TLS.CAFile, err)
+		}
+	} else {
+		s.caData = tc.TLS.CAData
+	}
+	if tc.TLS.CertFile != "" && len(tc.TLS.CertData) == 0 && tc.TLS.KeyFile != "" && len(tc.TLS.KeyData) == 0 {
+		if s.certFile, err = filepath.Abs(tc.TLS.CertFile); err != nil {
+			return s, fmt.Errorf("sharedtransport: client certificate file %q: %w", tc.TLS.CertFile, err)
+		}
+		if s.keyFile, err = filepath.Abs(tc.TLS.KeyFile); err != nil {
+			return s, fmt.Errorf("sharedtransport: client key file %q: %w", tc.TLS.KeyFile, err)
+		}
+		return s, nil
+	}
+	if s.certData, err = dataOrFile(tc.TLS.CertData, tc.TLS.CertFile, "client certificate"); err != nil {
+		return s, err
+	}
+	if s.keyData, err = dataOrFile(tc.TLS.KeyData, tc.TLS.KeyFile, "client key"); err != nil {
+		return s, err
+	}
+	if len(s.certData) == 0 || len(s.keyData) == 0 {
+		s.certData, s.keyData = nil, nil // half a pair: client-go presents none
+	}
+	return s, nil
+}
+
+// dialerOf returns cfg's dialer (nil: the default) and the name that keys
+// a custom Dial; share is false for a custom Dial without a name.
+func dialerOf(cfg *rest.Config, tc *transport.Config, dialIdentity func(*rest.Config) string) (dial dialFunc, name string, share bool) {
 	if cfg.Dial != nil {
 		if dialIdentity != nil {
 			name = dialIdentity(cfg)
 		}
 		if name == "" {
-			return "", false
+			return nil, "", false
 		}
 	}
 	if tc.DialHolder != nil {
 		// Not cfg.Dial: for an exec plugin, client-go wraps it in the
 		// tracker that closes connections when the certificate changes.
-		id.dial = tc.DialHolder.Dial
+		dial = tc.DialHolder.Dial
 	}
-	return name, true
+	return dial, name, true
 }
+
+type dialFunc = func(ctx context.Context, network, address string) (net.Conn, error)
 
 // noHTTP2 reports whether DISABLE_HTTP2 is set, as client-go reads it when
 // it builds a transport.
@@ -280,24 +276,29 @@ func lengthPrefixed(list []string) string {
 	return string(b)
 }
 
+// route is how a config's requests leave: the zero route is the
+// environment's proxy; else fixed gives the URL (nil: direct) that keys it.
 type route struct {
-	env   bool // the config's Proxy agrees with the environment for its host
 	url   string
 	fixed func(*http.Request) (*url.URL, error)
 }
 
-// proxyRoute asks cfg.Proxy about cfg's host. Functions cannot be compared:
+// proxyRoute asks cfg.Proxy about cfg's host; without one, the route is
+// the environment's. Functions cannot be compared:
 // two configs agree when theirs give the same answer for their host; every
 // request is then sent the way the function answers for it
 // (configTransport.viaProxy). An answer the environment would give shares
 // the environment's transport.
 func proxyRoute(cfg *rest.Config, req *http.Request) (route, error) {
+	if cfg.Proxy == nil {
+		return route{}, nil
+	}
 	got, err := cfg.Proxy(req)
 	if err != nil {
 		return route{}, err
 	}
 	if env, err := utilnet.NewProxierWithNoProxyCIDR(http.ProxyFromEnvironment)(req); err == nil && urlString(env) == urlString(got) {
-		return route{env: true}, nil
+		return route{}, nil
 	}
 	return route{
 		url:   urlString(got),

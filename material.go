@@ -220,7 +220,8 @@ func describe(file, inline string) string {
 // generation is one version of an identity's TLS material and its
 // transports. A rotation builds the next and retires this one.
 type generation struct {
-	seq      uint64 // unique in the pool, greater for a newer one
+	seq      uint64    // unique in the pool, greater for a newer one
+	since    time.Time // when it was built, to be taken into use
 	material *material
 	ca       digest // of material.caPEM (clientTransport.pick)
 	conns    *conns.Transports
@@ -237,8 +238,9 @@ func (g *generation) certificate() *x509.Certificate {
 
 // newGeneration builds id's transports for m as client-go's
 // tlsTransportCache builds its own, with the pool's options, counting into
-// the identity's counters. prev is the generation they take over from; nil for the first.
-func newGeneration(id *identity, m *material, prev *generation, opts *options, counters *conns.Counters) (*generation, error) {
+// counters, the identity's. prev is the generation they take over from; nil
+// for the first.
+func newGeneration(id *identity, m *material, prev *generation, v *env, counters *conns.Counters) (*generation, error) {
 	if len(m.certPEM) > 0 && m.cert == nil {
 		return nil, errors.New("sharedtransport: internal error: a client certificate was not checked before use")
 	}
@@ -261,7 +263,7 @@ func newGeneration(id *identity, m *material, prev *generation, opts *options, c
 	if id.tlsConfig != nil {
 		tlsConfig = id.tlsConfig // TLSTransport: the caller's own, which holds no material
 	}
-	g := &generation{material: m, ca: digestOf(m.caPEM)}
+	g := &generation{seq: v.generations.Add(1), since: time.Now(), material: m, ca: digestOf(m.caPEM)}
 	var older *conns.Transports
 	if prev != nil {
 		older = prev.conns
@@ -273,10 +275,10 @@ func newGeneration(id *identity, m *material, prev *generation, opts *options, c
 		ProxyConnectHeader: id.connectHeader,
 		DisableCompression: id.key.disableCompression,
 		DisableHTTP2:       id.key.noHTTP2,
-		KeepAlive:          opts.keepAlive,
+		KeepAlive:          v.opts.keepAlive,
 		// An exec plugin's certificate changes without a new generation, and
 		// a resumed session would authenticate as the old one.
-		ResumeSessions: opts.sessionResumption && id.key.getCert == nil,
+		ResumeSessions: v.opts.sessionResumption && id.key.getCert == nil,
 		Counters:       counters,
 	}, older)
 	return g, nil

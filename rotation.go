@@ -131,12 +131,11 @@ func (e *entry) refresh() {
 		return
 	}
 	if !m.equal(e.current.Load().material) {
-		g, err := newGeneration(e.id, m, e.current.Load(), &v.opts, &e.stats.conn)
+		g, err := newGeneration(e.id, m, e.current.Load(), v, &e.stats.conn)
 		if err != nil {
 			e.reject(err, m, now)
 			return
 		}
-		g.seq = v.generations.Add(1)
 		if !e.rotate(g, v.opts.drainTimeout) {
 			return
 		}
@@ -208,7 +207,6 @@ func (e *entry) rotate(g *generation, drain time.Duration) bool {
 		g.conns.Close(ErrClosed)
 		return false
 	}
-	e.since.Store(time.Now().UnixNano()) // before g is visible: see settled
 	old := e.current.Swap(g)
 	e.mu.Unlock()
 	old.conns.Retire(drain)

@@ -82,22 +82,27 @@ func tlsIdentity(c TLSTransportConfig) (*identity, error) {
 	if tlsConfig.RootCAs != nil {
 		tlsConfig.RootCAs = tlsConfig.RootCAs.Clone() // the caller may add to its own later
 	}
-	id := &identity{
-		key:           identityKey{insecure: tlsConfig.InsecureSkipVerify, serverName: tlsConfig.ServerName},
+	var route string
+	var proxy func(*http.Request) (*url.URL, error)
+	if c.Proxy != nil {
+		u := *c.Proxy
+		route, proxy = u.String(), http.ProxyURL(&u)
+	}
+	return &identity{
+		key: identityKey{
+			insecure:      tlsConfig.InsecureSkipVerify,
+			serverName:    tlsConfig.ServerName,
+			nextProtos:    lengthPrefixed(tlsConfig.NextProtos),
+			proxy:         route,
+			connectHeader: digestOf(canonicalHeader(c.ProxyConnectHeader)),
+			noHTTP2:       noHTTP2(),
+			fixedTLS:      fmt.Sprintf("min=%d max=%d roots=%d", tlsConfig.MinVersion, tlsConfig.MaxVersion, rootsID(tlsConfig.RootCAs)),
+		},
 		nextProtos:    tlsConfig.NextProtos,
 		connectHeader: c.ProxyConnectHeader.Clone(),
 		tlsConfig:     tlsConfig,
-	}
-	id.key.noHTTP2 = noHTTP2()
-	proxy := ""
-	if c.Proxy != nil {
-		u := *c.Proxy
-		id.proxy = http.ProxyURL(&u)
-		proxy = u.String()
-	}
-	id.completeKey("", proxy)
-	id.key.fixedTLS = fmt.Sprintf("min=%d max=%d roots=%d", tlsConfig.MinVersion, tlsConfig.MaxVersion, rootsID(tlsConfig.RootCAs))
-	return id, nil
+		proxy:         proxy,
+	}, nil
 }
 
 // tlsFieldsKept are the fields of a tls.Config TLSTransport keeps.

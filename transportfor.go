@@ -283,21 +283,8 @@ func (c *configTransport) WrappedRoundTripper() http.RoundTripper {
 
 var _ utilnet.RoundTripperWrapper = &configTransport{}
 
-// sameURL compares two proxy URLs field by field: it runs per request, and
-// String would build two strings each time.
+// sameURL reports whether two proxy URLs are the same, most often without
+// building their strings: it runs per request.
 func sameURL(a, b *url.URL) bool {
-	if a == nil || b == nil || a == b {
-		return a == b
-	}
-	return a.Scheme == b.Scheme && a.Host == b.Host && a.Opaque == b.Opaque && a.Path == b.Path &&
-		a.RawQuery == b.RawQuery && sameUser(a.User, b.User)
-}
-
-func sameUser(a, b *url.Userinfo) bool {
-	if a == nil || b == nil {
-		return a == b
-	}
-	pa, oka := a.Password()
-	pb, okb := b.Password()
-	return a.Username() == b.Username() && pa == pb && oka == okb
+	return a == b || a != nil && b != nil && (*a == *b || a.String() == b.String())
 }

@@ -73,18 +73,34 @@ type hook struct {
 // config per request would have it read them for every config.
 func newHook(r *registry, s sharing, l *lease) (*hook, error) {
 	h := &hook{reg: r, id: s.id, base: s.tc, lease: weak.Make(l)}
-	e := l.e
-	seq := e.current.Load().seq
-	if e.clientGoFound(seq, nil) {
-		return h, nil
+	if seq := l.e.current.Load().seq; !l.e.clientGoFound(seq, nil) {
+		if err := h.askClientGo(l.e, seq); err != nil {
+			return nil, fmt.Errorf("sharedtransport: %w", err)
+		}
 	}
-	rt, err := clientGoTransport(s.tc)
-	if err != nil {
-		return nil, fmt.Errorf("sharedtransport: %w", err)
-	}
-	e.rememberClientGo(seq, rt)
-	h.askedFor = seq
 	return h, nil
+}
+
+// askClientGo asks client-go's cache for its transport for h.base, once
+// while the generation numbered g is current, and keeps the answer in e.
+// It asks without the lock: client-go reads the files. The answer is kept
+// before askedFor is set, for concurrent calls that see askedFor.
+func (h *hook) askClientGo(e *entry, g uint64) error {
+	h.mu.Lock()
+	asked := h.askedFor == g
+	h.mu.Unlock()
+	if asked {
+		return nil
+	}
+	rt, err := clientGoTransport(h.base)
+	if err != nil {
+		return err
+	}
+	e.rememberClientGo(g, rt)
+	h.mu.Lock()
+	h.askedFor = g
+	h.mu.Unlock()
+	return nil
 }
 
 // clientGoTransport returns the transport client-go builds, or takes from
@@ -168,25 +184,12 @@ func (h *hook) agrees(rt http.RoundTripper, e *entry) (*generation, bool) {
 		// would without the pool.
 		return nil, false
 	}
-	cur := e.current.Load()
-	g := cur.seq
-	if e.clientGoFound(g, rt) {
-		return cur, true
+	g := e.current.Load()
+	if e.clientGoFound(g.seq, rt) {
+		return g, true
 	}
-	h.mu.Lock()
-	asked := h.askedFor == g
-	h.mu.Unlock()
-	if !asked {
-		// Without the lock: client-go reads the files. The answer is kept
-		// before askedFor is set, for concurrent calls that see askedFor.
-		if now, err := clientGoTransport(h.base); err == nil {
-			e.rememberClientGo(g, now)
-		}
-		h.mu.Lock()
-		h.askedFor = g
-		h.mu.Unlock()
-	}
-	return cur, e.clientGoFound(g, rt)
+	_ = h.askClientGo(e, g.seq) // a failure leaves rt to client-go
+	return g, e.clientGoFound(g.seq, rt)
 }
 
 // clientGoFound reports whether client-go's cache held rt for a config of
@@ -279,13 +282,13 @@ func (c *clientTransport) RoundTrip(req *http.Request) (*http.Response, error) {
 	if c.handedOut.Load() {
 		return c.clientGo.RoundTrip(req)
 	}
-	return c.lease.roundTrip(req, c, c.clientGo)
+	return c.lease.roundTrip(req, c.pick, c.clientGo)
 }
 
-// pick sends req over the current generation while it trusts what the
+// pick sends requests over the current generation while it trusts what the
 // client was built to trust; after a CA change, through client-go's
 // transport, which trusts what client-go alone would.
-func (c *clientTransport) pick(*http.Request) *generation {
+func (c *clientTransport) pick() *generation {
 	g := c.lease.e.current.Load()
 	if !c.pinCA || g.ca == c.ca {
 		return g
