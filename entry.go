@@ -1,24 +1,22 @@
-// An identity's place in a pool and its lifetime: the registry of entries,
-// each built once at first use; the leases configs and clients hold on it;
-// the idle grace that releases it after the last lease is collected; and
-// the lease as a round tripper, which moves a request a rotation closed
-// under it before it was sent to the current generation.
+// An identity's place in a pool and how long it stays: the registry of
+// entries, each built once at first use; the leases that hold an entry,
+// held by configs Wrap shared and the clients built from them, weakly by
+// hooks; and the idle grace that releases an entry after its last lease is
+// collected.
 
 package sharedtransport
 
 import (
 	"errors"
-	"fmt"
+	"k8s.io/client-go/rest"
 	"net/http"
 	"runtime"
 	"sync"
 	"sync/atomic"
 	"time"
+	"weak"
 
 	"golang.org/x/sync/singleflight"
-	utilnet "k8s.io/apimachinery/pkg/util/net"
-
-	"github.com/sharedtransport/sharedtransport/internal/conns"
 )
 
 // ErrClosed is returned by [Pool.Wrap] and [Pool.TransportFor] on a closed
@@ -97,9 +95,7 @@ func (r *registry) acquire(id *identity) (*lease, error) {
 			if !built {
 				r.stats.hits.Add(1)
 			}
-			l := &lease{e: e}
-			runtime.AddCleanup(l, r.release, e)
-			return l, nil
+			return r.newLease(e), nil
 		}
 		b, err := r.buildOnce(id)
 		if err != nil {
@@ -328,60 +324,49 @@ func (e *entry) close() {
 // built from them is reachable, so is its lease, and the entry stays.
 type lease struct{ e *entry }
 
-// holdLease is the cleanup that keeps a lease reachable until the config
-// it is attached to is collected.
-func holdLease(*lease) {}
-
-// RoundTrip sends req through the identity's current transports; ErrClosed
-// means the pool or the identity was closed.
-func (l *lease) RoundTrip(req *http.Request) (*http.Response, error) {
-	return l.roundTrip(req, nil, nil)
+// newLease returns a lease on e, a reference the registry counted: it is
+// released when the lease is collected.
+func (r *registry) newLease(e *entry) *lease {
+	l := &lease{e: e}
+	runtime.AddCleanup(l, r.release, e)
+	return l
 }
 
-// maxResends bounds how often a request is moved to a newer generation
-// because its own closed before it was sent.
-const maxResends = 3
+// holdLease keeps l reachable until cfg is collected: a hook holds its
+// lease weakly (weakLease), and the config Wrap was given holds it.
+func holdLease(cfg *rest.Config, l *lease) {
+	runtime.AddCleanup(cfg, func(*lease) {}, l)
+}
 
-// roundTrip sends req through the generation pick picks (nil: the current
-// one), or through other when it picks none. A request its generation's
-// close refused before it was sent goes on the one picked then.
-func (l *lease) roundTrip(req *http.Request, pick func() *generation, other http.RoundTripper) (*http.Response, error) {
-	for resends := 0; ; resends++ {
-		if l.e.closed.Load() {
-			return nil, fmt.Errorf("%w: build the client from a config wrapped by an open pool", ErrClosed)
-		}
-		g := l.e.current.Load()
-		if pick != nil {
-			g = pick()
-		}
-		if g == nil {
-			return other.RoundTrip(req) // not the pool's: as it came
-		}
-		var err error
-		if req, err = conns.Replayable(req); err != nil { // once: what it returns has GetBody
-			return nil, err
-		}
-		resp, err := g.conns.RoundTrip(req, l)
-		switch {
-		case err == nil:
-			return resp, nil
-		case l.e.closed.Load(): // rather than what the cut connection reported
-			return nil, fmt.Errorf("%w while the request ran: %w", ErrClosed, err)
-		case !errors.Is(err, conns.ErrRetired) || resends == maxResends:
-			return nil, err
-		}
-		if req, err = conns.Resendable(req, err); err != nil {
-			return nil, err
-		}
+// weakLease is a hook's hold on a lease. client-go before v0.36 keeps the
+// WrapTransport of the first config of each cache key for good (the cached
+// transport's certificate callback captures it): a hook holding its lease
+// would hold the identity for good. The wrapped config and its clients
+// hold the lease; a hook whose lease was collected takes a new one.
+type weakLease struct {
+	mu sync.Mutex
+	p  weak.Pointer[lease]
+}
+
+// get returns the lease, taking a new one on id's entry when it was
+// collected. Taking one may read the files, so the lock is not held: of two
+// taken at once, the first stored is kept.
+func (w *weakLease) get(r *registry, id *identity) (*lease, error) {
+	w.mu.Lock()
+	l := w.p.Value()
+	w.mu.Unlock()
+	if l != nil {
+		return l, nil
 	}
+	l, err := r.acquire(id)
+	if err != nil {
+		return nil, err
+	}
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if kept := w.p.Value(); kept != nil {
+		return kept, nil
+	}
+	w.p = weak.Make(l)
+	return l, nil
 }
-
-// WrappedRoundTripper lets client-go helpers (utilnet.TLSClientConfig) see
-// the shared transport, which carries every request but upgrades.
-func (l *lease) WrappedRoundTripper() http.RoundTripper { return l.e.current.Load().conns.Shared() }
-
-var _ utilnet.RoundTripperWrapper = &lease{}
-
-// CloseIdleConnections closes the idle connections of the identity's
-// transports, other clients' included, as on client-go's shared transports.
-func (l *lease) CloseIdleConnections() { l.e.current.Load().conns.CloseIdle() }

@@ -53,15 +53,6 @@ type identityKey struct {
 	fixedTLS string
 }
 
-type digest [sha256.Size]byte
-
-func digestOf(b []byte) digest {
-	if len(b) == 0 {
-		return digest{}
-	}
-	return sha256.Sum256(b)
-}
-
 // nameSecret keys the names identities are printed with: a plain digest
 // would let a log reader test guesses (a proxy password) offline.
 var nameSecret = sync.OnceValue(func() []byte {

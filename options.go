@@ -1,5 +1,5 @@
 // The options New takes, their defaults, and the environment every layer of
-// a pool shares: options and counters.
+// a pool shares: options, and the counters Stats reports.
 
 package sharedtransport
 
@@ -24,6 +24,31 @@ type env struct {
 
 	undeclaredOnce sync.Once // logs the first config passed through for undeclared wrappers
 	functionsOnce  sync.Once // logs the first config Wrap passes through for its Proxy or Dial
+}
+
+// Stats are plain counters of what a pool did since it was created.
+type Stats struct {
+	Identities int // identities with a live transport
+
+	// Hits and Misses count the lookups of an identity's transport: one per
+	// [Pool.Wrap] and [Pool.TransportFor] of a config the pool shares, and
+	// one when a hook takes its released identity again ([WithIdleTimeout]).
+	// A miss built the transport; a hit found it, or waited for it.
+	Hits   uint64
+	Misses uint64
+	// PassThrough counts what is left to client-go's own transport: each
+	// config [Pool.Wrap] or [Pool.TransportFor] does not share, and, once,
+	// each client of a wrapped config that keeps client-go's transport (SPDY
+	// or websocket, a copy of another identity, files failing to load).
+	PassThrough uint64
+
+	WrapErrors     uint64 // configs the [Pool.WrapConfigFn] adapter left unwrapped
+	Dials          uint64 // TCP connections dialed
+	OpenConns      int    // TCP connections open now
+	Handshakes     uint64 // full TLS handshakes
+	Resumptions    uint64 // resumed TLS handshakes
+	Rotations      uint64 // certificate or CA changes taken into use
+	RotationErrors uint64 // reloads rejected (the last good material was kept)
 }
 
 // counters are what the pool counts itself; what happens to an identity's

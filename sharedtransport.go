@@ -7,7 +7,6 @@ package sharedtransport
 
 import (
 	"fmt"
-	"runtime"
 	"sync"
 
 	"k8s.io/client-go/rest"
@@ -106,7 +105,7 @@ func (p *Pool) wrap(cfg *rest.Config, g given) error {
 	if err != nil {
 		return err
 	}
-	runtime.AddCleanup(cfg, holdLease, l) // the hook holds it weakly (see hook)
+	holdLease(cfg, l)
 	cfg.WrapTransport = transport.Wrappers(h.wrap, cfg.WrapTransport)
 	return nil
 }
@@ -138,31 +137,6 @@ func (p *Pool) String() string {
 func (p *Pool) GoString() string { return p.String() }
 
 func (p *Pool) isClosed() bool { return p.reg.isClosed() }
-
-// Stats are plain counters of what a pool did since it was created.
-type Stats struct {
-	Identities int // identities with a live transport
-
-	// Hits and Misses count the lookups of an identity's transport: one per
-	// [Pool.Wrap] and [Pool.TransportFor] of a config the pool shares, and
-	// one when a hook takes its released identity again ([WithIdleTimeout]).
-	// A miss built the transport; a hit found it, or waited for it.
-	Hits   uint64
-	Misses uint64
-	// PassThrough counts what is left to client-go's own transport: each
-	// config [Pool.Wrap] or [Pool.TransportFor] does not share, and, once,
-	// each client of a wrapped config that keeps client-go's transport (SPDY
-	// or websocket, a copy of another identity, files failing to load).
-	PassThrough uint64
-
-	WrapErrors     uint64 // configs the [Pool.WrapConfigFn] adapter left unwrapped
-	Dials          uint64 // TCP connections dialed
-	OpenConns      int    // TCP connections open now
-	Handshakes     uint64 // full TLS handshakes
-	Resumptions    uint64 // resumed TLS handshakes
-	Rotations      uint64 // certificate or CA changes taken into use
-	RotationErrors uint64 // reloads rejected (the last good material was kept)
-}
 
 // Stats returns a snapshot of the pool's counters.
 func (p *Pool) Stats() Stats {

@@ -50,17 +50,15 @@ import (
 // transport for it trusts exactly the shared one's roots (trustsAlike), and
 // only while the identity's CA stays what it was then (clientTransport.pick).
 //
-// The hook holds its lease weakly: client-go before v0.36 keeps the
-// WrapTransport of the first config of each cache key for good (the cached
-// transport's certificate callback captures it). The wrapped config and its
-// clients hold the lease; a hook whose lease was collected takes a new one.
+// The hook holds its lease weakly (weakLease).
 type hook struct {
 	reg  *registry
 	id   *identity
 	base *transport.Config // the wrapped config's, as Wrap found it: what client-go's cache is asked for
 
-	mu    sync.Mutex // guards lease and askedFor
-	lease weak.Pointer[lease]
+	lease weakLease
+
+	mu sync.Mutex // guards askedFor
 	// askedFor is the seq of the generation current when the hook last
 	// asked client-go's cache for base (the answer is kept in
 	// entry.clientGo).
@@ -72,7 +70,8 @@ type hook struct {
 // current generation was: client-go reads the files when asked, and a
 // config per request would have it read them for every config.
 func newHook(r *registry, s sharing, l *lease) (*hook, error) {
-	h := &hook{reg: r, id: s.id, base: s.tc, lease: weak.Make(l)}
+	h := &hook{reg: r, id: s.id, base: s.tc}
+	h.lease.p = weak.Make(l)
 	if seq := l.e.current.Load().seq; !l.e.clientGoFound(seq, nil) {
 		if err := h.askClientGo(l.e, seq); err != nil {
 			return nil, fmt.Errorf("sharedtransport: %w", err)
@@ -127,7 +126,7 @@ func (h *hook) wrap(rt http.RoundTripper) http.RoundTripper {
 	case *clientTransport, *configTransport, closedRoundTripper:
 		return rt // a hook installed later, or TransportFor, already decided
 	}
-	l, err := h.current()
+	l, err := h.lease.get(h.reg, h.id)
 	switch {
 	case errors.Is(err, ErrClosed):
 		return closedRoundTripper{}
@@ -230,29 +229,6 @@ func (id *identity) withWrapperHeader(rt http.RoundTripper) http.RoundTripper {
 	t = t.Clone()
 	t.ProxyConnectHeader = id.connectHeader.Clone()
 	return t
-}
-
-// current returns the hook's lease, taking a new one when it was collected.
-// Taking one may read the files, so the lock is not held: of two taken at
-// once, the first stored is kept.
-func (h *hook) current() (*lease, error) {
-	h.mu.Lock()
-	l := h.lease.Value()
-	h.mu.Unlock()
-	if l != nil {
-		return l, nil
-	}
-	l, err := h.reg.acquire(h.id)
-	if err != nil {
-		return nil, err
-	}
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	if kept := h.lease.Value(); kept != nil {
-		return kept, nil
-	}
-	h.lease = weak.Make(l)
-	return l, nil
 }
 
 type closedRoundTripper struct{}

@@ -1,0 +1,69 @@
+// A lease as a round tripper: it sends a request through its identity's
+// current generation, and moves a request a rotation closed under it
+// before it was sent to the next.
+
+package sharedtransport
+
+import (
+	"errors"
+	"fmt"
+	"net/http"
+
+	utilnet "k8s.io/apimachinery/pkg/util/net"
+
+	"github.com/sharedtransport/sharedtransport/internal/conns"
+)
+
+// RoundTrip sends req through the identity's current transports; ErrClosed
+// means the pool or the identity was closed.
+func (l *lease) RoundTrip(req *http.Request) (*http.Response, error) {
+	return l.roundTrip(req, nil, nil)
+}
+
+// maxResends bounds how often a request is moved to a newer generation
+// because its own closed before it was sent.
+const maxResends = 3
+
+// roundTrip sends req through the generation pick picks (nil: the current
+// one), or through other when it picks none. A request its generation's
+// close refused before it was sent goes on the one picked then.
+func (l *lease) roundTrip(req *http.Request, pick func() *generation, other http.RoundTripper) (*http.Response, error) {
+	for resends := 0; ; resends++ {
+		if l.e.closed.Load() {
+			return nil, fmt.Errorf("%w: build the client from a config wrapped by an open pool", ErrClosed)
+		}
+		g := l.e.current.Load()
+		if pick != nil {
+			g = pick()
+		}
+		if g == nil {
+			return other.RoundTrip(req) // not the pool's: as it came
+		}
+		var err error
+		if req, err = conns.Replayable(req); err != nil { // once: what it returns has GetBody
+			return nil, err
+		}
+		resp, err := g.conns.RoundTrip(req, l)
+		switch {
+		case err == nil:
+			return resp, nil
+		case l.e.closed.Load(): // rather than what the cut connection reported
+			return nil, fmt.Errorf("%w while the request ran: %w", ErrClosed, err)
+		case !errors.Is(err, conns.ErrRetired) || resends == maxResends:
+			return nil, err
+		}
+		if req, err = conns.Resendable(req, err); err != nil {
+			return nil, err
+		}
+	}
+}
+
+// WrappedRoundTripper lets client-go helpers (utilnet.TLSClientConfig) see
+// the shared transport, which carries every request but upgrades.
+func (l *lease) WrappedRoundTripper() http.RoundTripper { return l.e.current.Load().conns.Shared() }
+
+var _ utilnet.RoundTripperWrapper = &lease{}
+
+// CloseIdleConnections closes the idle connections of the identity's
+// transports, other clients' included, as on client-go's shared transports.
+func (l *lease) CloseIdleConnections() { l.e.current.Load().conns.CloseIdle() }
