@@ -29,19 +29,8 @@ import (
 // field of client-go's key, and so on everything that reaches the
 // connection. Any other transport (another certificate, a Proxy or Dial
 // added, SPDY) passes through. Every field of the identity is one
-// client-go's key holds the same way, except the CA of a watched file:
-//
-//	identity (identity.go)      client-go's key (transport/cache.go)
-//	insecure, serverName,       the same fields
-//	nextProtos, compression
-//	certFile, keyFile           the paths, when both are files without data
-//	certData, keyData           the bytes otherwise (here: their digests)
-//	getCert                     the same *GetCertHolder
-//	caData                      the bytes
-//	caFile, watched             the path from v0.36 with ClientsAllowCARotation;
-//	                            before, or with the gate off, the bytes read
-//	proxy, dialName             never reach a hook: Wrap passes them through
-//	connectHeader               declared by the caller, not client-go's
+// client-go's key holds the same way (docs/design.md, "What client-go's key
+// holds"), except the CA of a watched file.
 //
 // Where client-go keys a watched CA file by its bytes (caFileByPath false),
 // a copy carrying those bytes inline, or in another file, is handed the
