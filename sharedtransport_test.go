@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"net"
 	"net/http"
-	"net/url"
 	"path/filepath"
 	"runtime"
 	"strings"
@@ -30,140 +29,6 @@ import (
 
 	"github.com/sharedtransport/sharedtransport/internal/testserver"
 )
-
-// fixture is a TLS server with HTTP/2 (100 streams), client-certificate
-// auth and server-side connection counting, plus client certificates.
-type fixture struct {
-	srv               *testserver.Server
-	ca                *testserver.CA
-	alice, bob, carol *testserver.KeyPair
-	dir               string
-}
-
-func newFixture(t testing.TB, opts testserver.Options) *fixture {
-	t.Helper()
-	ca, err := testserver.NewCA("test-ca")
-	must(t, err)
-	opts.CA = ca
-	srv, err := testserver.Start(opts)
-	must(t, err)
-	t.Cleanup(func() { srv.Close() })
-	f := &fixture{srv: srv, ca: ca, dir: t.TempDir()}
-	for _, p := range []struct {
-		kp   **testserver.KeyPair
-		name string
-	}{{&f.alice, "alice"}, {&f.bob, "bob"}, {&f.carol, "carol"}} {
-		if *p.kp, err = ca.IssueClient(p.name); err != nil {
-			t.Fatal(err)
-		}
-	}
-	return f
-}
-
-// startServer starts another server of the fixture's CA with opts, closed
-// when the test ends.
-func (f *fixture) startServer(t testing.TB, opts testserver.Options) *testserver.Server {
-	t.Helper()
-	opts.CA = f.ca
-	srv, err := testserver.Start(opts)
-	must(t, err)
-	t.Cleanup(func() { srv.Close() })
-	return srv
-}
-
-// kubeconfig writes a kubeconfig for client with certificate files beside it.
-func (f *fixture) kubeconfig(t testing.TB, name string, client *testserver.KeyPair) testserver.Paths {
-	t.Helper()
-	paths, err := f.srv.WriteKubeconfig(filepath.Join(f.dir, name+".kubeconfig"), client, false)
-	must(t, err)
-	return paths
-}
-
-// must fails t at once on err.
-func must(t testing.TB, err error) {
-	t.Helper()
-	if err != nil {
-		t.Fatal(err)
-	}
-}
-
-func newPool(t testing.TB, opts ...Option) *Pool {
-	t.Helper()
-	p := New(opts...)
-	t.Cleanup(func() { p.Close() })
-	return p
-}
-
-func listNodes(ctx context.Context, cfg *rest.Config) error {
-	cs, err := kubernetes.NewForConfig(cfg)
-	if err != nil {
-		return err
-	}
-	_, err = cs.CoreV1().Nodes().List(ctx, metav1.ListOptions{})
-	return err
-}
-
-func nilProxy(*http.Request) (*url.URL, error) { return nil, nil }
-
-// seedLoad is the seed's load: workers x requests, each request through a
-// fresh rest.Config (from the kubeconfig file) and a fresh clientset, which
-// newClient builds.
-func seedLoad(t testing.TB, workers, requests int, newClient func() (kubernetes.Interface, error)) {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-	defer cancel()
-	requireNoErrors(t, runClients(workers, requests, func(int, int) error {
-		cs, err := newClient()
-		if err != nil {
-			return err
-		}
-		_, err = cs.CoreV1().Nodes().List(ctx, metav1.ListOptions{})
-		return err
-	}))
-}
-
-// wrapped returns a clientset for cfg after wrap(cfg).
-func wrapped(cfg *rest.Config, wrap func(*rest.Config) error) (kubernetes.Interface, error) {
-	if err := wrap(cfg); err != nil {
-		return nil, err
-	}
-	return kubernetes.NewForConfig(cfg)
-}
-
-// pooledClientset returns a clientset for cfg over p.HTTPClientFor, the
-// entry point for a config with a Proxy or Dial function.
-func pooledClientset(p *Pool, cfg *rest.Config) (kubernetes.Interface, error) {
-	hc, err := p.HTTPClientFor(cfg)
-	if err != nil {
-		return nil, err
-	}
-	return kubernetes.NewForConfigAndClient(cfg, hc)
-}
-
-// declaredClientset hands cfg to p as a caller would, its wrappers declared
-// by opts: through HTTPClientFor for a config with a Proxy or Dial
-// (Wrap passes those through), through Wrap otherwise.
-func declaredClientset(p *Pool, cfg *rest.Config, opts ...CallOption) (*kubernetes.Clientset, error) {
-	if cfg.Proxy != nil || cfg.Dial != nil {
-		hc, err := p.HTTPClientFor(cfg, opts...)
-		if err != nil {
-			return nil, err
-		}
-		return kubernetes.NewForConfigAndClient(cfg, hc)
-	}
-	if err := p.Wrap(cfg, opts...); err != nil {
-		return nil, err
-	}
-	return kubernetes.NewForConfig(cfg)
-}
-
-// wrapFn and transportForFn are p.Wrap and p.TransportFor without
-// declarations, in the shapes of client-go's functions they stand beside.
-func wrapFn(p *Pool) func(*rest.Config) error { return func(c *rest.Config) error { return p.Wrap(c) } }
-
-func transportForFn(p *Pool) func(*rest.Config) (http.RoundTripper, error) {
-	return func(c *rest.Config) (http.RoundTripper, error) { return p.TransportFor(c) }
-}
 
 // TestSeedLoad: the seed's load, 100 workers x 20 requests, each through a
 // fresh config and clientset from one kubeconfig. With the pool the server
@@ -583,17 +448,6 @@ func TestLifetime(t *testing.T) {
 	waitFor(t, "server sees every connection closed", func() bool { return f.srv.Stats().Open == 0 })
 	if st := p.Stats(); st.OpenConns != 0 {
 		t.Errorf("pool counts %d open connections after Close", st.OpenConns)
-	}
-}
-
-func waitFor(t testing.TB, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting: %s", what)
-		}
-		time.Sleep(10 * time.Millisecond)
 	}
 }
 

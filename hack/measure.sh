@@ -244,7 +244,7 @@ cat <<EOF
 
 ## Benchmarks
 
-The root package's benchmarks (\`bench_test.go\`, \`churn_test.go\`,
+The root package's benchmarks (\`bench_test.go\`, \`entry_churn_test.go\`,
 \`bench_linux_test.go\`), each run on its own. A cell is the median over
 \`-count\` runs; "(0.95x)" is the ratio of that median to the baseline's, run
 in the same invocation: the row the benchmark names as client-go's (or

@@ -373,15 +373,22 @@ func TestAdversaryDisableHTTP2AfterWrap(t *testing.T) {
 func TestAdversaryClientGoTransportCreated(t *testing.T) {
 	f := newFixture(t, testserver.Options{})
 	r := newCopyRig(t, testserver.Options{CA: f.ca})
-	refreshers := func() int {
-		buf := make([]byte, 1<<22)
-		n := 0
-		for _, g := range strings.Split(string(buf[:runtime.Stack(buf, true)]), "\n\n") {
+	// refreshers returns the goroutine IDs of the refreshers running: IDs
+	// are never reused, so those not seen before were started since, however
+	// many of earlier tests' refreshers ended meanwhile.
+	refreshers := func() map[string]bool {
+		buf := make([]byte, 1<<20)
+		n := runtime.Stack(buf, true)
+		for ; n == len(buf); n = runtime.Stack(buf, true) { // cut short: the newest goroutines come last
+			buf = make([]byte, 2*len(buf))
+		}
+		ids := map[string]bool{}
+		for _, g := range strings.Split(string(buf[:n]), "\n\n") {
 			if strings.Contains(g, "transport.(*dynamicClientCert).Run(") {
-				n++
+				ids[strings.Fields(g)[1]] = true // "goroutine ID [state]:"
 			}
 		}
-		return n
+		return ids
 	}
 	var started [2]int
 	for i, wrapped := range []bool{false, true} {
@@ -391,7 +398,7 @@ func TestAdversaryClientGoTransportCreated(t *testing.T) {
 			must(t, newPool(t).Wrap(orig))
 		}
 		time.Sleep(100 * time.Millisecond) // let Wrap's goroutines show in the dump
-		n := refreshers()
+		before := refreshers()
 		cp := rest.CopyConfig(orig)
 		cp.Proxy = proxyTo(r.proxies[0])
 		c := r.client(cp)
@@ -399,11 +406,19 @@ func TestAdversaryClientGoTransportCreated(t *testing.T) {
 			t.Fatalf("wrapped %v: %+v", wrapped, o)
 		}
 		time.Sleep(100 * time.Millisecond) // let started goroutines show in the dump
-		started[i] = refreshers() - n
+		for id := range refreshers() {
+			if !before[id] {
+				started[i]++
+			}
+		}
 	}
 	if started[1] != started[0] {
 		t.Errorf("a client of a copy with Proxy started %d certificate refreshers through the pool, %d through client-go alone", started[1], started[0])
 	}
+	if started[0] == 0 {
+		t.Error("the control started no certificate refresher: the test sees none")
+	}
+	t.Logf("a client of a copy with Proxy started %d certificate refreshers through the pool, %d through client-go alone", started[1], started[0])
 }
 
 // TestAdversaryFirstRequestGate: until a generation knows whether the server

@@ -1,9 +1,9 @@
 package sharedtransport
 
-// Test doubles for the fault and isolation tests: a TCP relay that can stop
-// forwarding without closing, internal/connectproxy's CONNECT proxy as the
-// tests use it, a client-go exec credential plugin, and certificates that
-// share a key.
+// The fixture the package's tests share: an API server with client
+// certificate auth that counts its connections, kubeconfigs, certificate
+// files written the way the real writers write them, relays and CONNECT
+// proxies that count connections, and the load loops.
 
 import (
 	"context"
@@ -15,8 +15,10 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"net/url"
 	"os"
 	"path/filepath"
+	"runtime/debug"
 	"strconv"
 	"strings"
 	"sync"
@@ -24,13 +26,365 @@ import (
 	"testing"
 	"time"
 
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	utilnet "k8s.io/apimachinery/pkg/util/net"
+	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 
 	"github.com/sharedtransport/sharedtransport/internal/connectproxy"
 	"github.com/sharedtransport/sharedtransport/internal/testserver"
 )
+
+// fixture is a TLS server with HTTP/2 (100 streams), client-certificate
+// auth and server-side connection counting, plus client certificates.
+type fixture struct {
+	srv               *testserver.Server
+	ca                *testserver.CA
+	alice, bob, carol *testserver.KeyPair
+	dir               string
+}
+
+func newFixture(t testing.TB, opts testserver.Options) *fixture {
+	t.Helper()
+	ca, err := testserver.NewCA("test-ca")
+	must(t, err)
+	opts.CA = ca
+	srv, err := testserver.Start(opts)
+	must(t, err)
+	t.Cleanup(func() { srv.Close() })
+	f := &fixture{srv: srv, ca: ca, dir: t.TempDir()}
+	for _, p := range []struct {
+		kp   **testserver.KeyPair
+		name string
+	}{{&f.alice, "alice"}, {&f.bob, "bob"}, {&f.carol, "carol"}} {
+		if *p.kp, err = ca.IssueClient(p.name); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return f
+}
+
+// startServer starts another server of the fixture's CA with opts, closed
+// when the test ends.
+func (f *fixture) startServer(t testing.TB, opts testserver.Options) *testserver.Server {
+	t.Helper()
+	opts.CA = f.ca
+	srv, err := testserver.Start(opts)
+	must(t, err)
+	t.Cleanup(func() { srv.Close() })
+	return srv
+}
+
+// kubeconfig writes a kubeconfig for client with certificate files beside it.
+func (f *fixture) kubeconfig(t testing.TB, name string, client *testserver.KeyPair) testserver.Paths {
+	t.Helper()
+	paths, err := f.srv.WriteKubeconfig(filepath.Join(f.dir, name+".kubeconfig"), client, false)
+	must(t, err)
+	return paths
+}
+
+// must fails t at once on err.
+func must(t testing.TB, err error) {
+	t.Helper()
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
+func newPool(t testing.TB, opts ...Option) *Pool {
+	t.Helper()
+	p := New(opts...)
+	t.Cleanup(func() { p.Close() })
+	return p
+}
+
+func listNodes(ctx context.Context, cfg *rest.Config) error {
+	cs, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		return err
+	}
+	_, err = cs.CoreV1().Nodes().List(ctx, metav1.ListOptions{})
+	return err
+}
+
+func nilProxy(*http.Request) (*url.URL, error) { return nil, nil }
+
+// seedLoad is the seed's load: workers x requests, each request through a
+// fresh rest.Config (from the kubeconfig file) and a fresh clientset, which
+// newClient builds.
+func seedLoad(t testing.TB, workers, requests int, newClient func() (kubernetes.Interface, error)) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	requireNoErrors(t, runClients(workers, requests, func(int, int) error {
+		cs, err := newClient()
+		if err != nil {
+			return err
+		}
+		_, err = cs.CoreV1().Nodes().List(ctx, metav1.ListOptions{})
+		return err
+	}))
+}
+
+// wrapped returns a clientset for cfg after wrap(cfg).
+func wrapped(cfg *rest.Config, wrap func(*rest.Config) error) (kubernetes.Interface, error) {
+	if err := wrap(cfg); err != nil {
+		return nil, err
+	}
+	return kubernetes.NewForConfig(cfg)
+}
+
+// pooledClientset returns a clientset for cfg over p.HTTPClientFor, the
+// entry point for a config with a Proxy or Dial function.
+func pooledClientset(p *Pool, cfg *rest.Config) (kubernetes.Interface, error) {
+	hc, err := p.HTTPClientFor(cfg)
+	if err != nil {
+		return nil, err
+	}
+	return kubernetes.NewForConfigAndClient(cfg, hc)
+}
+
+// declaredClientset hands cfg to p as a caller would, its wrappers declared
+// by opts: through HTTPClientFor for a config with a Proxy or Dial
+// (Wrap passes those through), through Wrap otherwise.
+func declaredClientset(p *Pool, cfg *rest.Config, opts ...CallOption) (*kubernetes.Clientset, error) {
+	if cfg.Proxy != nil || cfg.Dial != nil {
+		hc, err := p.HTTPClientFor(cfg, opts...)
+		if err != nil {
+			return nil, err
+		}
+		return kubernetes.NewForConfigAndClient(cfg, hc)
+	}
+	if err := p.Wrap(cfg, opts...); err != nil {
+		return nil, err
+	}
+	return kubernetes.NewForConfig(cfg)
+}
+
+// wrapFn and transportForFn are p.Wrap and p.TransportFor without
+// declarations, in the shapes of client-go's functions they stand beside.
+func wrapFn(p *Pool) func(*rest.Config) error { return func(c *rest.Config) error { return p.Wrap(c) } }
+
+func transportForFn(p *Pool) func(*rest.Config) (http.RoundTripper, error) {
+	return func(c *rest.Config) (http.RoundTripper, error) { return p.TransportFor(c) }
+}
+
+// waitFor waits up to 10 s for cond.
+func waitFor(t testing.TB, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting: %s", what)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// Certificate files as a kubeconfig names them, written the way the real
+// writers write them.
+
+// certDir holds a client certificate, key and CA as files, written the way
+// one of the real writers writes them.
+type certDir struct {
+	dir           string
+	cert, key, ca string // the paths a kubeconfig names
+	layout        string
+	generation    int
+}
+
+const (
+	inPlace      = "in-place rewrite"
+	renameOver   = "temp file renamed over"
+	secretVolume = "secret volume ..data swap"
+	deleteCreate = "delete, then create later"
+	certThenKey  = "cert written before key"
+)
+
+func newCertDir(t testing.TB, layout string, kp *testserver.KeyPair, ca []byte) *certDir {
+	t.Helper()
+	return writeCertDir(t, t.TempDir(), layout, kp, ca)
+}
+
+// writeCredFiles writes a CA, certificate and key file into dir (created if
+// missing); later writes rename new files over them.
+func writeCredFiles(t testing.TB, dir string, ca []byte, kp *testserver.KeyPair) *certDir {
+	t.Helper()
+	return writeCertDir(t, dir, renameOver, kp, ca)
+}
+
+func writeCertDir(t testing.TB, dir, layout string, kp *testserver.KeyPair, ca []byte) *certDir {
+	t.Helper()
+	must(t, os.MkdirAll(dir, 0o700))
+	d := &certDir{dir: dir, layout: layout,
+		cert: filepath.Join(dir, "tls.crt"), key: filepath.Join(dir, "tls.key"), ca: filepath.Join(dir, "ca.crt")}
+	if layout == secretVolume {
+		for _, name := range []string{"tls.crt", "tls.key", "ca.crt"} {
+			must(t, os.Symlink(filepath.Join("..data", name), filepath.Join(dir, name)))
+		}
+	}
+	d.write(t, kp, ca)
+	return d
+}
+
+func (d *certDir) config(host string) *rest.Config {
+	c := &rest.Config{Host: host}
+	c.CertFile, c.KeyFile, c.CAFile = d.cert, d.key, d.ca
+	return c
+}
+
+// wrapped returns a config naming d's files for host, wrapped by p, and a
+// clientset built from it.
+func (d *certDir) wrapped(t testing.TB, p *Pool, host string) (*rest.Config, kubernetes.Interface) {
+	t.Helper()
+	cfg := d.config(host)
+	must(t, p.Wrap(cfg))
+	cs, err := kubernetes.NewForConfig(cfg)
+	must(t, err)
+	return cfg, cs
+}
+
+// write replaces the files' content with kp and ca, as d's layout does it.
+func (d *certDir) write(t testing.TB, kp *testserver.KeyPair, ca []byte) {
+	t.Helper()
+	d.generation++
+	must := func(err error) {
+		must(t, err)
+	}
+	switch d.layout {
+	case secretVolume:
+		// kubelet's AtomicWriter: a timestamped directory, a new ..data
+		// symlink renamed over the old one, the old directory removed.
+		ts := fmt.Sprintf("..2026_12_02_18_00_%02d.%d", d.generation, time.Now().UnixNano())
+		must(os.Mkdir(filepath.Join(d.dir, ts), 0o755))
+		must(os.WriteFile(filepath.Join(d.dir, ts, "tls.crt"), kp.CertPEM, 0o644))
+		must(os.WriteFile(filepath.Join(d.dir, ts, "tls.key"), kp.KeyPEM, 0o600))
+		must(os.WriteFile(filepath.Join(d.dir, ts, "ca.crt"), ca, 0o644))
+		old, _ := os.Readlink(filepath.Join(d.dir, "..data"))
+		must(os.Symlink(ts, filepath.Join(d.dir, "..data_tmp")))
+		must(os.Rename(filepath.Join(d.dir, "..data_tmp"), filepath.Join(d.dir, "..data")))
+		if old != "" {
+			must(os.RemoveAll(filepath.Join(d.dir, old)))
+		}
+	case renameOver:
+		for path, data := range map[string][]byte{d.cert: kp.CertPEM, d.key: kp.KeyPEM, d.ca: ca} {
+			writeAtomic(t, path, data)
+		}
+	case deleteCreate:
+		if d.generation > 1 {
+			for _, path := range []string{d.cert, d.key} {
+				must(os.Remove(path))
+			}
+			time.Sleep(time.Second) // the files are missing meanwhile
+		}
+		must(os.WriteFile(d.ca, ca, 0o644))
+		must(os.WriteFile(d.cert, kp.CertPEM, 0o644))
+		must(os.WriteFile(d.key, kp.KeyPEM, 0o600))
+	case certThenKey:
+		must(os.WriteFile(d.ca, ca, 0o644))
+		must(os.WriteFile(d.cert, kp.CertPEM, 0o644))
+		if d.generation > 1 {
+			time.Sleep(500 * time.Millisecond) // torn pair, longer than the debounce
+		}
+		must(os.WriteFile(d.key, kp.KeyPEM, 0o600))
+	default: // inPlace: truncate, then write in several pieces
+		for path, data := range map[string][]byte{d.ca: ca, d.cert: kp.CertPEM, d.key: kp.KeyPEM} {
+			f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o600)
+			must(err)
+			half := len(data) / 2
+			_, err = f.Write(data[:half])
+			must(err)
+			must(f.Sync())
+			time.Sleep(5 * time.Millisecond)
+			_, err = f.Write(data[half:])
+			must(err)
+			must(f.Close())
+		}
+	}
+}
+
+// restore puts the good files back, whatever a badFile did.
+func (c *certDir) restore(t testing.TB, ca []byte, kp *testserver.KeyPair) {
+	t.Helper()
+	for _, p := range []string{c.ca, c.cert, c.key} {
+		if fi, err := os.Stat(p); err == nil && fi.IsDir() {
+			must(t, os.Remove(p))
+		}
+	}
+	c.write(t, kp, ca)
+}
+
+// The load loops: bounded workers issuing requests, their errors collected.
+
+// runClients runs clients goroutines of requests calls each, started
+// together, and returns the errors.
+func runClients(clients, requests int, call func(client, i int) error) []error {
+	var (
+		wg   sync.WaitGroup
+		mu   sync.Mutex
+		errs []error
+	)
+	start := make(chan struct{})
+	for c := range clients {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			<-start
+			for i := range requests {
+				if err := call(c, i); err != nil {
+					mu.Lock()
+					errs = append(errs, err)
+					mu.Unlock()
+				}
+			}
+		}()
+	}
+	close(start)
+	wg.Wait()
+	return errs
+}
+
+func checkNoErrors(t testing.TB, errs []error) {
+	t.Helper()
+	for i, err := range errs {
+		if i == 5 {
+			t.Errorf("... %d errors in all", len(errs))
+			break
+		}
+		t.Error(err)
+	}
+}
+
+// requireNoErrors is checkNoErrors, and the test stops on an error.
+func requireNoErrors(t testing.TB, errs []error) {
+	t.Helper()
+	checkNoErrors(t, errs)
+	if len(errs) > 0 {
+		t.FailNow()
+	}
+}
+
+// raceDetector reports whether the test binary was built with -race. The
+// race detector slows TLS handshakes about tenfold, so the load tests send
+// fewer requests under it; every path is still raced.
+func raceDetector() bool {
+	bi, ok := debug.ReadBuildInfo()
+	if !ok {
+		return false
+	}
+	for _, s := range bi.Settings {
+		if s.Key == "-race" {
+			return s.Value == "true"
+		}
+	}
+	return false
+}
+
+// Test doubles for the fault and isolation tests: a TCP relay that can stop
+// forwarding without closing, internal/connectproxy's CONNECT proxy as the
+// tests use it, a client-go exec credential plugin, and certificates that
+// share a key.
 
 // forwarder accepts loopback TCP connections and pipes each to an upstream
 // connection. Connections it pipes can be black-holed: from then on bytes
