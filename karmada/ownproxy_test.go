@@ -46,7 +46,7 @@ func TestOwnConnectClusterSeedLoad(t *testing.T) {
 	if patched {
 		name, order = "patched", 2
 	}
-	t.Logf("\n| Karmada v1.18.2's ConnectCluster | tunnels | open after the load | full handshakes | resumed | refused | lost | req/s | test-process CPU per request |\n|---|---|---|---|---|---|---|---|---|")
+	t.Logf("\n| %s's ConnectCluster | tunnels | open after the load | full handshakes | resumed | refused | lost | req/s | test-process CPU per request |\n|---|---|---|---|---|---|---|---|---|", karmadaRelease)
 	t.Logf("| %s | %d | %d | %d | %d | %d | %d | %.0f | %.2f ms |", name, r.tunnels, r.openAtEnd, r.handshakes, r.resumed, r.refused, r.lost+r.wrong, r.reqPerSec, r.cpuPerReq)
 	peak := 0
 	for _, p := range r.tunnelsOpen {

@@ -13,17 +13,15 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
-	"k8s.io/client-go/transport"
 
 	clusterv1alpha1 "github.com/karmada-io/karmada/pkg/apis/cluster/v1alpha1"
-	"github.com/karmada-io/karmada/pkg/util"
 
 	"github.com/sharedtransport/sharedtransport"
 )
 
 // rotatingSecret is a member's Secret whose token is rotated: a token
-// source over it reads the token in it now, as Karmada's main branch is
-// described to re-read the cluster's Secret (PR 7663).
+// source over it reads the token in it now, as Karmada's master re-reads
+// the cluster's Secret (PR 7663).
 type rotatingSecret struct {
 	mu    sync.Mutex
 	token string
@@ -49,13 +47,11 @@ func (s *rotatingSecret) Token() (*oauth2.Token, error) {
 	return &oauth2.Token{AccessToken: string(sec.Data[clusterv1alpha1.SecretTokenKey]), TokenType: "Bearer", Expiry: time.Now().Add(5 * time.Minute)}, nil
 }
 
-// TestTokenSourceRotation: a member config built by Karmada v1.18.2's own
-// BuildClusterConfig, its static token cleared and client-go's own
-// transport.ResettableTokenSourceWrapTransport added over a cached source
-// that reads the cluster's Secret: the shape PR 7663 gives Karmada's main
-// branch, put together here because the module proxy serves no Karmada
-// newer than v1.18.2 (main's code is not imported). For a member reached
-// directly and one behind the proxy. The Secret holds a token the member does not know; the first
+// TestTokenSourceRotation: a member config whose token source reads the
+// cluster's Secret (rotatingMemberConfig): master's own BuildClusterConfig
+// under karmada/hack/test-master.sh, else v1.18.2's with client-go's
+// ResettableTokenSourceWrapTransport put together in the shape PR 7663 gives
+// master. For a member reached directly and one behind the proxy. The Secret holds a token the member does not know; the first
 // list is refused (401); the Secret is rotated to a valid token; the next
 // list is refused too and resets the source (client-go keeps a token fetched
 // during the request refused); the lists after it carry the new token and
@@ -84,12 +80,10 @@ func tokenRotation(t *testing.T, viaProxy, pooled bool) {
 	pool := sharedtransport.New()
 	t.Cleanup(func() { pool.Close() })
 	newClient := func() kubernetes.Interface {
-		cfg, err := util.BuildClusterConfig(cred, m.cluster, sec.secret)
+		cfg, err := rotatingMemberConfig(cred, m.cluster, sec)
 		if err != nil {
 			t.Fatal(err)
 		}
-		cfg.BearerToken = ""
-		cfg.Wrap(transport.ResettableTokenSourceWrapTransport(transport.NewCachedTokenSource(sec)))
 		var hc *http.Client
 		switch {
 		case !pooled:
