@@ -8,7 +8,6 @@ package sharedtransport
 
 import (
 	"errors"
-	"k8s.io/client-go/rest"
 	"net/http"
 	"runtime"
 	"sync"
@@ -17,6 +16,7 @@ import (
 	"weak"
 
 	"golang.org/x/sync/singleflight"
+	"k8s.io/client-go/rest"
 )
 
 // ErrClosed is returned by [Pool.Wrap] and [Pool.TransportFor] on a closed
@@ -31,7 +31,8 @@ var ErrClosed = errors.New("sharedtransport: pool is closed")
 // reads it serializes, and nothing else waits on it), never both; then an
 // entry's mu; then the watcher's (watch.go); then the connection layer's
 // (internal/conns), which never calls back up. A filesState's mu, a hook's
-// mu (wrapper.go) and an entry's clientGoMu are held alone, across no call.
+// mu (wrapper.go), a weakLease's and an entry's clientGoMu are held alone,
+// across no call.
 type registry struct {
 	*env
 	group singleflight.Group // one build per identity under concurrent first use

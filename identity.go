@@ -136,9 +136,12 @@ func sharingFor(cfg *rest.Config, g given, dialIdentity func(*rest.Config) strin
 		return s, false, fmt.Errorf("sharedtransport: %w", err)
 	}
 	tc := s.tc
+	// client-go sends a config without TLS, Dial or Proxy through
+	// http.DefaultTransport, which every such config shares already.
+	defaultTransport := !(tc.HasCA() || tc.HasCertAuth() || tc.HasCertCallback() || tc.TLS.Insecure ||
+		tc.TLS.ServerName != "" || len(tc.TLS.NextProtos) > 0 || tc.DialHolder != nil || tc.Proxy != nil)
 	switch {
-	case !(tc.HasCA() || tc.HasCertAuth() || tc.HasCertCallback() || tc.TLS.Insecure || tc.TLS.ServerName != "" ||
-		len(tc.TLS.NextProtos) > 0 || tc.DialHolder != nil || tc.Proxy != nil):
+	case defaultTransport:
 		s.pass = noTLS
 		return s, false, nil
 	case tc.HasCA() && tc.TLS.Insecure:

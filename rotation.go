@@ -11,8 +11,8 @@ import (
 	"time"
 )
 
-// filesState is everything an entry knows of its files: the last read,
-// the last rejection, and whether a debounced reload is on its way.
+// filesState is everything an entry knows of its files: the last read and
+// the last rejection.
 type filesState struct {
 	// reloading serializes the reads that may rotate, so an older read never
 	// replaces what a newer one took; held across the read.
@@ -24,7 +24,6 @@ type filesState struct {
 	badSince time.Time  // when the reads began to be rejected
 	rejected *material  // the material rejected last, so unchanged bad files are counted once
 	last     *reloadFailure
-	due      bool // a debounced reload is on its way to the watcher's queue
 }
 
 // reloadFailure is a rejected reload, as Identities shows it.
@@ -47,16 +46,7 @@ func (st *filesState) lastFailure() *reloadFailure {
 	return st.last
 }
 
-// setDue marks a debounced reload on its way, and reports whether none was.
-func (st *filesState) setDue(due bool) (was bool) {
-	st.mu.Lock()
-	defer st.mu.Unlock()
-	was, st.due = st.due, due
-	return was
-}
-
-// reload re-reads the identity's files for the watcher, and looks at the
-// expiry of the certificate in use.
+// reload re-reads the identity's files for the watcher.
 func (e *entry) reload() {
 	if e.closed.Load() {
 		return
@@ -65,8 +55,6 @@ func (e *entry) reload() {
 	e.refresh()
 	e.files.reloading.Unlock()
 }
-
-func (e *entry) markDue(due bool) (was bool) { return e.files.setDue(due) }
 
 // fresh holds a config built now to what e's files hold now: it re-reads
 // them when their last read is older than the debounce or was rejected,

@@ -11,6 +11,7 @@ import (
 	"path/filepath"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -50,14 +51,12 @@ type watchedDir struct {
 type identityWatch struct {
 	w    *fileWatcher
 	r    reloader
-	dirs []string // the directories of the identity's files
+	dirs []string    // the directories of the identity's files
+	due  atomic.Bool // a debounced reload is on its way to the queue
 }
 
 // A reloader is what the watcher reloads: an identity's entry.
 type reloader interface {
-	// markDue marks a debounced reload on its way (or, with false, no
-	// longer), and reports whether one was.
-	markDue(due bool) (was bool)
 	// reload re-reads the files.
 	reload()
 }
@@ -241,10 +240,10 @@ func (w *fileWatcher) run() {
 			}
 			// Typically a queue overflow: events were lost.
 			w.set.logger.Info("File watch error; re-reading every watched file", "err", err)
-			w.reload(w.all())
+			w.reloadAll()
 		case <-poll:
 			w.retryWatches()
-			w.reload(w.all())
+			w.reloadAll()
 		}
 	}
 }
@@ -264,9 +263,9 @@ func (w *fileWatcher) onEvent(ev fsnotify.Event) {
 	}
 	w.mu.Unlock()
 	for _, iw := range due {
-		if !iw.r.markDue(true) {
+		if !iw.due.Swap(true) {
 			time.AfterFunc(w.set.debounce, func() {
-				iw.r.markDue(false)
+				iw.due.Store(false)
 				w.queue.Add(iw)
 			})
 		}
@@ -315,19 +314,13 @@ func (w *fileWatcher) dispatch() {
 	}
 }
 
-func (w *fileWatcher) reload(iws []*identityWatch) {
-	for _, iw := range iws {
-		w.queue.Add(iw)
-	}
-}
-
-// all returns every identity watched.
-func (w *fileWatcher) all() []*identityWatch {
+// reloadAll queues a reload of every identity watched.
+func (w *fileWatcher) reloadAll() {
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	all := map[*identityWatch]struct{}{}
 	for _, wd := range w.dirs {
-		maps.Copy(all, wd.identities)
+		for iw := range wd.identities {
+			w.queue.Add(iw) // once, however many directories it has
+		}
 	}
-	return slices.Collect(maps.Keys(all))
 }

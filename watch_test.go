@@ -1,8 +1,10 @@
 package sharedtransport
 
 import (
+	"maps"
 	"os"
 	"path/filepath"
+	"slices"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -13,14 +15,11 @@ import (
 // stallingReloader is a reloader whose reloads wait until release closes,
 // as a read of a hung network mount waits.
 type stallingReloader struct {
-	due      atomic.Bool
 	started  atomic.Int32
 	inFlight atomic.Int32
 	maxLive  atomic.Int32 // the most reloads seen running at once
 	release  chan struct{}
 }
-
-func (r *stallingReloader) markDue(due bool) bool { return r.due.Swap(due) }
 
 func (r *stallingReloader) reload() {
 	r.started.Add(1)
@@ -88,4 +87,15 @@ func TestHungReloadHoldsItsOwnIdentity(t *testing.T) {
 			t.Errorf("hung identity %d: %d reloads still running after close", i, n)
 		}
 	}
+}
+
+// all returns every identity watched.
+func (w *fileWatcher) all() []*identityWatch {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	all := map[*identityWatch]struct{}{}
+	for _, wd := range w.dirs {
+		maps.Copy(all, wd.identities)
+	}
+	return slices.Collect(maps.Keys(all))
 }
