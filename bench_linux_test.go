@@ -5,6 +5,7 @@ package sharedtransport
 import (
 	"path/filepath"
 	"runtime"
+	"runtime/pprof"
 	"slices"
 	"strconv"
 	"syscall"
@@ -22,8 +23,9 @@ import (
 // when it builds the identity (files read and checked, a transport built, a
 // directory watched), and the heap a live identity holds; and what one poll
 // of all of them costs when no file changed, wall time and process CPU (the
-// median of 5 polls, each identity re-read in turn on one goroutine). b.N is
-// ignored: run it with -benchtime 1x.
+// median of 5 polls, run as the watcher runs one: every identity queued, each
+// reload on a goroutine of its own), with the most goroutines a poll added
+// and the OS threads the process made. b.N is ignored: run it with -benchtime 1x.
 func BenchmarkFileIdentities(b *testing.B) {
 	const n, polls = 2000, 5
 	f := newFixture(b, testserver.Options{})
@@ -52,9 +54,10 @@ func BenchmarkFileIdentities(b *testing.B) {
 	}
 
 	var pollWall, pollCPU []time.Duration
+	pollGoroutines := 0
 	for range polls {
 		wall, cpu := time.Now(), processCPU(b)
-		pollOnce(p)
+		pollGoroutines = max(pollGoroutines, pollOnce(b, p))
 		pollWall, pollCPU = append(pollWall, time.Since(wall)), append(pollCPU, processCPU(b)-cpu)
 	}
 	b.StopTimer()
@@ -70,13 +73,32 @@ func BenchmarkFileIdentities(b *testing.B) {
 	b.ReportMetric(float64(pollWall[polls/2].Microseconds())/1000, "poll-ms")
 	b.ReportMetric(float64(pollCPU[polls/2].Microseconds())/1000, "poll-cpu-ms")
 	b.ReportMetric(float64(pollCPU[polls/2].Nanoseconds())/n/1000, "poll-cpu-µs/identity")
+	b.ReportMetric(float64(pollGoroutines), "poll-goroutines")
+	b.ReportMetric(float64(pprof.Lookup("threadcreate").Count()), "os-threads")
 }
 
-// pollOnce re-reads every watched identity's files in turn, as a poll does.
-func pollOnce(p *Pool) {
-	for _, iw := range p.reg.watcher.all() {
-		iw.r.reload()
+// pollOnce queues a reload of every watched identity, as a poll does, and
+// returns once each has read its files, with the most goroutines seen
+// beyond those there before.
+func pollOnce(b *testing.B, p *Pool) (extraGoroutines int) {
+	before, start := runtime.NumGoroutine(), time.Now()
+	p.reg.watcher.reloadAll()
+	deadline := time.Now().Add(time.Minute)
+	for _, e := range p.reg.live() {
+		for read := false; !read; {
+			extraGoroutines = max(extraGoroutines, runtime.NumGoroutine()-before)
+			e.files.mu.Lock()
+			read = !e.files.readAt.Before(start)
+			e.files.mu.Unlock()
+			if !read && time.Now().After(deadline) {
+				b.Fatal("a poll did not end in a minute")
+			}
+			if !read {
+				runtime.Gosched()
+			}
+		}
 	}
+	return extraGoroutines
 }
 
 // processCPU is the user and system CPU time this process has used.
