@@ -24,19 +24,16 @@ func (l *lease) RoundTrip(req *http.Request) (*http.Response, error) {
 // because its own closed before it was sent.
 const maxResends = 3
 
-// roundTrip sends req through the generation pick picks (nil: the current
-// one), or through other when it picks none. A request its generation's
-// close refused before it was sent goes on the one picked then.
-func (l *lease) roundTrip(req *http.Request, pick func() *generation, other http.RoundTripper) (*http.Response, error) {
+// roundTrip sends req through the current generation, or through other
+// when pick (nil: any) refuses it. A request its generation's close refused
+// before it was sent goes on the one current then.
+func (l *lease) roundTrip(req *http.Request, pick func(*generation) bool, other http.RoundTripper) (*http.Response, error) {
 	for resends := 0; ; resends++ {
 		if l.e.closed.Load() {
 			return nil, fmt.Errorf("%w: build the client from a config wrapped by an open pool", ErrClosed)
 		}
 		g := l.e.current.Load()
-		if pick != nil {
-			g = pick()
-		}
-		if g == nil {
+		if pick != nil && !pick(g) {
 			return other.RoundTrip(req) // not the pool's: as it came
 		}
 		var err error

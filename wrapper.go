@@ -250,18 +250,17 @@ func (c *clientTransport) RoundTrip(req *http.Request) (*http.Response, error) {
 	return c.lease.roundTrip(req, c.pick, c.clientGo)
 }
 
-// pick sends requests over the current generation while it trusts what the
-// client was built to trust; after a CA change, through client-go's
+// pick takes the current generation g while it trusts what the client was
+// built to trust; after a CA change, requests go through client-go's
 // transport, which trusts what client-go alone would.
-func (c *clientTransport) pick() *generation {
-	g := c.lease.e.current.Load()
+func (c *clientTransport) pick(g *generation) bool {
 	if !c.pinCA || g.ca == c.ca {
-		return g
+		return true
 	}
 	if !c.caMoved.Swap(true) {
 		c.lease.e.env.stats.passThrough.Add(1)
 	}
-	return nil
+	return false
 }
 
 // CloseIdleConnections closes idle connections of both transports the client
