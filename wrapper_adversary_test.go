@@ -12,7 +12,6 @@ import (
 	"encoding/base64"
 	"fmt"
 	"maps"
-	"net"
 	"net/http"
 	"net/url"
 	"os"
@@ -21,7 +20,6 @@ import (
 	"runtime"
 	"slices"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -434,32 +432,7 @@ func TestAdversaryFirstRequestGate(t *testing.T) {
 	f := newFixture(t, testserver.Options{})
 	r := newCopyRig(t, testserver.Options{CA: f.ca})
 	// A host that accepts connections and never answers.
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	must(t, err)
-	var mu sync.Mutex
-	var held []net.Conn
-	accepted := make(chan struct{}, 16)
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			mu.Lock()
-			held = append(held, c)
-			mu.Unlock()
-			accepted <- struct{}{}
-		}
-	}()
-	release := func() {
-		mu.Lock()
-		defer mu.Unlock()
-		for _, c := range held {
-			c.Close()
-		}
-		held = nil
-	}
-	t.Cleanup(func() { ln.Close(); release() })
+	addr, accepted, release := holdingListener(t)
 
 	for _, wrapped := range []bool{false, true} {
 		name := map[bool]string{false: "client-go alone", true: "through the pool"}[wrapped]
@@ -469,21 +442,18 @@ func TestAdversaryFirstRequestGate(t *testing.T) {
 				must(t, newPool(t).Wrap(orig))
 			}
 			dead := rest.CopyConfig(orig)
-			dead.Host = "https://" + ln.Addr().String()
+			dead.Host = "https://" + addr
 			deadCS, err := kubernetes.NewForConfig(dead)
 			must(t, err)
 			deadCtx, stopDead := context.WithCancel(context.Background())
 			defer stopDead()
 			deadDone := make(chan struct{})
+			before := accepted()
 			go func() {
 				defer close(deadDone)
 				deadCS.Discovery().RESTClient().Get().AbsPath("/version").Do(deadCtx) // ends when cancelled
 			}()
-			select {
-			case <-accepted:
-			case <-time.After(10 * time.Second):
-				t.Fatal("the copy never dialed its host")
-			}
+			waitFor(t, "the copy's dial of its host", func() bool { return accepted() > before })
 			c := r.client(orig)
 			if c.err != nil {
 				t.Fatal(c.err)
