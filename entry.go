@@ -9,6 +9,7 @@ package sharedtransport
 import (
 	"errors"
 	"net/http"
+	"net/url"
 	"runtime"
 	"sync"
 	"sync/atomic"
@@ -66,6 +67,7 @@ type entry struct {
 	files   filesState     // rotation.go
 	watch   *identityWatch // fixed before the entry is in the pool; nil without files
 	stats   identityCounters
+	hosts   sync.Map // "scheme://host" -> struct{}: the servers the identity sent requests to
 
 	// clientGo are the transports client-go's cache held for the
 	// identity's configs (hook.agrees) while clientGoFor was current.
@@ -370,4 +372,12 @@ func (w *weakLease) get(r *registry, id *identity) (*lease, error) {
 	}
 	w.p = weak.Make(l)
 	return l, nil
+}
+
+// sentTo records u's server among those the identity sent requests to.
+func (e *entry) sentTo(u *url.URL) {
+	h := u.Scheme + "://" + u.Host
+	if _, ok := e.hosts.Load(h); !ok {
+		e.hosts.Store(h, struct{}{})
+	}
 }

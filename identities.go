@@ -98,9 +98,11 @@ func (e *entry) info() IdentityInfo {
 	if info.Proxy != "" && info.Proxy != "direct" {
 		info.Proxy = redactHost(info.Proxy)
 	}
-	for _, h := range g.conns.Hosts() {
-		info.Hosts = append(info.Hosts, redactHost(h))
-	}
+	e.hosts.Range(func(h, _ any) bool {
+		info.Hosts = append(info.Hosts, redactHost(h.(string)))
+		return true
+	})
+	slices.Sort(info.Hosts)
 	for _, f := range []string{id.key.caFile, id.key.certFile, id.key.keyFile} {
 		if f != "" {
 			info.Files = append(info.Files, f)

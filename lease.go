@@ -36,10 +36,7 @@ func (l *lease) roundTrip(req *http.Request, pick func(*generation) bool, other 
 		if pick != nil && !pick(g) {
 			return other.RoundTrip(req) // not the pool's: as it came
 		}
-		var err error
-		if req, err = conns.Replayable(req); err != nil { // once: what it returns has GetBody
-			return nil, err
-		}
+		l.e.sentTo(req.URL)
 		resp, err := g.conns.RoundTrip(req, l)
 		switch {
 		case err == nil:
@@ -49,10 +46,29 @@ func (l *lease) roundTrip(req *http.Request, pick func(*generation) bool, other 
 		case !errors.Is(err, conns.ErrRetired) || resends == maxResends:
 			return nil, err
 		}
-		if req, err = conns.Resendable(req, err); err != nil {
+		if req, err = resendable(req, err); err != nil {
 			return nil, err
 		}
 	}
+}
+
+// resendable returns req ready to be sent again after err stopped it
+// before it was sent, as net/http sends a request again: with a body only
+// when GetBody gives it; err otherwise.
+func resendable(req *http.Request, err error) (*http.Request, error) {
+	if req.Body == nil || req.Body == http.NoBody {
+		return req, nil
+	}
+	if req.GetBody == nil {
+		return nil, err
+	}
+	body, gerr := req.GetBody()
+	if gerr != nil {
+		return nil, err
+	}
+	again := req.Clone(req.Context())
+	again.Body = body
+	return again, nil
 }
 
 // WrappedRoundTripper lets client-go helpers (utilnet.TLSClientConfig) see

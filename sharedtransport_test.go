@@ -31,10 +31,11 @@ import (
 )
 
 // TestSeedLoad: the seed's load, 100 workers x 20 requests, each through a
-// fresh config and clientset from one kubeconfig. With the pool the server
-// accepts exactly one connection, with Proxy set (Karmada's member configs,
-// through HTTPClientFor) or not (through Wrap); client-go alone with Proxy
-// set, the control, one per request.
+// fresh config and clientset from one kubeconfig. With the pool every config
+// rides one transport, with Proxy set (Karmada's member configs, through
+// HTTPClientFor) or not (through Wrap); client-go alone with Proxy set, the
+// control, dials once per request. TestSeedLoadBesideWatch compares the
+// pool's connections with client-go's best case.
 func TestSeedLoad(t *testing.T) {
 	const workers, requests = 100, 20
 	f := newFixture(t, testserver.Options{})
@@ -62,11 +63,6 @@ func TestSeedLoad(t *testing.T) {
 			st := f.srv.Stats()
 			t.Logf("with the pool: %d requests, server accepted %d connections, %d full handshakes; pool %+v",
 				workers*requests, st.Accepted, st.FullHandshakes, p.Stats())
-			// 100 workers never hold more than one connection's 100
-			// streams.
-			if st.Accepted != 1 {
-				t.Errorf("server accepted %d connections, want 1", st.Accepted)
-			}
 			if got := p.Stats(); got.Misses != 1 || got.Identities != 1 {
 				t.Errorf("pool built %d transports for %d identities, want 1 and 1", got.Misses, got.Identities)
 			}

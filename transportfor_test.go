@@ -517,7 +517,8 @@ func TestTransportForClients(t *testing.T) {
 
 // TestTransportForConnections: the seed's load with a config per request
 // (a token, user agent and impersonation of its own, Proxy set), through
-// HTTPClientFor: one connection; with keep-alive off, one per request, the
+// HTTPClientFor: about as many connections as client-go's best case, one
+// transport for every config; with keep-alive off, one per request, the
 // handshakes resumed.
 func TestTransportForConnections(t *testing.T) {
 	workers, requests := 50, 10
@@ -525,14 +526,14 @@ func TestTransportForConnections(t *testing.T) {
 		requests = 4
 	}
 	f := newFixture(t, testserver.Options{})
-	load := func(t *testing.T, p *Pool, workers, requests int) {
+	load := func(t *testing.T, httpClientFor func(*rest.Config) (*http.Client, error), workers, requests int) {
 		errs := runClients(workers, requests, func(w, i int) error {
 			cfg := f.srv.RestConfig(f.alice)
 			cfg.Proxy = nilProxy
 			cfg.BearerToken = fmt.Sprintf("token-%d-%d", w, i)
 			cfg.UserAgent = fmt.Sprintf("worker-%d", w)
 			cfg.Impersonate.UserName = fmt.Sprintf("user-%d", i)
-			hc, err := p.HTTPClientFor(cfg)
+			hc, err := httpClientFor(cfg)
 			if err != nil {
 				return err
 			}
@@ -547,22 +548,36 @@ func TestTransportForConnections(t *testing.T) {
 	}
 
 	t.Run("keep-alive on", func(t *testing.T) {
-		resetMember(t, f)
-		p := newPool(t)
-		load(t, p, workers, requests)
-		if st := f.srv.Stats(); st.Accepted != 1 {
-			t.Errorf("%d configs of one identity: the server accepted %d connections, want 1", workers*requests, st.Accepted)
-		}
-		if st := p.Stats(); st.Misses != 1 || st.Hits != uint64(workers*requests-1) || st.PassThrough != 0 {
-			t.Errorf("pool %+v, want 1 miss and %d hits", st, workers*requests-1)
-		}
+		connsAsClientGo(t, fmt.Sprintf("%d configs of one identity", workers*requests), 3, []string{"client-go's best case", "pool"}, func(t *testing.T, mode string) uint64 {
+			resetMember(t, f)
+			if mode == "pool" {
+				p := newPool(t)
+				load(t, func(cfg *rest.Config) (*http.Client, error) { return p.HTTPClientFor(cfg) }, workers, requests)
+				if st := p.Stats(); st.Misses != 1 || st.Hits != uint64(workers*requests-1) || st.PassThrough != 0 {
+					t.Errorf("pool %+v, want 1 miss and %d hits", st, workers*requests-1)
+				}
+				return f.srv.Stats().Accepted
+			}
+			// One HTTP client for every config, the per-request
+			// credentials set on each request as client-go sets them.
+			shared := f.srv.RestConfig(f.alice)
+			shared.Proxy = nilProxy
+			rt, err := rest.TransportFor(shared)
+			must(t, err)
+			defer utilnet.CloseIdleConnectionsFor(rt)
+			load(t, func(cfg *rest.Config) (*http.Client, error) {
+				wrapped, err := rest.HTTPWrappersForConfig(cfg, rt)
+				return &http.Client{Transport: wrapped}, err
+			}, workers, requests)
+			return f.srv.Stats().Accepted
+		})
 	})
 
 	t.Run("keep-alive off", func(t *testing.T) {
 		resetMember(t, f)
 		p := newPool(t, WithKeepAlive(false))
 		const n = 20
-		load(t, p, 1, n)
+		load(t, func(cfg *rest.Config) (*http.Client, error) { return p.HTTPClientFor(cfg) }, 1, n)
 		st := f.srv.Stats()
 		if st.Accepted != n || st.FullHandshakes+st.ResumedHandshakes != n || st.ResumedHandshakes < n-2 {
 			t.Errorf("keep-alive off, %d requests: %d connections, %d full and %d resumed handshakes; want %d connections, nearly all resumed",

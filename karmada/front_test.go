@@ -1,9 +1,11 @@
 package karmada
 
 import (
+	"crypto/tls"
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"net/url"
 	"path"
 	"sync"
 	"time"
@@ -12,6 +14,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
+	utilnet "k8s.io/apimachinery/pkg/util/net"
 	"k8s.io/apiserver/pkg/authentication/user"
 	"k8s.io/apiserver/pkg/endpoints/request"
 
@@ -41,10 +44,14 @@ const (
 	// the front's pool: the pool's TLSTransport of the settings Karmada's
 	// transport carries.
 	pooled
+	// sharedOnce: the transport Location built for the first request,
+	// keep-alive on, used for every request after (PR 5615's shape): Go's
+	// transport as Karmada builds it, at its best, the control of pooled.
+	sharedOnce
 )
 
 var modeNames = map[mode]string{connectCluster: "ConnectCluster as is", asIs: "Karmada as is (keep-alive off)",
-	keepAliveOn: "Karmada, keep-alive on", pooled: "Karmada + TLSTransport"}
+	keepAliveOn: "Karmada, keep-alive on", pooled: "Karmada + TLSTransport", sharedOnce: "Karmada's transport, shared"}
 
 func (m mode) String() string { return modeNames[m] }
 
@@ -58,6 +65,7 @@ type front struct {
 
 	mu      sync.Mutex
 	cluster *clusterapis.Cluster
+	shared  http.RoundTripper // sharedOnce's
 }
 
 func (f *front) ServeHTTP(w http.ResponseWriter, r *http.Request) {
@@ -105,6 +113,16 @@ func (f *front) handler(r *http.Request, cl *clusterapis.Cluster, resp *responde
 	switch f.mode {
 	case keepAliveOn:
 		rt.(*http.Transport).DisableKeepAlives = false
+	case sharedOnce:
+		f.mu.Lock()
+		if f.shared == nil {
+			f.shared, err = karmadaTransport(cl, tlsConfig)
+		}
+		rt = f.shared
+		f.mu.Unlock()
+		if err != nil {
+			return nil, err
+		}
 	case pooled:
 		if !patched {
 			return nil, fmt.Errorf("%s needs Karmada with karmada/patches (karmada/hack/test-patched.sh)", f.mode)
@@ -124,6 +142,22 @@ func (f *front) handler(r *http.Request, cl *clusterapis.Cluster, resp *responde
 	location.Path = path.Join(location.Path, r.URL.Path)
 	location.RawQuery = r.URL.RawQuery
 	return proxy.NewThrottledUpgradeAwareProxyHandler(location, rt, true, false, resp), nil
+}
+
+// karmadaTransport builds the transport Karmada v1.18.2's Location builds
+// for cl (createProxyTransport), keep-alive on: Go's transport as Karmada
+// builds it, which a patched Location no longer returns.
+func karmadaTransport(cl *clusterapis.Cluster, tlsConfig *tls.Config) (*http.Transport, error) {
+	rt := utilnet.SetTransportDefaults(&http.Transport{TLSClientConfig: tlsConfig.Clone()})
+	if cl.Spec.ProxyURL != "" {
+		u, err := url.Parse(cl.Spec.ProxyURL)
+		if err != nil {
+			return nil, err
+		}
+		rt.Proxy = http.ProxyURL(u)
+		rt.ProxyConnectHeader = proxy.ParseProxyHeaders(cl.Spec.ProxyHeader)
+	}
+	return rt, nil
 }
 
 // responder writes what Karmada's handlers report as a Status, as the

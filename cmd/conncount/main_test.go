@@ -121,8 +121,9 @@ func TestRunsInOwnProcesses(t *testing.T) {
 // process), counted by the server.
 func TestEmbeddedModes(t *testing.T) {
 	svg := filepath.Join(t.TempDir(), "conns.svg")
-	rep := runJSON(t, "--workers", "20", "--requests", "5", "--repeat", "1", "--svg", svg)
-	const requests = 20 * 5
+	const workers = 20
+	rep := runJSON(t, "--workers", fmt.Sprint(workers), "--requests", "5", "--repeat", "1", "--svg", svg)
+	const requests = workers * 5
 	modes := byMode(t, rep)
 	if len(modes) != len(defaultModes) {
 		t.Fatalf("got %d modes, want %v", len(modes), defaultModes)
@@ -136,22 +137,24 @@ func TestEmbeddedModes(t *testing.T) {
 		}
 		t.Logf("%-30s accepted %4d peak %4d full %4d resumed %4d  %6.0f req/s", r.Mode, r.Accepted, r.PeakOpen, r.FullHandshakes, r.Resumed, r.RequestsPerSecond)
 	}
-	// Keep-alive on, one identity: at most 2 connections (HTTP/2 carries 100
-	// streams; 20 workers need one).
+	// Keep-alive on, one transport for every request: net/http dials for
+	// each request waiting on the cold start, and none after (HTTP/2 carries
+	// 100 streams; 20 workers need one): at most one connection per worker,
+	// as client-go's best case ("client-go", logged above).
 	// The pool's HTTPClientFor and Wrap: one identity, every config a hit
 	// but the first.
 	for _, mode := range []string{"sharedtransport", "sharedtransport-wrap"} {
-		if st := modes[mode]; st.Accepted > 2 || st.PeakOpen > 2 || st.Pool == nil ||
+		if st := modes[mode]; st.Accepted > workers || st.PeakOpen > workers || st.Pool == nil ||
 			st.Pool.Identities != 1 || st.Pool.Misses != 1 || st.Pool.Hits != requests-1 || st.Pool.PassThrough != 0 {
-			t.Errorf("%s: accepted %d, peak %d, pool %+v; want at most 2 connections, 1 identity, %d hits",
-				mode, st.Accepted, st.PeakOpen, st.Pool, requests-1)
+			t.Errorf("%s: accepted %d, peak %d, pool %+v; want at most %d connections, 1 identity, %d hits",
+				mode, st.Accepted, st.PeakOpen, st.Pool, workers, requests-1)
 		}
 	}
 	// The measuring sticks: one client, or one round tripper, for every
-	// config, one connection.
+	// config.
 	for _, mode := range []string{"floor", "floor-wrap"} {
-		if fl := modes[mode]; fl.Accepted > 2 || fl.Pool == nil || fl.Pool.Misses != 1 || fl.Pool.Hits != 0 {
-			t.Errorf("%s: accepted %d, pool %+v; want at most 2 connections and one entry into the pool", mode, fl.Accepted, fl.Pool)
+		if fl := modes[mode]; fl.Accepted > workers || fl.Pool == nil || fl.Pool.Misses != 1 || fl.Pool.Hits != 0 {
+			t.Errorf("%s: accepted %d, pool %+v; want at most %d connections and one entry into the pool", mode, fl.Accepted, fl.Pool, workers)
 		}
 	}
 	// Proxy set: client-go builds a transport, so a connection, per request.
@@ -251,15 +254,16 @@ func TestClusterTarget(t *testing.T) {
 	for i, tc := range []struct {
 		mode            string
 		handshakeSource string
-		accepted        uint64 // connections the server accepts
+		accepted        uint64 // connections the server accepts, at most
 		openAtEnd       int64  // -1: any
 	}{
 		// A transport, so a connection and a full handshake, per config; none closes.
 		{"client-go-proxy", "inferred (one per connection)", total, total},
 		// Karmada's keep-alive off: the same, each closed after its request.
 		{"client-go-keepalive-off", "inferred (one per connection)", total, -1},
-		// The pool: one connection.
-		{"sharedtransport", "library Stats", 1, 1},
+		// The pool: one transport, dialing for each worker waiting on the
+		// cold start at most.
+		{"sharedtransport", "library Stats", workers, -1},
 		// The pool with keep-alive off: a connection per request, most
 		// handshakes resumed.
 		{"sharedtransport-keepalive-off", "library Stats", total, -1},
@@ -283,7 +287,8 @@ func TestClusterTarget(t *testing.T) {
 		if r.PeakOpen > int64(st.PeakOpen) || r.OpenAtEnd > r.PeakOpen {
 			t.Errorf("%s: conncount says peak %d, %d open at the end; the server's peak was %d", tc.mode, r.PeakOpen, r.OpenAtEnd, st.PeakOpen)
 		}
-		if st.Accepted != tc.accepted || tc.openAtEnd >= 0 && (r.OpenAtEnd != tc.openAtEnd || r.PeakOpen != int64(st.PeakOpen)) {
+		if exact := tc.mode != "sharedtransport"; exact && st.Accepted != tc.accepted || st.Accepted > tc.accepted ||
+			tc.openAtEnd >= 0 && (r.OpenAtEnd != tc.openAtEnd || r.PeakOpen != int64(st.PeakOpen)) {
 			t.Errorf("%s: the server accepted %d (peak %d), conncount saw %d open at the end (peak %d); want %d accepted, %d open at the end",
 				tc.mode, st.Accepted, st.PeakOpen, r.OpenAtEnd, r.PeakOpen, tc.accepted, tc.openAtEnd)
 		}

@@ -14,7 +14,7 @@ import (
 )
 
 // The proxy subcommand at small scale: a new transport per request costs the
-// member one connection per request, the pool at most two per member. Each
+// member one connection per request, the pool at most one per worker. Each
 // run's load, front and members are processes of their own, which served
 // that run's requests alone.
 func TestProxyModes(t *testing.T) {
@@ -55,8 +55,10 @@ func TestProxyModes(t *testing.T) {
 		for _, mr := range m.Members {
 			switch m.Mode {
 			case "sharedtransport":
-				if mr.Accepted > 2 {
-					t.Errorf("%s: %s accepted %d connections, want at most 2", m.Mode, mr.Name, mr.Accepted)
+				// One transport per member: net/http dials for each
+				// worker waiting on the cold start at most.
+				if mr.Accepted > 10 {
+					t.Errorf("%s: %s accepted %d connections, want at most 10, one per worker", m.Mode, mr.Name, mr.Accepted)
 				}
 			default:
 				if mr.Accepted != uint64(mr.Requests) {
@@ -204,8 +206,8 @@ func checkPoolView(t *testing.T, r *proxyRun) {
 			t.Errorf("%s %s: pool %d dials, %d full, %d resumed; the member accepted %d, %d full, %d resumed (agrees: %v)",
 				r.Mode, m.Name, p.PoolDials, p.PoolFull, p.PoolResumed, m.Accepted, m.Full, m.Resumed, p.Agrees)
 		}
-		if r.Mode != "sharedtransport-keepalive-off" && (m.Accepted > 2 || p.PoolOpen != m.OpenAtEnd) {
-			t.Errorf("%s %s: %d accepted, pool %d open, member %d open; want at most 2, the same open", r.Mode, m.Name, m.Accepted, p.PoolOpen, m.OpenAtEnd)
+		if r.Mode != "sharedtransport-keepalive-off" && (m.Accepted > 10 || p.PoolOpen != m.OpenAtEnd) {
+			t.Errorf("%s %s: %d accepted, pool %d open, member %d open; want at most 10 (one per worker), the same open", r.Mode, m.Name, m.Accepted, p.PoolOpen, m.OpenAtEnd)
 		}
 		if behindProxy(i) {
 			if p.Proxy != m.ProxyURL || m.ProxyURL == "" || p.ProxyTunnels == nil || *p.ProxyTunnels != p.PoolDials {

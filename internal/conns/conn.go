@@ -1,6 +1,5 @@
-// The http.Transports a Transports builds, configured as client-go
-// configures its own, and the connections they dial: counted, kept so that
-// Close can close them, and refused once it is closed.
+// The http.Transports a Transports builds, as client-go builds its own, and
+// the connections they dial: counted, kept for Close, refused once closed.
 
 package conns
 
@@ -13,24 +12,21 @@ import (
 	"os"
 	"slices"
 	"strconv"
-	"sync"
+	"sync/atomic"
 	"time"
 
 	"golang.org/x/net/http2"
 	utilnet "k8s.io/apimachinery/pkg/util/net"
 )
 
-// client-go's values for the transports it builds (transport/cache.go).
-const (
-	idleConnsPerHost    = 25
-	tlsHandshakeTimeout = 10 * time.Second
-	dialTimeout         = 30 * time.Second
-	tcpKeepAlive        = 30 * time.Second
-)
+type dialFunc = func(ctx context.Context, network, address string) (net.Conn, error)
+
+// client-go's dialer for the transports it builds (transport/cache.go).
+var clientGoDialer = &net.Dialer{Timeout: 30 * time.Second, KeepAlive: 30 * time.Second}
 
 // newTransport builds a transport of t as client-go's cache builds its
-// own: HTTP/2 unless DISABLE_HTTP2 was set when the identity was first
-// seen, or tlsConfig offers protocols without h2.
+// own (utilnet.SetTransportDefaults): HTTP/2 unless DISABLE_HTTP2 was set
+// when the identity was first seen, or tlsConfig offers no h2.
 func (t *Transports) newTransport(c Config, tlsConfig *tls.Config) *http.Transport {
 	dial := c.Dial
 	if dial == nil {
@@ -38,9 +34,9 @@ func (t *Transports) newTransport(c Config, tlsConfig *tls.Config) *http.Transpo
 	}
 	rt := &http.Transport{
 		Proxy:               c.Proxy, // nil: the defaults install the environment's, as in client-go
-		TLSHandshakeTimeout: tlsHandshakeTimeout,
+		TLSHandshakeTimeout: 10 * time.Second,
 		TLSClientConfig:     tlsConfig,
-		MaxIdleConnsPerHost: idleConnsPerHost,
+		MaxIdleConnsPerHost: 25,
 		DialContext:         t.dialer(dial),
 		DisableCompression:  c.DisableCompression,
 		DisableKeepAlives:   !c.KeepAlive,
@@ -50,24 +46,8 @@ func (t *Transports) newTransport(c Config, tlsConfig *tls.Config) *http.Transpo
 	if !c.DisableHTTP2 {
 		configureHTTP2(rt) // not utilnet.SetTransportDefaults, which reads DISABLE_HTTP2 again
 	}
-	// Where net/http's own HTTP/2 serves rt, it rewrites
-	// TLSClientConfig.NextProtos at first use: done now, before rt is
-	// shared, so the list can be read without a race. Nothing is closed.
-	rt.CloseIdleConnections()
+	rt.CloseIdleConnections() // net/http's own HTTP/2 writes NextProtos at first use: now, before rt is shared
 	return rt
-}
-
-var clientGoDialer = &net.Dialer{Timeout: dialTimeout, KeepAlive: tcpKeepAlive}
-
-// speaksHTTP2 reports whether HTTP/2 was turned on for rt: x/net registers
-// its own under TLSNextProto["h2"], or, where it wraps net/http's, sets
-// rt.Protocols (read first: net/http writes TLSNextProto at first use).
-func speaksHTTP2(rt *http.Transport) bool {
-	if rt.Protocols != nil && rt.Protocols.HTTP2() {
-		return true
-	}
-	_, ok := rt.TLSNextProto["h2"]
-	return ok
 }
 
 // configureHTTP2 turns HTTP/2 on for rt as utilnet.SetTransportDefaults
@@ -84,8 +64,7 @@ func configureHTTP2(rt *http.Transport) {
 	t2.PingTimeout = envSeconds("HTTP2_PING_TIMEOUT_SECONDS", 15)
 }
 
-// envSeconds reads a duration in seconds as apimachinery reads its HTTP/2
-// health-check settings: def when unset or not a number.
+// envSeconds reads seconds as apimachinery reads its HTTP/2 health checks.
 func envSeconds(name string, def int) time.Duration {
 	n, err := strconv.Atoi(os.Getenv(name))
 	if err != nil {
@@ -94,28 +73,28 @@ func envSeconds(name string, def int) time.Duration {
 	return time.Duration(n) * time.Second
 }
 
+// speaksHTTP2 reports whether rt offers HTTP/2: once set up, its ALPN
+// list says so, under x/net's HTTP/2 and under net/http's own.
+func speaksHTTP2(rt *http.Transport) bool {
+	return slices.Contains(rt.TLSClientConfig.NextProtos, http2.NextProtoTLS)
+}
+
 // http1Only returns a copy of tlsConfig that offers HTTP/1.1 alone, unless
 // it names protocols of its own, which are the config's to keep.
 func http1Only(tlsConfig *tls.Config) *tls.Config {
-	if tlsConfig == nil {
-		return nil
-	}
 	c := tlsConfig.Clone()
-	if len(c.NextProtos) == 0 {
+	if c != nil && len(c.NextProtos) == 0 {
 		c.NextProtos = []string{"http/1.1"}
 	}
 	return c
 }
 
 // ownSessions returns a copy of tlsConfig with a session cache of its own,
-// if it has one: a transport handed to a caller may be given another client
-// certificate, and a resumed session authenticates as the one before.
+// if it has one: a caller may give its transport another certificate, and
+// a resumed session authenticates as the one before.
 func ownSessions(tlsConfig *tls.Config) *tls.Config {
-	if tlsConfig == nil {
-		return nil
-	}
 	c := tlsConfig.Clone()
-	if c.ClientSessionCache != nil {
+	if c != nil && c.ClientSessionCache != nil {
 		c.ClientSessionCache = tls.NewLRUClientSessionCache(sessionCacheSize)
 	}
 	return c
@@ -132,9 +111,9 @@ func (t *Transports) countHandshake(cs tls.ConnectionState) error {
 
 // dialer wraps dial: it counts connections, keeps them for Close, and
 // refuses to dial once t is closed.
-func (t *Transports) dialer(dial func(ctx context.Context, network, address string) (net.Conn, error)) func(ctx context.Context, network, address string) (net.Conn, error) {
+func (t *Transports) dialer(dial dialFunc) dialFunc {
 	return func(ctx context.Context, network, address string) (net.Conn, error) {
-		if t.closed() {
+		if t.isClosed() {
 			return nil, t.refusal(address)
 		}
 		nc, err := dial(ctx, network, address)
@@ -145,7 +124,7 @@ func (t *Transports) dialer(dial func(ctx context.Context, network, address stri
 		t.counters.Dials.Add(1)
 		t.counters.Open.Add(1)
 		t.mu.Lock()
-		open := !t.closed() // close closes closedCh under t.mu
+		open := !t.closed
 		if open {
 			t.conns[c] = struct{}{}
 		}
@@ -161,36 +140,25 @@ func (t *Transports) dialer(dial func(ctx context.Context, network, address stri
 // refusal is the error of a dial t no longer makes: Close's cause, or
 // ErrRetired when the drain closed t (the request goes on the newer one).
 func (t *Transports) refusal(address string) error {
-	if cause := t.closedBy(); cause != nil {
+	if _, cause := t.state(); cause != nil {
 		return fmt.Errorf("%w: dial %s", cause, address)
 	}
 	return fmt.Errorf("%w (dial %s)", ErrRetired, address)
 }
 
-// Conn is a connection a Transports dialed. It hides behind a *tls.Conn's
-// NetConn.
+// Conn is a connection a Transports dialed.
 type Conn struct {
 	net.Conn
-	t *Transports
-
-	mu     sync.Mutex // guards closed and host
-	closed bool
-	host   *host // the host a lead got it for over HTTP/2 (host.claim)
+	t      *Transports
+	closed atomic.Bool
 }
 
 func (c *Conn) Close() error {
-	c.mu.Lock()
-	first, h := !c.closed, c.host
-	c.closed = true
-	c.mu.Unlock()
-	if first {
+	if !c.closed.Swap(true) {
 		c.t.counters.Open.Add(-1)
 		c.t.mu.Lock()
 		delete(c.t.conns, c)
 		c.t.mu.Unlock()
-		if h != nil {
-			h.connClosed()
-		}
 	}
 	return c.Conn.Close()
 }

@@ -28,7 +28,6 @@ func BenchmarkRoundTripNoopBase(b *testing.B) {
 		t := NewTransports(Config{TLS: &tls.Config{}, KeepAlive: true}, nil)
 		defer t.Close(nil)
 		t.shared = noopTransport()
-		t.hosts.get(req).proto.Store(protoHTTP2)
 		b.ReportAllocs()
 		for b.Loop() {
 			if _, err := t.RoundTrip(req, nil); err != nil {

@@ -1,9 +1,8 @@
-// Package conns carries one TLS identity's requests to the wire: the
-// transports built for one version of its material and the connections
-// they dial. net/http decides when a request goes and when a connection is
-// dialed; a Transports adds what net/http cannot do: one request leads
-// while a host's protocol is unknown, keep-alive off with resumption, and
-// a drain when the material rotates. What it needs comes in a Config.
+// Package conns carries one TLS identity's requests to the wire over
+// transports built as client-go builds its own: net/http decides when a
+// request goes and when a connection is dialed. A Transports adds what
+// net/http cannot do: keep-alive off with resumption, upgrades over
+// HTTP/1.1, counted connections, and a drain when the material rotates.
 package conns
 
 import (
@@ -21,12 +20,10 @@ import (
 )
 
 const (
-	// sessionCacheSize is how many TLS sessions one Transports keeps: one
-	// per server the identity talks to, with room to spare.
-	sessionCacheSize = 64
-	// idleRecheckDelay is how long after a request of a retired Transports
-	// ends its idle connections are closed once more: Go frees an HTTP/2
-	// stream just after its body ends.
+	sessionCacheSize = 64 // TLS sessions: one per server of the identity, with room to spare
+	// idleRecheckDelay is how long after a retired Transports' request ends
+	// its idle connections are closed once more: Go frees an HTTP/2 stream
+	// just after its body ends.
 	idleRecheckDelay = 50 * time.Millisecond
 )
 
@@ -36,19 +33,15 @@ var ErrRetired = errors.New("sharedtransport: the TLS material this request was 
 
 // Config is what a Transports is built from.
 type Config struct {
-	// TLS configures the connections; nil for plain http. It has no
-	// VerifyConnection (handshakes are counted there); Transports copies it.
-	TLS                *tls.Config
+	TLS                *tls.Config                                                          // nil for plain http; copied, its VerifyConnection counts handshakes
 	Dial               func(ctx context.Context, network, address string) (net.Conn, error) // nil: client-go's dialer
 	Proxy              func(*http.Request) (*url.URL, error)                                // nil: the environment's
 	ProxyConnectHeader http.Header
 	DisableCompression bool
 	DisableHTTP2       bool // DISABLE_HTTP2 as the identity first saw it
 	KeepAlive          bool
-	// ResumeSessions gives the Transports a TLS session cache of its own: a
-	// resumed session authenticates as the certificate it came from.
-	ResumeSessions bool
-	Counters       *Counters // counted into; never nil
+	ResumeSessions     bool      // a session cache of its own: a resumed session authenticates as its certificate
+	Counters           *Counters // counted into; never nil
 }
 
 // Counters are connection figures, counted as connections open and close.
@@ -58,44 +51,32 @@ type Counters struct {
 }
 
 // Transports are one identity's transports for one version of its TLS
-// material. Retired when the next is built, it serves what it was given and
-// closes connections as they become idle, and the rest when the drain ends.
+// material. Retired, it serves what it was given, closes connections as
+// they become idle and the rest when the drain ends.
 type Transports struct {
-	shared   *http.Transport // HTTP/2 hosts, one dial at a time; every request when it has no HTTP/2
-	open     *http.Transport // HTTP/1.1 hosts: client-go's own transport, dialing what they need
-	http1    *http.Transport // upgrades, which need HTTP/1.1
-	http2    bool            // shared speaks HTTP/2
+	shared   *http.Transport // every request but upgrades: client-go's own transport
+	http1    *http.Transport // upgrades, which need HTTP/1.1; shared when it has no HTTP/2
 	own      func() *http.Transport
 	counters *Counters
-	hosts    *hosts // shared with the identity's other Transports
-
 	retired  atomic.Bool
-	closedCh chan struct{} // closed once, by close, with cause set: no more dials
 
-	mu    sync.Mutex         // guards conns, older, cause, drainTimer and idleRecheck
-	conns map[*Conn]struct{} // every connection dialed and not closed
-	// older are the Transports this one took over from that may still be
-	// draining; none once it is retired itself (the newer one holds them).
-	older       []*Transports
-	cause       error       // what Close was given
-	drainTimer  *time.Timer // closes a retired Transports at the end of its drain
-	idleRecheck *time.Timer // closes idle connections once more after a retired request ends
+	// mu guards the fields below; a newer Transports' mu is taken before
+	// an older one's, never the other way round.
+	mu          sync.Mutex
+	closed      bool               // no more dials
+	cause       error              // what Close was given; nil when the drain ended
+	conns       map[*Conn]struct{} // dialed and not closed
+	older       []*Transports      // taken over from and maybe draining; none once t is retired
+	drainTimer  *time.Timer
+	idleRecheck *time.Timer
 }
 
-// NewTransports builds Transports for c as client-go's tlsTransportCache
-// builds its own (utilnet.SetTransportDefaults), with keep-alive set before
-// HTTP/2 is configured, so that the HTTP/2 pool reads it. prev, if set, is
-// the Transports this one takes over from: they share what they know of the
-// hosts, and Close closes prev too while it drains.
+// NewTransports builds Transports for c, keep-alive set before HTTP/2 is
+// configured so that the HTTP/2 pool reads it. prev, if set, is the
+// Transports this one takes over from: Close closes it too while it drains.
 func NewTransports(c Config, prev *Transports) *Transports {
-	t := &Transports{
-		counters: c.Counters,
-		hosts:    &hosts{},
-		conns:    map[*Conn]struct{}{},
-		closedCh: make(chan struct{}),
-	}
+	t := &Transports{counters: c.Counters, conns: map[*Conn]struct{}{}}
 	if prev != nil {
-		t.hosts = prev.hosts
 		t.older = append(prev.olderOpen(), prev)
 	}
 	tlsConfig := c.TLS
@@ -107,43 +88,28 @@ func NewTransports(c Config, prev *Transports) *Transports {
 		}
 		tlsConfig.VerifyConnection = t.countHandshake
 	}
-	http1TLS := http1Only(tlsConfig) // before HTTP/2 set-up adds h2 to tlsConfig
-	// With keep-alive off every request has a connection of its own:
-	// HTTP/2 brings nothing, and Go's HTTP/2 pool dials surplus connections
-	// under concurrency. Plain http has no HTTP/2 to offer either.
-	if c.KeepAlive && tlsConfig != nil {
-		t.open = t.newTransport(c, tlsConfig.Clone())
-		t.http2 = speaksHTTP2(t.open)
+	http1TLS := http1Only(tlsConfig)     // before HTTP/2 set-up adds h2 to tlsConfig
+	if c.KeepAlive && tlsConfig != nil { // keep-alive off, HTTP/2 brings nothing but surplus dials
+		t.shared = t.newTransport(c, tlsConfig)
 	}
-	if !t.http2 {
+	if t.shared == nil || !speaksHTTP2(t.shared) {
 		t.shared = t.newTransport(c, http1TLS)
-		t.open, t.http1 = t.shared, t.shared
-		t.own = func() *http.Transport { return t.newTransport(c, ownSessions(http1TLS)) }
-		return t
+		t.http1, tlsConfig = t.shared, http1TLS
+	} else {
+		t.http1 = t.newTransport(c, http1TLS)
 	}
 	t.own = func() *http.Transport { return t.newTransport(c, ownSessions(tlsConfig)) }
-	// One dial at a time per host: a request that finds every connection
-	// full dials, and those behind it wait for that connection instead of
-	// dialing one each. A full connection leaves net/http's count, so a
-	// busy host still gets the connections it needs. It would serialize an
-	// HTTP/1.1 host's requests: those go over open.
-	t.shared = t.newTransport(c, tlsConfig)
-	t.shared.MaxConnsPerHost = 1
-	t.http1 = t.newTransport(c, http1TLS)
 	return t
 }
 
-// Shared is the transport that carries every request but upgrades: what
-// utilnet.TLSClientConfig and a caller's WrappedRoundTripper should see.
+// Shared carries every request but upgrades: what utilnet.TLSClientConfig
+// and a caller's WrappedRoundTripper see.
 func (t *Transports) Shared() *http.Transport { return t.shared }
 
-// Own builds a transport as client-go builds its own, for a caller that
-// unwraps the pool's round tripper and may change what it finds: shared
-// with no one, its connections counted and closed with t's.
+// Own builds a transport for a caller that unwraps the pool's round
+// tripper and may change what it finds: shared with no one, its
+// connections counted and closed with t's.
 func (t *Transports) Own() *http.Transport { return t.own() }
-
-// Hosts lists the hosts the identity has talked to, as scheme://host, sorted.
-func (t *Transports) Hosts() []string { return t.hosts.names() }
 
 // Retire takes t out of use for new requests: idle connections close now,
 // busy ones as they become idle, and what is left when drain ends.
@@ -153,17 +119,21 @@ func (t *Transports) Retire(drain time.Duration) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	t.older = nil
-	if t.drainTimer == nil {
-		t.drainTimer = time.AfterFunc(drain, func() { t.close(nil) })
-	}
+	t.drainTimer = time.AfterFunc(drain, func() { t.close(nil) }) // once: a generation retires once
 }
 
-// Close closes every connection of t and of the Transports it took over
-// from, busy ones included. Requests refused from then on, and response
-// bodies cut, fail with cause.
+// Close closes every connection of t and of those it took over from, busy
+// ones included: dials refused and response bodies cut fail with cause.
 func (t *Transports) Close(cause error) {
 	for _, o := range append(t.olderOpen(), t) {
 		o.close(cause)
+	}
+}
+
+// CloseIdle closes the idle connections of t and of those it took over from.
+func (t *Transports) CloseIdle() {
+	for _, o := range append(t.olderOpen(), t) {
+		o.closeIdle()
 	}
 }
 
@@ -171,17 +141,16 @@ func (t *Transports) Close(cause error) {
 func (t *Transports) olderOpen() []*Transports {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	return slices.DeleteFunc(slices.Clone(t.older), func(o *Transports) bool { return o.closed() })
+	return slices.DeleteFunc(slices.Clone(t.older), func(o *Transports) bool { return o.isClosed() })
 }
 
 func (t *Transports) close(cause error) {
 	t.mu.Lock()
-	if t.closed() {
+	if t.closed {
 		t.mu.Unlock()
 		return
 	}
-	t.cause = cause
-	close(t.closedCh)
+	t.closed, t.cause = true, cause
 	for _, timer := range []*time.Timer{t.drainTimer, t.idleRecheck} {
 		if timer != nil {
 			timer.Stop()
@@ -196,36 +165,18 @@ func (t *Transports) close(cause error) {
 	}
 }
 
-// closed reports whether Close (or the end of the drain) closed t.
-func (t *Transports) closed() bool {
-	select {
-	case <-t.closedCh:
-		return true
-	default:
-		return false
-	}
-}
-
-// closedBy is the cause Close was given; nil while t is open, or when its
-// drain closed it.
-func (t *Transports) closedBy() error {
+// state reports whether t is closed, and the cause Close was given.
+func (t *Transports) state() (closed bool, cause error) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	return t.cause
+	return t.closed, t.cause
 }
 
-// CloseIdle closes the idle connections of t and of the Transports it took
-// over from.
-func (t *Transports) CloseIdle() {
-	for _, o := range append(t.olderOpen(), t) {
-		o.closeIdle()
-	}
-}
+func (t *Transports) isClosed() bool { closed, _ := t.state(); return closed }
 
 func (t *Transports) closeIdle() {
-	for _, rt := range []*http.Transport{t.shared, t.open, t.http1} {
-		rt.CloseIdleConnections() // twice when they are one: idle is idle
-	}
+	t.shared.CloseIdleConnections()
+	t.http1.CloseIdleConnections() // twice when they are one: idle is idle
 }
 
 // requestEnded is called when a response body ends. On a retired t it
@@ -238,7 +189,7 @@ func (t *Transports) requestEnded() {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	switch {
-	case t.closed():
+	case t.closed:
 	case t.idleRecheck == nil:
 		t.idleRecheck = time.AfterFunc(idleRecheckDelay, t.closeIdle)
 	default:

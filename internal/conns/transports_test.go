@@ -18,7 +18,7 @@ func TestRotationsKeepNothing(t *testing.T) {
 	for range 5 {
 		next := NewTransports(cfg, cur)
 		cur.Retire(0)
-		for deadline := time.Now().Add(10 * time.Second); !cur.closed(); time.Sleep(time.Millisecond) {
+		for deadline := time.Now().Add(10 * time.Second); !cur.isClosed(); time.Sleep(time.Millisecond) {
 			if time.Now().After(deadline) {
 				t.Fatal("a Transports retired with no drain did not close")
 			}
