@@ -7,6 +7,8 @@ package sharedtransport
 
 import (
 	"context"
+	"crypto/tls"
+	"crypto/x509"
 	"fmt"
 	"io"
 	"net"
@@ -423,5 +425,64 @@ func TestStreamsFromTheConnection(t *testing.T) {
 				}
 			})
 		}
+	}
+}
+
+// TestStalledPostBody: a reverse proxy with a 300 ms deadline per request
+// forwards a POST whose client sends 500 of its 1,000 bytes and stops. The
+// proxy answers 502 once the deadline passes, through the pool (TransportFor
+// and TLSTransport) as through client-go alone: the pool reads no body ahead
+// of sending, deaf to the request's context.
+func TestStalledPostBody(t *testing.T) {
+	f := newFixture(t, testserver.Options{ClientAuth: testserver.VerifyClientCertIfGiven, Tokens: map[string]string{"token-x": "x"}})
+	p := newPool(t)
+	roots := x509.NewCertPool()
+	roots.AppendCertsFromPEM(f.ca.CertPEM())
+	for _, tc := range []struct {
+		name string
+		rt   func() (http.RoundTripper, error)
+	}{
+		{"client-go alone", func() (http.RoundTripper, error) { return rest.TransportFor(f.srv.RestConfig(f.alice)) }},
+		{"pool, TransportFor", func() (http.RoundTripper, error) { return p.TransportFor(f.srv.RestConfig(f.alice)) }},
+		{"pool, TLSTransport", func() (http.RoundTripper, error) {
+			return p.TLSTransport(TLSTransportConfig{TLS: &tls.Config{RootCAs: roots}})
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			rt, err := tc.rt()
+			must(t, err)
+			u, err := url.Parse(f.srv.URL())
+			must(t, err)
+			rp := &httputil.ReverseProxy{Rewrite: func(r *httputil.ProxyRequest) { r.SetURL(u) }, Transport: rt}
+			front := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				ctx, cancel := context.WithTimeout(r.Context(), 300*time.Millisecond)
+				defer cancel()
+				rp.ServeHTTP(w, r.WithContext(ctx))
+			}))
+			front.EnableHTTP2 = true // as an aggregated apiserver serves
+			front.StartTLS()
+			defer front.Close()
+			// The body's first 500 bytes, and then nothing until the test
+			// ends.
+			body, stalled := io.Pipe()
+			defer stalled.Close()
+			go stalled.Write([]byte(strings.Repeat(" ", 500)))
+			ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+			defer cancel()
+			req, err := http.NewRequestWithContext(ctx, http.MethodPost, front.URL+"/apis/authentication.k8s.io/v1/selfsubjectreviews", body)
+			must(t, err)
+			req.ContentLength = 1000
+			req.Header.Set("Authorization", "Bearer token-x")
+			start := time.Now()
+			resp, err := front.Client().Do(req)
+			if err != nil {
+				t.Fatalf("no answer in 3 s to a POST whose body stalled: %v", err)
+			}
+			resp.Body.Close()
+			t.Logf("%s: %s over %s after %v", tc.name, resp.Status, resp.Proto, time.Since(start).Round(time.Millisecond))
+			if resp.StatusCode != http.StatusBadGateway {
+				t.Errorf("a POST whose body stalled: %s, want 502 once the deadline passed", resp.Status)
+			}
+		})
 	}
 }

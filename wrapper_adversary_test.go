@@ -421,13 +421,11 @@ func TestAdversaryClientGoTransportCreated(t *testing.T) {
 	t.Logf("a client of a copy with Proxy started %d certificate refreshers through the pool, %d through client-go alone", started[1], started[0])
 }
 
-// TestAdversaryFirstRequestGate: until a generation knows whether the server
-// speaks HTTP/2, its first request goes alone and every other request waits
-// for that request's response. A generation serves every host its clients
-// talk to (the host is not identity), so a copy pointed at a host that does
-// not answer holds up the original's requests to a healthy server, for up to
-// the TLS handshake timeout, at Wrap and again after every rotation.
-// client-go alone never makes one client wait for another's response.
+// TestAdversaryFirstRequestGate: a generation serves every host its
+// clients talk to (the host is not identity), so a request of a copy
+// pointed at a host that does not answer must hold up none of the
+// original's requests to a healthy server, at Wrap or after a rotation: no
+// request waits on another's dial or response, as with client-go alone.
 func TestAdversaryFirstRequestGate(t *testing.T) {
 	f := newFixture(t, testserver.Options{})
 	r := newCopyRig(t, testserver.Options{CA: f.ca})

@@ -32,6 +32,9 @@ type Options struct {
 	RequireValues []string
 	// DialTimeout bounds the dial to a CONNECT's target; default 30s.
 	DialTimeout time.Duration
+	// AnswerDelay is how long the proxy takes to answer a CONNECT it
+	// accepts, once it has dialed the target: a slow or distant proxy.
+	AnswerDelay time.Duration
 }
 
 // requestTimeout bounds the read of a CONNECT request, so that a client that
@@ -260,6 +263,7 @@ func (p *Proxy) handle(c net.Conn) {
 	}
 
 	_ = c.SetReadDeadline(time.Time{})
+	time.Sleep(p.opts.AnswerDelay)
 	if _, err := io.WriteString(c, "HTTP/1.1 200 Connection established\r\n\r\n"); err != nil {
 		ended("client")
 		c.Close()
