@@ -88,7 +88,10 @@ func TestColdStartBurst(t *testing.T) {
 // connection: every list is served, over as many connections as client-go
 // alone opens.
 func TestLoadAtTheStreamCount(t *testing.T) {
-	const clients, each = 101, 60
+	clients, each := 101, 60
+	if raceDetector() {
+		each = 20
+	}
 	connsAsClientGo(t, fmt.Sprintf("%d clients x %d lists", clients, each), 3, []string{"client-go alone", "pool"}, func(t *testing.T, mode string) uint64 {
 		f := newFixture(t, testserver.Options{Latency: 5 * time.Millisecond})
 		cfg := f.srv.RestConfig(f.alice)
@@ -332,6 +335,15 @@ func TestProtocolSwitch(t *testing.T) {
 		t.Fatalf("before the switch: %v %v", protos, err)
 	}
 
+	// The burst dialed for every list waiting, as client-go does; a dial
+	// still under way at the switch would meet the HTTP/2 backend's end
+	// cut before its settings arrived. Switch once every dial is done.
+	waitFor(t, "the burst's dials done", func() bool {
+		before := p.Stats()
+		time.Sleep(50 * time.Millisecond)
+		st := p.Stats()
+		return st.Dials == before.Dials && st.Handshakes+st.Resumptions == st.Dials
+	})
 	b.relay.switchTo(b.h1.Addr())
 	// The failover cut every connection: wait until the pool saw it (a dial
 	// that raced the switch reached the new backend and stays).

@@ -14,5 +14,5 @@ func init() {
 		`TestHTTP1Burst|TestHTTP1OnlyOneConnection|` +
 		`TestCloseIdleConnectionsFor|TestRetiredGenerationRetried|TestRotationClosesOldConnsWhenIdle|` +
 		`TestRotationClosesIdleAtOnce|TestKeepAliveOff|TestRotationHalfFromFiles|TestRotationPresentsNewCertificateAtOnce|` +
-		`TestLifetime|TestSessionResumption|TestUpgrades|TestFullConnectionGrows|TestDueSoonBesideFullConnection|TestProtocolSwitch|TestHostPasswordRedacted|TestSecretsStaySecret|TestIdentityNamesResistGuessing)$`
+		`TestLifetime|TestSessionResumption|TestUpgrades|TestFullConnectionGrows|TestDueSoonBesideFullConnection|TestFailuresFailTogether|TestProtocolSwitch|TestHostPasswordRedacted|TestSecretsStaySecret|TestIdentityNamesResistGuessing)$`
 }

@@ -51,9 +51,9 @@ func TLSTransport(c TLSTransportConfig) (http.RoundTripper, error) {
 // pool that has them. Other roots (a new caBundle) are another identity;
 // the old one is released when no round tripper of it is left and its idle
 // grace has passed ([WithIdleTimeout]). The dialer is the pool's: code that
-// needs its own keeps its own transport. Keep-alive, session resumption and
-// the connection cap are the pool's options; upgrades (exec, port-forward)
-// get a connection of their own.
+// needs its own keeps its own transport. Keep-alive and session resumption
+// are the pool's options; upgrades (exec, port-forward) get a connection of
+// their own.
 func (p *Pool) TLSTransport(c TLSTransportConfig) (http.RoundTripper, error) {
 	if p.isClosed() {
 		return nil, ErrClosed
