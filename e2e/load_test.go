@@ -36,11 +36,12 @@ func (r loadResult) String() string {
 
 // seedLoad runs the seed's load: loadWorkers workers, each request through a
 // fresh config built by newConfig for the given server URL (a relay in front
-// of kube-apiserver, which counts the connections) and a fresh clientset.
-func seedLoad(t *testing.T, newClient func(server string) (*kubernetes.Clientset, error), keep func(*kubernetes.Clientset)) loadResult {
+// of kube-apiserver, which counts the connections) and a fresh clientset;
+// after a first request alone when warm.
+func seedLoad(t *testing.T, warm bool, newClient func(server string) (*kubernetes.Clientset, error), keep func(*kubernetes.Clientset)) loadResult {
 	relay := startTLSRelay(t, cl(t).port)
 	start := time.Now()
-	errs, first := runWorkers(loadWorkers, loadPerWorker, func(_, _ int) error {
+	request := func(_, _ int) error {
 		cs, err := newClient(relay.url())
 		if err != nil {
 			return err
@@ -52,7 +53,13 @@ func seedLoad(t *testing.T, newClient func(server string) (*kubernetes.Clientset
 		defer cancel()
 		_, err = cs.CoreV1().Namespaces().Get(ctx, "default", metav1.GetOptions{})
 		return err
-	})
+	}
+	if warm {
+		if err := request(0, 0); err != nil {
+			t.Fatal(err)
+		}
+	}
+	errs, first := runWorkers(loadWorkers, loadPerWorker, request)
 	r := loadResult{errors: errs, firstErr: first, elapsed: time.Since(start)}
 	r.accepted, r.peak, _, _ = relay.counts()
 	r.openAtEnd = relay.open()
@@ -60,74 +67,72 @@ func seedLoad(t *testing.T, newClient func(server string) (*kubernetes.Clientset
 	return r
 }
 
-// TestSeedLoad: the seed's load against kube-apiserver. With the pool, with
-// Proxy set (Karmada's member configs, through HTTPClientFor) or not
-// (through Wrap), the server accepts about as many connections as client-go's
-// best case, configs without Proxy that its cache gives one transport
-// (medians of three rounds, interleaved: both dial as net/http dials);
-// client-go alone with Proxy set, one per request.
+// TestSeedLoad: the seed's load against kube-apiserver, once a first request
+// opened a connection. With the pool, with Proxy set (Karmada's member
+// configs, through HTTPClientFor) or not (through Wrap), the server accepts
+// no more connections than for client-go's best case, configs without Proxy
+// that its cache gives one transport: the one connection carries every
+// request; client-go alone with Proxy set, one per request. (A cold start
+// dials as net/http dials: conncount measures it.)
 func TestSeedLoad(t *testing.T) {
 	c := cl(t)
 	kubeconfig := c.kubeconfig("admin", false)
 	modes := []string{"client-go's best case", "sharedtransport, Wrap", "sharedtransport, HTTPClientFor with Proxy"}
-	accepted := map[string][]int{}
-	for round := 1; round <= 3; round++ {
-		for _, mode := range modes {
-			p := sharedtransport.New()
-			var (
-				mu      sync.Mutex
-				clients []*http.Client
-			)
-			r := seedLoad(t, func(server string) (*kubernetes.Clientset, error) {
-				switch mode {
-				case "sharedtransport, Wrap":
-					cfg, err := p.BuildConfigFromFlags(server, kubeconfig)
-					if err != nil {
-						return nil, err
-					}
-					return kubernetes.NewForConfig(cfg)
-				case "sharedtransport, HTTPClientFor with Proxy":
-					cfg, err := clientcmd.BuildConfigFromFlags(server, kubeconfig)
-					if err != nil {
-						return nil, err
-					}
-					cfg.Proxy = nilProxy // Wrap passes it through: HTTPClientFor
-					hc, err := p.HTTPClientFor(cfg)
-					if err != nil {
-						return nil, err
-					}
-					return kubernetes.NewForConfigAndClient(cfg, hc)
-				}
-				cfg, err := clientcmd.BuildConfigFromFlags(server, kubeconfig)
+	accepted := map[string]int{}
+	for _, mode := range modes {
+		p := sharedtransport.New()
+		var (
+			mu      sync.Mutex
+			clients []*http.Client
+		)
+		r := seedLoad(t, true, func(server string) (*kubernetes.Clientset, error) {
+			switch mode {
+			case "sharedtransport, Wrap":
+				cfg, err := p.BuildConfigFromFlags(server, kubeconfig)
 				if err != nil {
 					return nil, err
 				}
 				return kubernetes.NewForConfig(cfg)
-			}, func(cs *kubernetes.Clientset) {
-				mu.Lock()
-				clients = append(clients, httpClientOf(cs))
-				mu.Unlock()
-			})
-			t.Logf("round %d, %s: %v", round, mode, r)
-			if mode == modes[0] {
-				closeIdle(clients)
-			} else {
-				stats := logStats(t, mode, p)
-				if r.errors > 0 {
-					t.Errorf("%s: %d of %d requests failed, first: %v", mode, r.errors, loadWorkers*loadPerWorker, r.firstErr)
+			case "sharedtransport, HTTPClientFor with Proxy":
+				cfg, err := clientcmd.BuildConfigFromFlags(server, kubeconfig)
+				if err != nil {
+					return nil, err
 				}
-				if stats.Dials != uint64(r.accepted) {
-					t.Errorf("%s: the pool dialed %d, the server accepted %d", mode, stats.Dials, r.accepted)
+				cfg.Proxy = nilProxy // Wrap passes it through: HTTPClientFor
+				hc, err := p.HTTPClientFor(cfg)
+				if err != nil {
+					return nil, err
 				}
+				return kubernetes.NewForConfigAndClient(cfg, hc)
 			}
-			closePool(t, p)
-			accepted[mode] = append(accepted[mode], r.accepted)
+			cfg, err := clientcmd.BuildConfigFromFlags(server, kubeconfig)
+			if err != nil {
+				return nil, err
+			}
+			return kubernetes.NewForConfig(cfg)
+		}, func(cs *kubernetes.Clientset) {
+			mu.Lock()
+			clients = append(clients, httpClientOf(cs))
+			mu.Unlock()
+		})
+		t.Logf("%s: %v", mode, r)
+		if mode == modes[0] {
+			closeIdle(clients)
+		} else {
+			stats := logStats(t, mode, p)
+			if r.errors > 0 {
+				t.Errorf("%s: %d of %d requests failed, first: %v", mode, r.errors, loadWorkers*loadPerWorker, r.firstErr)
+			}
+			if stats.Dials != uint64(r.accepted) {
+				t.Errorf("%s: the pool dialed %d, the server accepted %d", mode, stats.Dials, r.accepted)
+			}
 		}
+		closePool(t, p)
+		accepted[mode] = r.accepted
 	}
-	control := median(accepted[modes[0]])
 	for _, mode := range modes[1:] {
-		if m := median(accepted[mode]); m > 2*control {
-			t.Errorf("%s: a median of %d connections accepted (%v), more than twice client-go's best case's %d (%v)", mode, m, accepted[mode], control, accepted[modes[0]])
+		if accepted[mode] > max(accepted[modes[0]], 1) {
+			t.Errorf("%s: %d connections accepted, client-go's best case %d", mode, accepted[mode], accepted[modes[0]])
 		}
 	}
 
@@ -136,7 +141,7 @@ func TestSeedLoad(t *testing.T) {
 		mu      sync.Mutex
 		clients []*http.Client
 	)
-	plain := seedLoad(t, func(server string) (*kubernetes.Clientset, error) {
+	plain := seedLoad(t, false, func(server string) (*kubernetes.Clientset, error) {
 		cfg, err := clientcmd.BuildConfigFromFlags(server, kubeconfig)
 		if err != nil {
 			return nil, err
