@@ -54,7 +54,7 @@ type Counters struct {
 // material. Retired, it serves what it was given, closes connections as
 // they become idle and the rest when the drain ends.
 type Transports struct {
-	shared   *http.Transport // every request but upgrades: client-go's own transport
+	shared   *http.Transport // every request but upgrades, built as client-go builds its own
 	http1    *http.Transport // upgrades, which need HTTP/1.1; shared when it has no HTTP/2
 	own      func() *http.Transport
 	counters *Counters
