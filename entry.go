@@ -38,7 +38,7 @@ type registry struct {
 	*env
 	group singleflight.Group // one build per identity under concurrent first use
 
-	mu      sync.Mutex // guards entries, closed, watcher and released
+	mu      sync.Mutex // guards entries, closed, watcher, released and wrapped
 	entries map[identityKey]*held
 	closed  bool
 	watcher *fileWatcher // nil until a config names certificate files
@@ -48,6 +48,9 @@ type registry struct {
 	// expiring counts the idle timers set and not stopped, so that close
 	// returns after any expiry in progress.
 	expiring sync.WaitGroup
+	// wrapped are the configs Wrap installed a hook on, while they live: a
+	// second Wrap of one changes nothing.
+	wrapped map[weak.Pointer[rest.Config]]struct{}
 }
 
 // held is an entry in the registry and the leases that hold it.
@@ -335,10 +338,27 @@ func (r *registry) newLease(e *entry) *lease {
 	return l
 }
 
-// holdLease keeps l reachable until cfg is collected: a hook holds its
-// lease weakly (weakLease), and the config Wrap was given holds it.
-func holdLease(cfg *rest.Config, l *lease) {
-	runtime.AddCleanup(cfg, func(*lease) {}, l)
+// holdLease keeps l reachable until cfg is collected, and cfg recorded as
+// wrapped until then: a hook holds its lease weakly (weakLease), and the
+// config Wrap was given holds it.
+func (r *registry) holdLease(cfg *rest.Config, l *lease) {
+	k := weak.Make(cfg)
+	r.mu.Lock()
+	r.wrapped[k] = struct{}{}
+	r.mu.Unlock()
+	runtime.AddCleanup(cfg, func(*lease) {
+		r.mu.Lock()
+		delete(r.wrapped, k)
+		r.mu.Unlock()
+	}, l)
+}
+
+// wrappedBefore reports whether Wrap installed a hook on cfg already.
+func (r *registry) wrappedBefore(cfg *rest.Config) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	_, ok := r.wrapped[weak.Make(cfg)]
+	return ok
 }
 
 // weakLease is a hook's hold on a lease. client-go before v0.36 keeps the

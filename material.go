@@ -185,11 +185,11 @@ func checkValidity(c *x509.Certificate, now time.Time) error {
 // checkCABundle accepts what client-go accepts as a CA bundle (PEM blocks
 // among any text; blocks that are not certificates, or do not parse, are
 // skipped, as crypto/x509 skips them) when one of its certificates can
-// verify a server now. Unlike client-go it rejects a torn block: a CA file
-// caught mid-write must not replace a good one.
+// verify a server now. Unlike client-go it rejects a bundle whose last block
+// is torn: a CA file caught mid-write must not replace a good one.
 func checkCABundle(b []byte, now time.Time) error {
 	if tornBlock(b) {
-		return errors.New("holds an incomplete PEM block, a -----BEGIN without its -----END (a write in progress?)")
+		return errors.New("holds an incomplete PEM block at its end, a -----BEGIN line with no -----END line after it (a write in progress?)")
 	}
 	// why is the most telling reason why no block so far verifies a server now.
 	why, rank := errors.New("holds no PEM certificate"), 0
@@ -227,24 +227,18 @@ func checkCABundle(b []byte, now time.Time) error {
 	}
 }
 
-// tornBlock reports a "-----BEGIN" without a whole "-----END ...-----" line
-// before the next one: a write in progress cuts a file at its end. A whole
-// END line that names another type is no cut, and client-go reads the
-// certificates before such a block.
+// tornBlock reports a last block cut short as encoding/pem reads it: a
+// BEGIN line with no END line after it, as a write in progress leaves a
+// file. Text between blocks, and a block pem.Decode skips, are client-go's
+// to ignore, and the pool's.
 func tornBlock(b []byte) bool {
-	begin, end := []byte("-----BEGIN"), []byte("-----END")
-	blocks := bytes.Split(b, begin)
-	for _, block := range blocks[1:] {
-		i := bytes.Index(block, end)
-		if i < 0 {
-			return true
-		}
-		line, _, _ := bytes.Cut(block[i+len(end):], []byte("\n"))
-		if !bytes.HasSuffix(bytes.TrimRight(line, " \t\r"), []byte("-----")) {
-			return true
-		}
+	begin := bytes.LastIndex(b, []byte("\n-----BEGIN"))
+	if begin < 0 && !bytes.HasPrefix(b, []byte("-----BEGIN")) {
+		return false
 	}
-	return false
+	_, end, ok := bytes.Cut(b[begin+1:], []byte("\n-----END"))
+	line, _, _ := bytes.Cut(end, []byte("\n"))
+	return !ok || !bytes.Contains(line, []byte("-----"))
 }
 
 // canVerifyServers reports whether cert's extended key usages allow server

@@ -497,10 +497,11 @@ func TestCertificateValidity(t *testing.T) {
 
 // TestCABundleText: a CA file with text around its PEM blocks (comments, a
 // trailing "# end of bundle", openssl's description of each certificate, a
-// key block, a last block whose END line names another type) is accepted as
-// client-go accepts it, at Wrap and on rotation; a torn block, a "-----BEGIN"
-// without a whole "-----END" line, is refused as incomplete, and a bundle
-// whose only block does not decode is refused saying so.
+// key block, a last block whose END line names another type, hand edits
+// that leave the server's CA whole) is accepted as client-go accepts it, at
+// Wrap and on rotation; a bundle whose last block is torn, a BEGIN line with
+// no whole END line after it, is refused as incomplete, and a bundle whose
+// only block does not decode is refused saying so.
 func TestCABundleText(t *testing.T) {
 	f := newFixture(t, testserver.Options{})
 	other, err := testserver.NewCA("other-ca")
@@ -517,6 +518,10 @@ func TestCABundleText(t *testing.T) {
 		{"openssl's description before each block", "Certificate:\n    Data:\n        Version: 3 (0x2)\n" + otherPEM + "Certificate:\n    Data:\n" + ca},
 		{"a key block beside the CA", ca + string(f.alice.KeyPEM)},
 		{"a last block whose END line names another type", ca + strings.Replace(otherPEM, "-----END CERTIFICATE-----", "-----END X509 CRL-----", 1)},
+		{"the BEGIN line pasted twice", "-----BEGIN CERTIFICATE-----\n" + ca},
+		{"a second CA whose END line has a comment", ca + strings.Replace(otherPEM, "-----END CERTIFICATE-----", "-----END CERTIFICATE----- # rotated 2026", 1)},
+		{"a comment naming the BEGIN marker", "# paste each CA below, from its -----BEGIN CERTIFICATE----- line on\n" + ca},
+		{"a block without its END, then a whole one", otherPEM[:len(otherPEM)/2] + "\n# comment\n" + ca},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			c := writeCredFiles(t, filepath.Join(f.dir, "text", strconv.Itoa(i)), []byte(tc.bundle), f.alice)
@@ -544,9 +549,9 @@ func TestCABundleText(t *testing.T) {
 	}
 	t.Run("torn block", func(t *testing.T) {
 		for _, bundle := range []string{
-			ca + otherPEM[:len(otherPEM)/2],                   // cut inside the body
-			ca + otherPEM[:len(otherPEM)-10],                  // cut inside the END line
-			otherPEM[:len(otherPEM)/2] + "\n# comment\n" + ca, // a block without its END, then more
+			ca + otherPEM[:len(otherPEM)/2],  // cut inside the body
+			ca + otherPEM[:len(otherPEM)-10], // cut inside the END line
+			ca + "-----BEGIN CERTIFICATE-----",
 		} {
 			c := writeCredFiles(t, filepath.Join(f.dir, "torn", strconv.Itoa(len(bundle))), []byte(bundle), f.alice)
 			err := p.Wrap(c.config(f.srv.URL()))

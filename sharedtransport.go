@@ -8,6 +8,7 @@ package sharedtransport
 import (
 	"fmt"
 	"sync"
+	"weak"
 
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
@@ -31,7 +32,7 @@ func New(opts ...Option) *Pool {
 	for _, opt := range opts {
 		opt(&v.opts)
 	}
-	return &Pool{env: v, reg: &registry{env: v, entries: make(map[identityKey]*held)}}
+	return &Pool{env: v, reg: &registry{env: v, entries: make(map[identityKey]*held), wrapped: make(map[weak.Pointer[rest.Config]]struct{})}}
 }
 
 var defaultPool = sync.OnceValue(func() *Pool { return New() })
@@ -79,6 +80,7 @@ func (p *Pool) BuildConfigFromFlags(masterURL, kubeconfigPath string) (*rest.Con
 //
 // For a config it shares, Wrap reads the certificate, key and CA files cfg
 // names; its error names the file that is missing, unreadable or invalid.
+// Wrap of a config this pool wrapped already changes nothing.
 func (p *Pool) Wrap(cfg *rest.Config, opts ...CallOption) error {
 	return p.wrap(cfg, givenBy(opts))
 }
@@ -86,6 +88,9 @@ func (p *Pool) Wrap(cfg *rest.Config, opts ...CallOption) error {
 func (p *Pool) wrap(cfg *rest.Config, g given) error {
 	if p.isClosed() {
 		return ErrClosed
+	}
+	if p.reg.wrappedBefore(cfg) {
+		return nil // its hook is there, and decides for every client
 	}
 	s, share, err := sharingFor(cfg, g, p.opts.dialIdentity, true)
 	if err != nil {
@@ -105,7 +110,7 @@ func (p *Pool) wrap(cfg *rest.Config, g given) error {
 	if err != nil {
 		return err
 	}
-	holdLease(cfg, l)
+	p.reg.holdLease(cfg, l)
 	cfg.WrapTransport = transport.Wrappers(h.wrap, cfg.WrapTransport)
 	return nil
 }

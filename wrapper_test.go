@@ -1440,3 +1440,37 @@ func TestUnwrapReachesThatClientAlone(t *testing.T) {
 		t.Errorf("the second pool passed %d clients through, want none", st.PassThrough)
 	}
 }
+
+// TestWrapTwice: a config wrapped twice, by one pool, has its clients
+// share as after one Wrap, and Stats counts no pass-through: the second
+// Wrap changes nothing. Its clients' requests come on as many connections
+// as client-go alone's (one, once a first request opened it).
+func TestWrapTwice(t *testing.T) {
+	f := newFixture(t, testserver.Options{})
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	accepted := map[bool]uint64{}
+	for _, pooled := range []bool{false, true} {
+		f.srv.CloseClientConnections()
+		waitFor(t, "the server's connections closed", func() bool { return f.srv.OpenConns() == 0 })
+		f.srv.ResetStats()
+		cfg := f.srv.RestConfig(f.alice)
+		p := newPool(t)
+		if pooled {
+			must(t, p.Wrap(cfg))
+			must(t, p.Wrap(cfg))
+		}
+		for range 3 {
+			must(t, listNodes(ctx, cfg))
+		}
+		accepted[pooled] = f.srv.Stats().Accepted
+		st := p.Stats()
+		t.Logf("pool %v: 3 clients of a config wrapped twice: %d connections; %+v", pooled, accepted[pooled], st)
+		if pooled && (st.PassThrough != 0 || st.Misses != 1 || st.Identities != 1 || st.Dials != accepted[pooled]) {
+			t.Errorf("a config wrapped twice: %+v, want one identity, built once, nothing passed through, its dials the server's connections", st)
+		}
+	}
+	if accepted[true] > accepted[false] {
+		t.Errorf("a config wrapped twice: %d connections, client-go alone %d", accepted[true], accepted[false])
+	}
+}
