@@ -41,6 +41,8 @@ func (l *lease) roundTrip(req *http.Request, pick func(*generation) bool, other 
 		switch {
 		case err == nil:
 			return resp, nil
+		case errors.Is(err, ErrClosed):
+			return nil, err
 		case l.e.closed.Load(): // rather than what the cut connection reported
 			return nil, fmt.Errorf("%w while the request ran: %w", ErrClosed, err)
 		case !errors.Is(err, conns.ErrRetired) || resends == maxResends:

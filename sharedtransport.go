@@ -117,8 +117,8 @@ func (p *Pool) wrap(cfg *rest.Config, g given) error {
 
 // Close closes every connection of the pool, stops watching files and waits
 // for the pool's goroutines to exit, a reload in a read the kernel holds
-// among them. Requests sent afterwards through the
-// pool, requests in flight and reads of bodies whose connection it closed
+// among them. Requests sent afterwards through the pool, requests in flight
+// (a dial under way stops) and reads of bodies whose connection it closed
 // fail with [ErrClosed]. Every call returns once the pool is closed, with
 // the first call's result.
 func (p *Pool) Close() error {

@@ -73,12 +73,6 @@ func envSeconds(name string, def int) time.Duration {
 	return time.Duration(n) * time.Second
 }
 
-// speaksHTTP2 reports whether rt offers HTTP/2: once set up, its ALPN
-// list says so, under x/net's HTTP/2 and under net/http's own.
-func speaksHTTP2(rt *http.Transport) bool {
-	return slices.Contains(rt.TLSClientConfig.NextProtos, http2.NextProtoTLS)
-}
-
 // http1Only returns a copy of tlsConfig that offers HTTP/1.1 alone, unless
 // it names protocols of its own, which are the config's to keep.
 func http1Only(tlsConfig *tls.Config) *tls.Config {
@@ -89,9 +83,8 @@ func http1Only(tlsConfig *tls.Config) *tls.Config {
 	return c
 }
 
-// ownSessions returns a copy of tlsConfig with a session cache of its own,
-// if it has one: a caller may give its transport another certificate, and
-// a resumed session authenticates as the one before.
+// ownSessions returns a copy of tlsConfig with a session cache of its own, if it has one:
+// a caller may give its transport another certificate; a session is its certificate's.
 func ownSessions(tlsConfig *tls.Config) *tls.Config {
 	c := tlsConfig.Clone()
 	if c != nil && c.ClientSessionCache != nil {
@@ -109,22 +102,28 @@ func (t *Transports) countHandshake(cs tls.ConnectionState) error {
 	return nil
 }
 
-// dialer wraps dial: it counts connections, keeps them for Close, and
-// refuses to dial once t is closed.
+// dialer wraps dial: it counts connections, keeps them for Close, refuses
+// to dial once t is closed, and stops a dial under way when t closes.
 func (t *Transports) dialer(dial dialFunc) dialFunc {
 	return func(ctx context.Context, network, address string) (net.Conn, error) {
 		if t.isClosed() {
 			return nil, t.refusal(address)
 		}
+		ctx, cancel := context.WithCancel(ctx)
+		defer cancel()
+		defer context.AfterFunc(t.closing, cancel)()
 		nc, err := dial(ctx, network, address)
-		if err != nil {
+		switch {
+		case err != nil && t.isClosed():
+			return nil, t.refusal(address)
+		case err != nil:
 			return nil, err
 		}
 		c := &Conn{Conn: nc, t: t}
 		t.counters.Dials.Add(1)
 		t.counters.Open.Add(1)
 		t.mu.Lock()
-		open := !t.closed
+		open := !t.isClosed()
 		if open {
 			t.conns[c] = struct{}{}
 		}
@@ -140,7 +139,7 @@ func (t *Transports) dialer(dial dialFunc) dialFunc {
 // refusal is the error of a dial t no longer makes: Close's cause, or
 // ErrRetired when the drain closed t (the request goes on the newer one).
 func (t *Transports) refusal(address string) error {
-	if _, cause := t.state(); cause != nil {
+	if cause := t.closedBy(); cause != nil {
 		return fmt.Errorf("%w: dial %s", cause, address)
 	}
 	return fmt.Errorf("%w (dial %s)", ErrRetired, address)

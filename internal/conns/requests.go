@@ -1,7 +1,6 @@
-// A request through a Transports, and its response body, which keeps what
-// sent it reachable and tells a retired Transports when its request ends.
-// A request body is never read ahead: net/http sends a request again only
-// when GetBody gives its body again.
+// A request through a Transports, and its response body, which keeps what sent it
+// reachable and tells a retired Transports when its request ends. A request body
+// is never read ahead: net/http sends a request again only with GetBody.
 
 package conns
 
@@ -14,10 +13,9 @@ import (
 	"k8s.io/apimachinery/pkg/util/httpstream"
 )
 
-// RoundTrip sends req. The response body keeps owner reachable: a watch
-// runs on after the client that started it is gone, as with client-go
-// alone. ErrRetired means t closed before req was sent; req may then be
-// sent on a newer Transports, if its body can be had again.
+// RoundTrip sends req. The response body keeps owner reachable: a watch runs on
+// after the client that started it is gone, as with client-go alone. ErrRetired
+// means t closed before req was sent, which may go on a newer Transports.
 func (t *Transports) RoundTrip(req *http.Request, owner any) (*http.Response, error) {
 	rt := t.shared
 	if httpstream.IsUpgradeRequest(req) {
@@ -31,8 +29,8 @@ func (t *Transports) RoundTrip(req *http.Request, owner any) (*http.Response, er
 	return resp, nil
 }
 
-// wrapBody returns body keeping owner reachable and ending its request at
-// EOF, an error or Close, whichever comes first.
+// wrapBody returns body keeping owner reachable and ending its request at EOF,
+// an error or Close, whichever comes first; a 101's (upgradedBody) stays writable.
 func (t *Transports) wrapBody(body io.ReadCloser, owner any) io.ReadCloser {
 	b := &responseBody{ReadCloser: body, owner: owner, t: t}
 	if body == http.NoBody {
@@ -58,7 +56,7 @@ func (b *responseBody) Read(p []byte) (int, error) {
 		b.end()
 	}
 	if err != nil && err != io.EOF {
-		if _, cause := b.t.state(); cause != nil {
+		if cause := b.t.closedBy(); cause != nil {
 			err = fmt.Errorf("%w while the response was read: %w", cause, err)
 		}
 	}
@@ -78,7 +76,6 @@ func (b *responseBody) end() {
 	b.t.requestEnded()
 }
 
-// upgradedBody is a 101 response's body: the upgraded connection.
 type upgradedBody struct {
 	*responseBody
 	w io.Writer

@@ -17,13 +17,14 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"golang.org/x/net/http2"
 )
 
 const (
 	sessionCacheSize = 64 // TLS sessions: one per server of the identity, with room to spare
-	// idleRecheckDelay is how long after a retired Transports' request ends
-	// its idle connections are closed once more: Go frees an HTTP/2 stream
-	// just after its body ends.
+	// idleRecheckDelay is how long after a retired Transports' request ends its idle
+	// connections close once more: Go frees an HTTP/2 stream just after its body ends.
 	idleRecheckDelay = 50 * time.Millisecond
 )
 
@@ -60,10 +61,13 @@ type Transports struct {
 	counters *Counters
 	retired  atomic.Bool
 
+	// closing ends, under mu, when t closes: dials stop, and are refused.
+	closing context.Context
+	end     context.CancelFunc
+
 	// mu guards the fields below; a newer Transports' mu is taken before
 	// an older one's, never the other way round.
 	mu          sync.Mutex
-	closed      bool               // no more dials
 	cause       error              // what Close was given; nil when the drain ended
 	conns       map[*Conn]struct{} // dialed and not closed
 	older       []*Transports      // taken over from and maybe draining; none once t is retired
@@ -76,6 +80,7 @@ type Transports struct {
 // Transports this one takes over from: Close closes it too while it drains.
 func NewTransports(c Config, prev *Transports) *Transports {
 	t := &Transports{counters: c.Counters, conns: map[*Conn]struct{}{}}
+	t.closing, t.end = context.WithCancel(context.Background())
 	if prev != nil {
 		t.older = append(prev.olderOpen(), prev)
 	}
@@ -88,11 +93,13 @@ func NewTransports(c Config, prev *Transports) *Transports {
 		}
 		tlsConfig.VerifyConnection = t.countHandshake
 	}
-	http1TLS := http1Only(tlsConfig)     // before HTTP/2 set-up adds h2 to tlsConfig
-	if c.KeepAlive && tlsConfig != nil { // keep-alive off, HTTP/2 brings nothing but surplus dials
+	http1TLS := http1Only(tlsConfig) // before HTTP/2 set-up adds h2 to tlsConfig
+	// Keep-alive off, HTTP/2 brings nothing but surplus dials. Once set up,
+	// the ALPN list tells HTTP/2, under x/net's and under net/http's own.
+	if c.KeepAlive && tlsConfig != nil {
 		t.shared = t.newTransport(c, tlsConfig)
 	}
-	if t.shared == nil || !speaksHTTP2(t.shared) {
+	if t.shared == nil || !slices.Contains(tlsConfig.NextProtos, http2.NextProtoTLS) {
 		t.shared = t.newTransport(c, http1TLS)
 		t.http1, tlsConfig = t.shared, http1TLS
 	} else {
@@ -106,9 +113,8 @@ func NewTransports(c Config, prev *Transports) *Transports {
 // and a caller's WrappedRoundTripper see.
 func (t *Transports) Shared() *http.Transport { return t.shared }
 
-// Own builds a transport for a caller that unwraps the pool's round
-// tripper and may change what it finds: shared with no one, its
-// connections counted and closed with t's.
+// Own builds a transport for a caller that unwraps the pool's round tripper
+// and may change it: shared with no one, its connections closed with t's.
 func (t *Transports) Own() *http.Transport { return t.own() }
 
 // Retire takes t out of use for new requests: idle connections close now,
@@ -146,11 +152,12 @@ func (t *Transports) olderOpen() []*Transports {
 
 func (t *Transports) close(cause error) {
 	t.mu.Lock()
-	if t.closed {
+	if t.isClosed() {
 		t.mu.Unlock()
 		return
 	}
-	t.closed, t.cause = true, cause
+	t.cause = cause
+	t.end()
 	for _, timer := range []*time.Timer{t.drainTimer, t.idleRecheck} {
 		if timer != nil {
 			timer.Stop()
@@ -165,14 +172,14 @@ func (t *Transports) close(cause error) {
 	}
 }
 
-// state reports whether t is closed, and the cause Close was given.
-func (t *Transports) state() (closed bool, cause error) {
+// closedBy is Close's cause: nil while t is open, or when its drain closed it.
+func (t *Transports) closedBy() error {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	return t.closed, t.cause
+	return t.cause
 }
 
-func (t *Transports) isClosed() bool { closed, _ := t.state(); return closed }
+func (t *Transports) isClosed() bool { return t.closing.Err() != nil }
 
 func (t *Transports) closeIdle() {
 	t.shared.CloseIdleConnections()
@@ -188,11 +195,9 @@ func (t *Transports) requestEnded() {
 	t.closeIdle()
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	switch {
-	case t.closed:
-	case t.idleRecheck == nil:
+	if t.idleRecheck == nil {
 		t.idleRecheck = time.AfterFunc(idleRecheckDelay, t.closeIdle)
-	default:
+	} else if !t.isClosed() {
 		t.idleRecheck.Reset(idleRecheckDelay)
 	}
 }
