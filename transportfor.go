@@ -74,7 +74,8 @@ func (p *Pool) transportFor(cfg *rest.Config, g given) (http.RoundTripper, error
 	if err != nil {
 		return nil, err
 	}
-	base := &configTransport{lease: l, proxy: s.tc.Proxy, clientGo: &clientGoLater{tc: s.tc, id: s.id}}
+	held := func() *material { return l.e.current.Load().material }
+	base := &configTransport{lease: l, proxy: s.tc.Proxy, clientGo: &clientGoLater{tc: s.tc, id: s.id, held: held}}
 	return transport.HTTPWrappersForConfig(s.tc, base)
 }
 
@@ -194,13 +195,16 @@ func (c *configTransport) CancelRequest(req *http.Request) {
 }
 
 // clientGoLater is client-go's transport for a config, built at the first
-// request or unwrap that needs it; concurrent ones share the build. A build
-// that fails is not kept (client-go read the files while they were being
-// rewritten, say): the next request or unwrap tries again, and one that
-// joined a failed build tries once on its own.
+// request or unwrap that needs it; concurrent ones share the build. Where
+// client-go cannot build it from the files the config names now (they are
+// being rewritten, say), it is built from the material the pool holds for
+// them, what the client was built with. A build that still fails is not
+// kept: the next request or unwrap tries again, and one that joined a
+// failed build tries once on its own.
 type clientGoLater struct {
 	tc       *transport.Config
 	id       *identity
+	held     func() *material // the identity's current material
 	building singleflight.Group
 	rt       atomic.Pointer[http.RoundTripper] // set once built
 }
@@ -229,11 +233,28 @@ func (l *clientGoLater) build() (any, error) {
 	}
 	rt, err := clientGoTransport(&tc)
 	if err != nil {
+		rt, err = clientGoTransport(fromMaterial(tc, l.held()))
+	}
+	if err != nil {
 		return nil, fmt.Errorf("sharedtransport: client-go's transport for the config: %w", err)
 	}
 	rt = l.id.withWrapperHeader(rt)
 	l.rt.Store(&rt)
 	return rt, nil
+}
+
+// fromMaterial returns tc with m's bytes in place of the files it names.
+func fromMaterial(tc transport.Config, m *material) *transport.Config {
+	if tc.TLS.CAFile != "" {
+		tc.TLS.CAFile, tc.TLS.CAData = "", m.caPEM
+	}
+	if tc.TLS.CertFile != "" {
+		tc.TLS.CertFile, tc.TLS.CertData = "", m.certPEM
+	}
+	if tc.TLS.KeyFile != "" {
+		tc.TLS.KeyFile, tc.TLS.KeyData = "", m.keyPEM
+	}
+	return &tc
 }
 
 func (l *clientGoLater) RoundTrip(req *http.Request) (*http.Response, error) {
@@ -262,9 +283,9 @@ func (l *clientGoLater) CloseIdleConnections() {
 // client-go's transport for the config, as rest.TransportFor gives it; for
 // TLSTransport one built as the pool builds its own, which apimachinery's
 // UpgradeAwareHandler dials upgrades with. This round tripper's requests go
-// through it from then on (counted in Stats.PassThrough). When client-go
-// cannot build its transport now, the requests stay on the pool and the
-// round tripper returned fails with the reason until a build succeeds.
+// through it from then on (counted in Stats.PassThrough). While the files
+// the config names are being rewritten, client-go's transport is built from
+// the material the pool holds for them, what the client was built with.
 func (c *configTransport) WrappedRoundTripper() http.RoundTripper {
 	var rt http.RoundTripper
 	if c.clientGo == nil {
