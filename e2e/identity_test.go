@@ -12,9 +12,10 @@ import (
 	"github.com/sharedtransport/sharedtransport"
 )
 
-// TestIdentities: three users, three connections (the server accepts
-// exactly three), and the server sees each client as its own user. alice and
-// carol use file paths, bob inline data.
+// TestIdentities: three users, three connections (once each user's first
+// request opened its own, the server accepts no other: a cold burst would
+// dial as net/http dials), and the server sees each client as its own
+// user. alice and carol use file paths, bob inline data.
 func TestIdentities(t *testing.T) {
 	c := cl(t)
 	p := sharedtransport.New()
@@ -32,6 +33,7 @@ func TestIdentities(t *testing.T) {
 			t.Fatalf("%s: BuildConfigFromFlags: %v", u.name, err)
 		}
 		clients[u.name] = mustClientset(t, cfg)
+		mustWhoami(t, clients[u.name], u.name)
 	}
 
 	// Each user, 30 concurrent clients x 5 SelfSubjectReviews, every client
