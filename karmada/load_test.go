@@ -233,8 +233,9 @@ func TestSeedLoad(t *testing.T) {
 }
 
 // checkTunnelsAsShared fails t when the median of got, the tunnels of
-// rounds through the pool, is more than twice the median of control, those
-// of Go's transport as Karmada builds it, shared.
+// rounds through the pool, is more than twice the most of control, those of
+// Go's transport as Karmada builds it, shared: both dial as net/http dials,
+// and their counts vary from round to round.
 func checkTunnelsAsShared(t *testing.T, what string, got, control []uint64) {
 	t.Helper()
 	median := func(v []uint64) uint64 {
@@ -242,9 +243,9 @@ func checkTunnelsAsShared(t *testing.T, what string, got, control []uint64) {
 		slices.Sort(v)
 		return v[len(v)/2]
 	}
-	t.Logf("%s: tunnels %v, median %d; Karmada's transport, shared: %v, median %d", what, got, median(got), control, median(control))
-	if median(got) > 2*median(control) {
-		t.Errorf("%s: a median of %d tunnels, more than twice the %d of Karmada's transport, shared", what, median(got), median(control))
+	t.Logf("%s: tunnels %v, median %d; Karmada's transport, shared: %v", what, got, median(got), control)
+	if median(got) > 2*slices.Max(control) {
+		t.Errorf("%s: a median of %d tunnels, more than twice the most of Karmada's transport, shared (%v)", what, median(got), control)
 	}
 }
 
