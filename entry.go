@@ -9,7 +9,6 @@ package sharedtransport
 import (
 	"errors"
 	"net/http"
-	"net/url"
 	"runtime"
 	"sync"
 	"sync/atomic"
@@ -392,12 +391,4 @@ func (w *weakLease) get(r *registry, id *identity) (*lease, error) {
 	}
 	w.p = weak.Make(l)
 	return l, nil
-}
-
-// sentTo records u's server among those the identity sent requests to.
-func (e *entry) sentTo(u *url.URL) {
-	h := u.Scheme + "://" + u.Host
-	if _, ok := e.hosts.Load(h); !ok {
-		e.hosts.Store(h, struct{}{})
-	}
 }

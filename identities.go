@@ -5,6 +5,7 @@ package sharedtransport
 
 import (
 	"cmp"
+	"net/url"
 	"slices"
 	"time"
 )
@@ -77,6 +78,15 @@ func (p *Pool) Identities() []IdentityInfo {
 	}
 	slices.SortFunc(out, func(a, b IdentityInfo) int { return cmp.Compare(a.Name, b.Name) })
 	return out
+}
+
+// sentTo records u's server among those the identity sent requests to, for
+// IdentityInfo.Hosts.
+func (e *entry) sentTo(u *url.URL) {
+	h := u.Scheme + "://" + u.Host
+	if _, ok := e.hosts.Load(h); !ok {
+		e.hosts.Store(h, struct{}{})
+	}
 }
 
 func (e *entry) info() IdentityInfo {
