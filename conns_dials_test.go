@@ -44,6 +44,17 @@ func servedAsClientGo(t *testing.T, what string, attempt func(t *testing.T, pool
 	t.Errorf("%s, 3 attempts: %v", what, errs)
 }
 
+// getsDue sends n lists at once to base through client, due in due, logs
+// what came back and how many connections accepted counts, and returns the
+// protocols they came over and the first error.
+func getsDue(t *testing.T, pooled bool, client *http.Client, base string, n int, due time.Duration, what string, accepted func() int64) (map[string]int, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), due)
+	defer cancel()
+	protos, err := concurrentGets(ctx, client, base, what, n)
+	t.Logf("pool %v: %d lists due in %v, %s: %v %v; %d connections accepted", pooled, n, due, what, protos, err, accepted())
+	return protos, err
+}
+
 // faultyRelay forwards the connections it accepts to its target of the
 // moment, but one: the connection it is told to wedge is held unanswered,
 // as a wedged backend behind a load balancer holds it, and reset after
@@ -181,10 +192,7 @@ func TestWedgedFirstConnection(t *testing.T) {
 					f.srv.SetGoawayChance(0)
 					r.wedgeNext()
 				}
-				ctx, cancel := context.WithTimeout(context.Background(), due)
-				defer cancel()
-				protos, err := concurrentGets(ctx, client, r.url(), "burst", n)
-				t.Logf("pool %v: %d lists due in %v beside a wedged connection: %v %v; the relay accepted %d connections", pooled, n, due, protos, err, r.accepted.Load())
+				_, err := getsDue(t, pooled, client, r.url(), n, due, "beside a wedged connection", r.accepted.Load)
 				return err
 			})
 		})
@@ -212,10 +220,7 @@ func TestWedgedConnectionBesideFullOne(t *testing.T) {
 		defer release()
 		waitFor(t, "the server holds 100 requests", func() bool { return hold.held.Load() == 100 })
 		r.wedgeNext()
-		dueCtx, cancelDue := context.WithTimeout(context.Background(), due)
-		defer cancelDue()
-		protos, err := concurrentGets(dueCtx, client, r.url(), "beside", n)
-		t.Logf("pool %v: %d lists due in %v beside 100 held and a wedged connection: %v %v; the relay accepted %d connections", pooled, n, due, protos, err, r.accepted.Load())
+		_, err := getsDue(t, pooled, client, r.url(), n, due, "beside 100 held and a wedged connection", r.accepted.Load)
 		return err
 	})
 }
@@ -306,10 +311,7 @@ func TestProtocolChangeWhileDraining(t *testing.T) {
 			t.Fatal(err)
 		}
 		r.target.Store(h1.Addr())
-		dueCtx, cancelDue := context.WithTimeout(context.Background(), due)
-		defer cancelDue()
-		protos, err := concurrentGets(dueCtx, client, r.url(), "after the change", n)
-		t.Logf("pool %v: %d lists due in %v: %v %v; the HTTP/1.1 backend accepted %d connections", pooled, n, due, protos, err, h1.Stats().Accepted)
+		protos, err := getsDue(t, pooled, client, r.url(), n, due, "after the change to HTTP/1.1", func() int64 { return int64(h1.Stats().Accepted) })
 		if err == nil && protos["HTTP/1.1"] != n {
 			return fmt.Errorf("%d lists: %v, want all over HTTP/1.1", n, protos)
 		}
@@ -387,10 +389,7 @@ func TestHTTP1Burst(t *testing.T) {
 					f.srv.CloseClientConnections()
 					waitFor(t, "the server's connections closed", func() bool { return f.srv.OpenConns() == 0 })
 				}
-				ctx, cancel := context.WithTimeout(context.Background(), due)
-				defer cancel()
-				protos, err := concurrentGets(ctx, client, f.srv.URL(), "burst", n)
-				t.Logf("pool %v: %d lists due in %v, dials taking %v: %v %v; the server accepted %d connections", pooled, n, due, dial, protos, err, f.srv.Stats().Accepted)
+				_, err := getsDue(t, pooled, client, f.srv.URL(), n, due, fmt.Sprint("dials taking ", dial), func() int64 { return int64(f.srv.Stats().Accepted) })
 				return err
 			})
 		})
