@@ -166,17 +166,6 @@ func inotifyWatches(t testing.TB) map[int]int {
 	return out
 }
 
-// newInotifyFD returns the inotify descriptor opened since before, or -1.
-func newInotifyFD(t testing.TB, before map[int]int) int {
-	t.Helper()
-	for fd := range inotifyWatches(t) {
-		if _, ok := before[fd]; !ok {
-			return fd
-		}
-	}
-	return -1
-}
-
 const (
 	refusedLog   = "File events unavailable for a watched directory"
 	recoveredLog = "File events available again"
@@ -198,17 +187,25 @@ func TestInotifyLimits(t *testing.T) {
 	t.Run("watches", func(t *testing.T) { inotifyWatchesExhausted(t, poll) })
 }
 
-// unwatchedDirs counts the directories p's watcher holds no watch on.
-func unwatchedDirs(p *Pool) int {
+// unwatchedDirs counts the directories p's watcher holds no watch on, once
+// no directory's watch is being placed.
+func unwatchedDirs(t *testing.T, p *Pool) int {
 	w := p.reg.watcher
-	w.mu.Lock()
-	defer w.mu.Unlock()
 	n := 0
-	for _, wd := range w.dirs {
-		if !wd.watched {
-			n++
+	waitFor(t, "every directory's watch placed", func() bool {
+		w.mu.Lock()
+		defer w.mu.Unlock()
+		n = 0
+		for _, wd := range w.dirs {
+			if wd.placing {
+				return false
+			}
+			if wd.watch == nil {
+				n++
+			}
 		}
-	}
+		return true
+	})
 	return n
 }
 
@@ -240,7 +237,7 @@ func inotifyInstancesExhausted(t *testing.T, poll time.Duration) {
 	if err := p.Wrap(cfg); err != nil {
 		t.Fatalf("Wrap with inotify instances exhausted: %v", err)
 	}
-	if n := unwatchedDirs(p); n != 1 {
+	if n := unwatchedDirs(t, p); n != 1 {
 		t.Errorf("%d directories without a watch, want 1", n)
 	}
 	// No file events: the rotation is the poll's.
@@ -255,7 +252,7 @@ func inotifyInstancesExhausted(t *testing.T, poll time.Duration) {
 		syscall.Close(fd)
 	}
 	held = nil
-	waitFor(t, "the directory watched again", func() bool { return unwatchedDirs(p) == 0 })
+	waitFor(t, "the directory watched again", func() bool { return unwatchedDirs(t, p) == 0 })
 	time.Sleep(poll) // the poll's reload ends
 	if got := inotifyWatches(t); len(got) != 1 || sumValues(got) != 1 {
 		t.Errorf("the kernel holds watches %v, want one instance with 1 watch", got)
@@ -286,7 +283,7 @@ func inotifyWatchesExhausted(t *testing.T, poll time.Duration) {
 			t.Fatalf("Wrap %d with the watch limit reached: %v", i, err)
 		}
 	}
-	if n := unwatchedDirs(p); n != 2 {
+	if n := unwatchedDirs(t, p); n != 2 {
 		t.Errorf("%d directories without a watch, want 2", n)
 	}
 	rotate(t, p, rec, cfgs[2], files[2], f.bob) // by the poll
@@ -302,7 +299,7 @@ func inotifyWatchesExhausted(t *testing.T, poll time.Duration) {
 		runtime.GC()
 		return p.Stats().Identities == 2
 	})
-	waitFor(t, "every directory watched", func() bool { return unwatchedDirs(p) == 0 })
+	waitFor(t, "every directory watched", func() bool { return unwatchedDirs(t, p) == 0 })
 	time.Sleep(poll)
 	if got := inotifyWatches(t); len(got) != 1 || sumValues(got) != limit {
 		t.Errorf("the kernel holds watches %v, want one instance with %d", got, limit)
@@ -347,7 +344,16 @@ func TestWatchesFollowIdentities(t *testing.T) {
 	f := newFixture(t, testserver.Options{})
 	p := newPool(t, WithIdleTimeout(0), WithPollInterval(5*time.Millisecond))
 	before := inotifyWatches(t)
-	fd := -1
+	// kernel counts the watches in the inotify instances opened since before.
+	kernel := func() int {
+		n := 0
+		for fd, watches := range inotifyWatches(t) {
+			if _, ok := before[fd]; !ok {
+				n += watches
+			}
+		}
+		return n
+	}
 	for round := range rounds {
 		var cfgs []*rest.Config
 		for i := range perRound {
@@ -356,22 +362,22 @@ func TestWatchesFollowIdentities(t *testing.T) {
 			must(t, p.Wrap(cfg))
 			cfgs = append(cfgs, cfg)
 		}
-		if fd < 0 {
-			fd = newInotifyFD(t, before)
-		}
-		if n := inotifyWatches(t)[fd]; n != perRound {
+		waitFor(t, fmt.Sprintf("round %d: a kernel watch for each of %d identities in as many directories", round, perRound),
+			func() bool { return kernel() == perRound })
+		time.Sleep(50 * time.Millisecond) // polls run over the identities
+		if n := kernel(); n != perRound {
 			t.Errorf("round %d: the kernel holds %d watches for %d identities in as many directories", round, n, perRound)
 		}
-		time.Sleep(50 * time.Millisecond) // polls run over the identities
 		runtime.KeepAlive(cfgs)
 		cfgs = nil
 		waitReleased(t, p)
 	}
 	w := p.reg.watcher
-	left := func() (kernel, fsnotify, pool int) {
+	left := func() (inKernel, inFsnotify, inPool int) {
+		list := w.watchList()
 		w.mu.Lock()
 		defer w.mu.Unlock()
-		return inotifyWatches(t)[fd], len(w.notify.WatchList()), len(w.dirs)
+		return kernel(), len(list), len(w.dirs)
 	}
 	deadline := time.Now().Add(5 * time.Second)
 	for {

@@ -304,7 +304,8 @@ func TestRotationSharedWatch(t *testing.T) {
 		must(t, p.Wrap(c))
 	}
 	w := p.reg.watcher
-	if got := w.notify.WatchList(); len(got) != 1 || got[0] != dir {
+	waitFor(t, "the directory watched", func() bool { return len(w.watchList()) > 0 })
+	if got := w.watchList(); len(got) != 1 || got[0] != dir {
 		t.Errorf("fsnotify watches %v, want only %s", got, dir)
 	}
 	w.mu.Lock()
@@ -315,9 +316,7 @@ func TestRotationSharedWatch(t *testing.T) {
 	}
 	alice, bob = nil, nil
 	waitReleased(t, p)
-	if got := w.notify.WatchList(); len(got) != 0 {
-		t.Errorf("fsnotify still watches %v after every identity was released", got)
-	}
+	waitFor(t, "no directory watched once every identity was released", func() bool { return len(w.watchList()) == 0 })
 }
 
 const (
@@ -724,26 +723,22 @@ func (l *logLines) has(parts ...string) bool {
 
 // TestWatcherSetsNoWatchAfterClose: a config wrapped while the pool closes
 // (its entry is added to the file watcher after close) gets no new fsnotify
-// watcher, which nothing would close. The pool starts without one, as when
-// the kernel refused an inotify instance.
+// watcher, which nothing would close.
 func TestWatcherSetsNoWatchAfterClose(t *testing.T) {
 	p := New(WithLogger(klog.Background().V(10)))
 	w, err := p.reg.fileWatcher()
 	must(t, err)
-	w.mu.Lock()
-	if w.notify != nil {
-		w.notify.Close()
-		w.notify = nil
-	}
-	w.mu.Unlock()
 	must(t, p.Close())
 	w.add(&entry{id: &identity{key: identityKey{caFile: filepath.Join(t.TempDir(), "ca.crt")}}})
 	w.mu.Lock()
-	n := w.notify
-	w.mu.Unlock()
-	if n != nil {
-		n.Close()
+	defer w.mu.Unlock()
+	if len(w.notify) != 0 {
 		t.Fatal("the closed watcher made an fsnotify watcher")
+	}
+	for d, wd := range w.dirs {
+		if wd.placing || wd.watch != nil {
+			t.Errorf("%s: placing %v, watched %v after close", d, wd.placing, wd.watch != nil)
+		}
 	}
 }
 

@@ -1,6 +1,6 @@
-// Watching an identity's files: one fsnotify watcher per pool watches the
-// directories of the files, and events and polls become reloads, each
-// identity's on a goroutine of its own.
+// Watching an identity's files: fsnotify watches the directories of the
+// files, one watcher per file system, and events and polls become reloads,
+// each identity's on a goroutine of its own.
 
 package sharedtransport
 
@@ -8,10 +8,10 @@ import (
 	"errors"
 	"fmt"
 	"maps"
+	"os"
 	"path/filepath"
 	"slices"
 	"sync"
-	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -26,33 +26,42 @@ import (
 // sees neither. An event in a directory reloads, a debounce after the
 // first, every identity with a file there. A link into another directory
 // is seen by the poll.
+//
+// Nothing here waits on a file system for more than one directory: each
+// directory's stat and watch run on a goroutine of its own, and each file
+// system has its own fsnotify watcher, whose lock fsnotify holds across the
+// kernel's lookup of a directory it adds. A hung mount holds up the
+// identities with files there, and no other.
 type fileWatcher struct {
 	set watchSettings
 	// queue holds the identities due a reload, each once; one added while
-	// its reload runs follows it, so reloads of one identity never race,
-	// and a read that hangs holds up its own identity's reloads only.
-	queue   *workqueue.Typed[*identityWatch]
+	// its reload runs follows it, so reloads of one identity never race.
+	queue   workqueue.TypedDelayingInterface[*identityWatch]
 	done    chan struct{}  // closed by close
-	running sync.WaitGroup // the run and dispatch goroutines, and reloads
+	running sync.WaitGroup // the poll, dispatch and event goroutines, and reloads
 
-	mu            sync.Mutex        // guards the fields below
-	notify        *fsnotify.Watcher // nil while the kernel refuses an inotify instance, or with disableNotify
-	notifyChanged chan struct{}     // the run goroutine takes a new notify's events
+	mu            sync.Mutex // guards the fields below; never held across a call into fsnotify or a file system
+	closed        bool
+	notify        map[uint64]*fsnotify.Watcher // by the device of the directories it watches
 	dirs          map[string]*watchedDir
 	refusalLogged bool // cleared when every directory has its watch again
 }
 
+// watchedDir is a directory some identity has a file in. Only its place
+// goroutine calls fsnotify for it, so its watch changes one call at a time.
 type watchedDir struct {
 	identities map[*identityWatch]struct{} // with a file in it
-	watched    bool                        // its inotify watch is in place
+	placing    bool                        // its place goroutine runs
+	again      bool                        // asked to place it again while placing
+	watch      *fsnotify.Watcher           // holds its watch; nil: none
+	on         os.FileInfo                 // the directory the watch is on
 }
 
 // identityWatch is one identity's interest in its files.
 type identityWatch struct {
 	w    *fileWatcher
 	r    reloader
-	dirs []string    // the directories of the identity's files
-	due  atomic.Bool // a debounced reload is on its way to the queue
+	dirs []string // the directories of the identity's files
 }
 
 // A reloader is what the watcher reloads: an identity's entry.
@@ -72,16 +81,11 @@ type watchSettings struct {
 // newFileWatcher starts a watcher and its workers.
 func newFileWatcher(set watchSettings) *fileWatcher {
 	w := &fileWatcher{
-		set:           set,
-		queue:         workqueue.NewTyped[*identityWatch](),
-		done:          make(chan struct{}),
-		notifyChanged: make(chan struct{}, 1),
-		dirs:          map[string]*watchedDir{},
-	}
-	if !set.noEvents {
-		// A refusal (fs.inotify.max_user_instances) is logged when the first
-		// directory goes without its watch, and retried at each poll.
-		w.notify, _ = fsnotify.NewWatcher()
+		set:    set,
+		queue:  workqueue.NewTypedDelayingQueueWithConfig(workqueue.TypedDelayingQueueConfig[*identityWatch]{}),
+		done:   make(chan struct{}),
+		notify: map[uint64]*fsnotify.Watcher{},
+		dirs:   map[string]*watchedDir{},
 	}
 	w.running.Add(2)
 	go w.run()
@@ -89,7 +93,9 @@ func newFileWatcher(set watchSettings) *fileWatcher {
 	return w
 }
 
-// add starts watching files ("" for none) for r.
+// add starts watching files ("" for none) for r. It returns before the
+// watches are in place; r is reloaded once they are, for what changed
+// between its read and then.
 func (w *fileWatcher) add(r reloader, files ...string) *identityWatch {
 	iw := &identityWatch{w: w, r: r}
 	for _, f := range files {
@@ -104,59 +110,155 @@ func (w *fileWatcher) add(r reloader, files ...string) *identityWatch {
 		if wd == nil {
 			wd = &watchedDir{identities: map[*identityWatch]struct{}{}}
 			w.dirs[d] = wd
-			if !w.set.noEvents {
-				w.watchLocked(d, wd)
-			}
 		}
 		wd.identities[iw] = struct{}{}
+		if wd.watch == nil || wd.placing {
+			w.placeLocked(d, wd)
+		}
 	}
 	return iw
 }
 
-// stop stops watching iw's files, and the directories no identity needs.
+// stop stops watching iw's files; the directories no identity needs lose
+// their watches.
 func (iw *identityWatch) stop() {
 	w := iw.w
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	for _, d := range iw.dirs {
 		wd := w.dirs[d]
-		if delete(wd.identities, iw); len(wd.identities) > 0 {
-			continue
-		}
-		delete(w.dirs, d)
-		if wd.watched {
-			_ = w.notify.Remove(d) // the kernel drops the watch of a removed directory itself
+		if delete(wd.identities, iw); len(wd.identities) == 0 {
+			w.placeLocked(d, wd)
 		}
 	}
 	w.logRecoveryLocked()
 }
 
-// watchLocked asks the kernel to watch d, unless close has begun (a
-// watcher made then would never be closed).
-func (w *fileWatcher) watchLocked(d string, wd *watchedDir) {
-	select {
-	case <-w.done:
-		return
+// placeLocked starts d's place goroutine, or has the running one go again.
+func (w *fileWatcher) placeLocked(d string, wd *watchedDir) {
+	switch {
+	case w.set.noEvents || w.closed:
+		if len(wd.identities) == 0 && !wd.placing {
+			delete(w.dirs, d)
+		}
+	case wd.placing:
+		wd.again = true
 	default:
+		wd.placing = true
+		go w.place(d, wd)
 	}
-	if w.notify == nil {
-		n, err := fsnotify.NewWatcher()
-		if err != nil {
-			w.logRefusalLocked(d, fmt.Errorf("no inotify instance: %w", err))
+}
+
+// place puts d's watch where d is now, on the watcher of its file system,
+// or takes it away when no identity needs d. The poll runs it again, so a
+// watch the kernel dropped (an unmount) or left on a directory mounted over
+// is put back.
+func (w *fileWatcher) place(d string, wd *watchedDir) {
+	for {
+		w.mu.Lock()
+		wd.again = false
+		want := len(wd.identities) > 0 && !w.closed
+		w.mu.Unlock()
+		var fi os.FileInfo
+		var err error
+		if want {
+			fi, err = os.Stat(d) // may hang: d's own goroutine waits
+		}
+		if w.placed(d, wd, fi, err) {
 			return
 		}
-		w.notify = n
-		select {
-		case w.notifyChanged <- struct{}{}:
-		default:
+	}
+}
+
+// placed moves d's watch to the directory fi describes (nil: takes it
+// away) and reports whether place is done.
+func (w *fileWatcher) placed(d string, wd *watchedDir, fi os.FileInfo, err error) bool {
+	w.mu.Lock()
+	old := wd.watch
+	moved := fi == nil || old == nil || !os.SameFile(fi, wd.on)
+	n := old
+	if moved {
+		n = nil
+		if fi != nil {
+			n, err = w.watcherLocked(deviceOf(fi))
+		}
+		wd.watch, wd.on = n, fi // n stays in use while it adds d
+	}
+	w.mu.Unlock()
+	if moved && old != nil {
+		_ = old.Remove(d) // fails when the kernel dropped the watch itself
+	}
+	tried := n
+	if moved && n != nil {
+		if err = n.Add(d); err != nil {
+			n = nil
 		}
 	}
-	if err := w.notify.Add(d); err != nil {
-		w.logRefusalLocked(d, err)
-		return
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if moved {
+		wd.watch = n
+		w.releaseLocked(old)
+		w.releaseLocked(tried)
+		switch {
+		case err != nil && len(wd.identities) > 0:
+			w.logRefusalLocked(d, err)
+		case n != nil:
+			w.logRecoveryLocked()
+			for iw := range wd.identities {
+				w.queue.Add(iw) // for what changed before the watch was in place
+			}
+		}
 	}
-	wd.watched = true
-	w.logRecoveryLocked()
+	if wd.again && !w.closed {
+		return false
+	}
+	wd.placing = false
+	if len(wd.identities) == 0 && n == nil {
+		delete(w.dirs, d)
+	}
+	return true
+}
+
+// watcherLocked returns the watcher of device dev's directories, starting it
+// if there is none.
+func (w *fileWatcher) watcherLocked(dev uint64) (*fsnotify.Watcher, error) {
+	if w.closed {
+		return nil, nil
+	}
+	if n := w.notify[dev]; n != nil {
+		return n, nil
+	}
+	n, err := fsnotify.NewWatcher()
+	if err != nil {
+		return nil, fmt.Errorf("no inotify instance: %w", err)
+	}
+	w.notify[dev] = n
+	w.running.Add(1)
+	go w.events(n)
+	return n, nil
+}
+
+// releaseLocked closes n when no directory has its watch there.
+func (w *fileWatcher) releaseLocked(n *fsnotify.Watcher) {
+	if n == nil || w.closed {
+		return // close closes every watcher
+	}
+	for _, wd := range w.dirs {
+		if wd.watch == n {
+			return
+		}
+	}
+	for dev, m := range w.notify {
+		if m == n {
+			delete(w.notify, dev)
+			w.running.Add(1)
+			go func() {
+				defer w.running.Done()
+				_ = n.Close()
+			}()
+		}
+	}
 }
 
 func (w *fileWatcher) logRefusalLocked(d string, err error) {
@@ -180,7 +282,7 @@ func (w *fileWatcher) logRecoveryLocked() {
 		return
 	}
 	for _, wd := range w.dirs {
-		if !wd.watched {
+		if wd.watch == nil && len(wd.identities) > 0 {
 			return
 		}
 	}
@@ -189,60 +291,64 @@ func (w *fileWatcher) logRecoveryLocked() {
 }
 
 // close stops the watcher and waits for its goroutines: a reload in a read
-// the kernel holds holds close too.
+// the kernel holds holds close too. A directory's place goroutine held by
+// the kernel is not waited for; it finds the watcher closed.
 func (w *fileWatcher) close() error {
+	w.mu.Lock()
+	w.closed = true
+	notify := slices.Collect(maps.Values(w.notify))
+	w.notify = nil
+	w.mu.Unlock()
 	close(w.done)
 	w.queue.ShutDown()
-	w.running.Wait()
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	if w.notify != nil {
-		return w.notify.Close()
+	var errs []error
+	for _, n := range notify {
+		errs = append(errs, n.Close())
 	}
-	return nil
+	w.running.Wait()
+	return errors.Join(errs...)
 }
 
-// run turns file events and polls into reloads.
+// run re-reads every identity at each poll, and places every directory's
+// watch again.
 func (w *fileWatcher) run() {
 	defer w.running.Done()
-	var poll <-chan time.Time
-	if w.set.poll > 0 {
-		t := time.NewTicker(w.set.poll)
-		defer t.Stop()
-		poll = t.C
+	if w.set.poll <= 0 {
+		return
 	}
-	var notify *fsnotify.Watcher
-	var events <-chan fsnotify.Event
-	var errs <-chan error
+	t := time.NewTicker(w.set.poll)
+	defer t.Stop()
 	for {
-		w.mu.Lock()
-		if w.notify != notify {
-			notify, events, errs = w.notify, nil, nil
-			if notify != nil {
-				events, errs = notify.Events, notify.Errors
-			}
-		}
-		w.mu.Unlock()
 		select {
 		case <-w.done:
 			return
-		case <-w.notifyChanged:
-		case ev, ok := <-events:
+		case <-t.C:
+			w.mu.Lock()
+			for d, wd := range w.dirs {
+				w.placeLocked(d, wd)
+			}
+			w.mu.Unlock()
+			w.reloadAll()
+		}
+	}
+}
+
+// events turns n's events into reloads until n closes.
+func (w *fileWatcher) events(n *fsnotify.Watcher) {
+	defer w.running.Done()
+	for {
+		select {
+		case ev, ok := <-n.Events:
 			if !ok {
-				events, errs = nil, nil // fsnotify stopped: the poll reads
-				continue
+				return
 			}
 			w.onEvent(ev)
-		case err, ok := <-errs:
+		case err, ok := <-n.Errors:
 			if !ok {
-				events, errs = nil, nil
-				continue
+				return
 			}
 			// Typically a queue overflow: events were lost.
 			w.set.logger.Info("File watch error; re-reading every watched file", "err", err)
-			w.reloadAll()
-		case <-poll:
-			w.retryWatches()
 			w.reloadAll()
 		}
 	}
@@ -250,54 +356,27 @@ func (w *fileWatcher) run() {
 
 // onEvent reloads the identities with a file in the event's directory, a
 // debounce after the first event of a burst. A watched directory that goes
-// away takes its watch with it: it is polled until it is back.
+// away takes its watch with it: it is placed again at the next poll.
 func (w *fileWatcher) onEvent(ev fsnotify.Event) {
-	var due []*identityWatch
-	w.mu.Lock()
-	if wd := w.dirs[filepath.Dir(ev.Name)]; wd != nil {
-		due = slices.Collect(maps.Keys(wd.identities))
-	}
-	if wd := w.dirs[ev.Name]; wd != nil && wd.watched && ev.Has(fsnotify.Remove|fsnotify.Rename) {
-		wd.watched = false
-		due = slices.AppendSeq(due, maps.Keys(wd.identities))
-	}
-	w.mu.Unlock()
-	for _, iw := range due {
-		if !iw.due.Swap(true) {
-			time.AfterFunc(w.set.debounce, func() {
-				iw.due.Store(false)
-				w.queue.Add(iw)
-			})
-		}
-	}
-}
-
-// retryWatches notes the directories whose watch the kernel dropped
-// silently (an unmount) and tries again to watch every directory without
-// one; the poll reads their files meanwhile.
-func (w *fileWatcher) retryWatches() {
-	if w.set.noEvents {
-		return
-	}
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	var list []string
-	if w.notify != nil {
-		list = w.notify.WatchList()
-	}
-	for d, wd := range w.dirs {
-		if wd.watched && !slices.Contains(list, d) {
-			wd.watched = false
+	if wd := w.dirs[filepath.Dir(ev.Name)]; wd != nil {
+		for iw := range wd.identities {
+			w.queue.AddAfter(iw, w.set.debounce) // keeps the first of a burst
 		}
-		if !wd.watched {
-			w.watchLocked(d, wd)
+	}
+	if wd := w.dirs[ev.Name]; wd != nil && ev.Has(fsnotify.Remove|fsnotify.Rename) {
+		wd.on = nil // a directory by that name is watched again
+		for iw := range wd.identities {
+			w.queue.AddAfter(iw, w.set.debounce)
 		}
 	}
 }
 
 // dispatch starts the reloads due until the queue shuts down, each on a
 // goroutine of its own: the queue hands out an identity only after its
-// reload in flight is done, so there is at most one per identity.
+// reload in flight is done, so there is at most one per identity, and a
+// read that hangs holds up its own identity only.
 func (w *fileWatcher) dispatch() {
 	defer w.running.Done()
 	for {

@@ -99,3 +99,15 @@ func (w *fileWatcher) all() []*identityWatch {
 	}
 	return slices.Collect(maps.Keys(all))
 }
+
+// watchList returns the directories fsnotify watches, on every watcher.
+func (w *fileWatcher) watchList() []string {
+	w.mu.Lock()
+	notify := slices.Collect(maps.Values(w.notify))
+	w.mu.Unlock()
+	var list []string
+	for _, n := range notify {
+		list = append(list, n.WatchList()...)
+	}
+	return list
+}
