@@ -76,27 +76,30 @@ func dataOrFile(data []byte, file, what string) ([]byte, error) {
 // read the kernel holds (a hung network mount) holds its caller, as it holds
 // client-go's own read.
 func readFile(path, what string) ([]byte, error) {
+	refuse := func(format string, args ...any) error {
+		return &materialError{file: path, err: fmt.Errorf("sharedtransport: "+format, args...)}
+	}
 	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NONBLOCK, 0)
 	if err != nil {
-		return nil, fmt.Errorf("sharedtransport: read %s file %q: %w", what, path, err)
+		return nil, refuse("read %s file %q: %w", what, path, err)
 	}
 	defer f.Close()
 	fi, err := f.Stat()
 	if err != nil {
-		return nil, fmt.Errorf("sharedtransport: read %s file %q: %w", what, path, err)
+		return nil, refuse("read %s file %q: %w", what, path, err)
 	}
 	if !fi.Mode().IsRegular() {
-		return nil, fmt.Errorf("sharedtransport: %s file %q is not a regular file (mode %v): point the config at the file itself", what, path, fi.Mode())
+		return nil, refuse("%s file %q is not a regular file (mode %v): point the config at the file itself", what, path, fi.Mode())
 	}
 	b, err := io.ReadAll(io.LimitReader(f, maxMaterialFile+1))
 	if err != nil {
-		return nil, fmt.Errorf("sharedtransport: read %s file %q: %w", what, path, err)
+		return nil, refuse("read %s file %q: %w", what, path, err)
 	}
 	if len(b) > maxMaterialFile {
-		return nil, fmt.Errorf("sharedtransport: %s file %q holds more than the %d bytes a certificate file may hold", what, path, maxMaterialFile)
+		return nil, refuse("%s file %q holds more than the %d bytes a certificate file may hold", what, path, maxMaterialFile)
 	}
 	if len(bytes.TrimSpace(b)) == 0 {
-		return nil, fmt.Errorf("sharedtransport: %s file %q is empty", what, path)
+		return nil, refuse("%s file %q is empty", what, path)
 	}
 	return b, nil
 }
@@ -107,7 +110,8 @@ func readFile(path, what string) ([]byte, error) {
 // second read failed.
 func checkRead(id *identity, m *material, clock func() time.Time) (*material, error) {
 	err := checkMaterial(id, m, clock())
-	if !errors.As(err, new(*pairError)) || id.key.certFile == "" {
+	var refused *materialError
+	if !errors.As(err, &refused) || !refused.pair || id.key.certFile == "" {
 		return m, err
 	}
 	if m, err = readMaterial(id); err != nil {
@@ -135,10 +139,16 @@ func readMaterial(id *identity) (*material, error) {
 	return m, nil
 }
 
-// pairError is a certificate and key that do not form a valid pair.
-type pairError struct{ msg string }
+// materialError is material refused, and the file it came from ("" for
+// inline data); pair: a certificate and key that do not form a valid pair.
+type materialError struct {
+	file string
+	pair bool
+	err  error
+}
 
-func (e *pairError) Error() string { return e.msg }
+func (e *materialError) Error() string { return e.err.Error() }
+func (e *materialError) Unwrap() error { return e.err }
 
 // checkMaterial validates m, id's material, at now: a CA bundle that can
 // verify a server, and a certificate that matches its key and is valid now.
@@ -146,7 +156,7 @@ func (e *pairError) Error() string { return e.msg }
 func checkMaterial(id *identity, m *material, now time.Time) error {
 	if len(m.caPEM) > 0 {
 		if err := checkCABundle(m.caPEM, now); err != nil {
-			return fmt.Errorf("sharedtransport: %s: %w", describe(id.key.caFile, "inline CA data"), err)
+			return &materialError{file: id.key.caFile, err: fmt.Errorf("sharedtransport: %s: %w", describe(id.key.caFile, "inline CA data"), err)}
 		}
 	}
 	if len(m.certPEM) == 0 && len(m.keyPEM) == 0 {
@@ -154,16 +164,16 @@ func checkMaterial(id *identity, m *material, now time.Time) error {
 	}
 	cert, err := tls.X509KeyPair(m.certPEM, m.keyPEM)
 	if err != nil {
-		return &pairError{fmt.Sprintf("sharedtransport: %s and %s do not form a valid pair (%v): check that the key belongs to the certificate and that neither is half-written",
+		return &materialError{file: id.key.certFile, pair: true, err: fmt.Errorf("sharedtransport: %s and %s do not form a valid pair (%v): check that the key belongs to the certificate and that neither is half-written",
 			describe(id.key.certFile, "inline client certificate data"), describe(id.key.keyFile, "inline client key data"), err)}
 	}
 	if cert.Leaf == nil { // GODEBUG x509keypairleaf=0: a main module older than Go 1.23
 		if cert.Leaf, err = x509.ParseCertificate(cert.Certificate[0]); err != nil {
-			return fmt.Errorf("sharedtransport: %s: %w", describe(id.key.certFile, "inline client certificate data"), err)
+			return &materialError{file: id.key.certFile, err: fmt.Errorf("sharedtransport: %s: %w", describe(id.key.certFile, "inline client certificate data"), err)}
 		}
 	}
 	if err := checkValidity(cert.Leaf, now); err != nil {
-		return fmt.Errorf("sharedtransport: client certificate %s %w", describe(id.key.certFile, "(inline data)"), err)
+		return &materialError{file: id.key.certFile, err: fmt.Errorf("sharedtransport: client certificate %s %w", describe(id.key.certFile, "(inline data)"), err)}
 	}
 	m.cert = &cert
 	return nil

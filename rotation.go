@@ -5,8 +5,7 @@
 package sharedtransport
 
 import (
-	"strconv"
-	"strings"
+	"errors"
 	"sync"
 	"time"
 )
@@ -142,16 +141,16 @@ func (st *filesState) good(now time.Time) {
 // reject counts and logs a rejected read of m (nil: unreadable files),
 // unless the same bytes were rejected last.
 func (e *entry) reject(err error, m *material, now time.Time) {
-	if !e.files.rejectedAgain(err, m, now, e.id.key) {
+	if !e.files.rejectedAgain(err, m, now) {
 		e.stats.rotationErrors.Add(1)
 		e.env.opts.logger.Info("Keeping the last good TLS material", "identity", e.id.key, "reason", err.Error())
 	}
 }
 
 // rejectedAgain records a rejected read and reports whether the same bytes
-// were rejected last. A new failure is kept for Identities with the first
-// of the identity's files its text names.
-func (st *filesState) rejectedAgain(err error, m *material, now time.Time, k identityKey) bool {
+// were rejected last. A new failure is kept for Identities with the file it
+// names.
+func (st *filesState) rejectedAgain(err error, m *material, now time.Time) bool {
 	st.mu.Lock()
 	defer st.mu.Unlock()
 	again := st.err != nil && m != nil && st.rejected != nil && m.equal(st.rejected)
@@ -162,13 +161,9 @@ func (st *filesState) rejectedAgain(err error, m *material, now time.Time, k ide
 	if again {
 		return true
 	}
-	msg := err.Error()
-	st.last = &reloadFailure{err: msg, at: now}
-	for _, path := range []string{k.certFile, k.keyFile, k.caFile} {
-		if path != "" && strings.Contains(msg, strconv.Quote(path)) {
-			st.last.file = path
-			break
-		}
+	st.last = &reloadFailure{err: err.Error(), at: now}
+	if refused := (*materialError)(nil); errors.As(err, &refused) {
+		st.last.file = refused.file
 	}
 	return false
 }
