@@ -7,11 +7,9 @@
 package sharedtransport
 
 import (
-	"errors"
 	"net/http"
 	"runtime"
 	"sync"
-	"sync/atomic"
 	"time"
 	"weak"
 
@@ -19,20 +17,11 @@ import (
 	"k8s.io/client-go/rest"
 )
 
-// ErrClosed is returned by [Pool.Wrap] and [Pool.TransportFor] on a closed
-// pool, by requests sent through a closed pool's transports, and by requests
-// and response bodies whose connection [Pool.Close] closed under them.
-var ErrClosed = errors.New("sharedtransport: pool is closed")
-
 // registry holds a pool's entries by identity.
 //
 // Locks are taken in this order, never the other way: the registry's mu, or
-// an identity's filesState.reloading (rotation.go: held across the file
-// reads it serializes, and nothing else waits on it), never both; then an
-// entry's mu; then the watcher's (watch.go); then the connection layer's
-// (internal/conns), which never calls back up. A filesState's mu, a hook's
-// mu (wrapper.go), a weakLease's and an entry's clientGoMu are held alone,
-// across no call.
+// a rotation's (rotation.go), never both. A hook's mu (wrapper.go), a
+// weakLease's and an entry's clientGoMu are held alone, across no call.
 type registry struct {
 	*env
 	group singleflight.Group // one build per identity under concurrent first use
@@ -59,27 +48,17 @@ type held struct {
 	idle *time.Timer // releases the entry at the end of the idle grace
 }
 
-// entry is one identity's place in the pool: its current generation of
-// transports and its file watches.
+// entry is one identity's place in the pool: its material over time, and
+// what its clients met.
 type entry struct {
-	env     *env
-	id      *identity
-	current atomic.Pointer[generation]
-	closed  atomic.Bool
-	files   filesState     // rotation.go
-	watch   *identityWatch // fixed before the entry is in the pool; nil without files
-	stats   identityCounters
-	hosts   sync.Map // "scheme://host" -> struct{}: the servers the identity sent requests to
+	rotation
+	hosts sync.Map // "scheme://host" -> struct{}: the servers the identity sent requests to
 
 	// clientGo are the transports client-go's cache held for the
 	// identity's configs (hook.agrees) while clientGoFor was current.
 	clientGoMu  sync.Mutex // guards clientGo and clientGoFor
 	clientGo    []http.RoundTripper
 	clientGoFor uint64 // a generation's seq
-
-	// mu orders rotate and close, so a generation is never taken into use
-	// after the entry closed.
-	mu sync.Mutex
 }
 
 // acquire returns a lease on id's entry, building the entry at first use
@@ -130,7 +109,7 @@ func (r *registry) leaseEntry(id *identity) (*entry, error) {
 // buildOnce puts an entry for id in the registry unless one is there, once
 // for concurrent callers; built reports that this call's build put it there.
 func (r *registry) buildOnce(id *identity) (built bool, err error) {
-	_, err, _ = r.group.Do(string(id.key.mac()), func() (any, error) {
+	_, err, _ = r.group.Do(string(r.mac(id.key)), func() (any, error) {
 		built, err = r.addEntry(id)
 		return nil, err
 	})
@@ -161,25 +140,17 @@ func (r *registry) addEntry(id *identity) (added bool, err error) {
 }
 
 func (r *registry) build(id *identity) (*entry, error) {
-	readAt := r.opts.now()
-	m, err := loadMaterial(id, r.opts.now)
-	if err != nil {
+	e := &entry{rotation: rotation{env: r.env, id: id, name: r.nameOf(id.key)}}
+	if err := e.load(); err != nil {
 		return nil, err
 	}
-	e := &entry{env: r.env, id: id}
-	g, err := newGeneration(id, m, nil, r.env, &e.stats.conn)
-	if err != nil {
-		return nil, err
-	}
-	e.current.Store(g)
-	e.files.readAt = readAt
 	if id.watchesFiles() {
 		w, err := r.fileWatcher()
 		if err != nil {
-			g.conns.Close(ErrClosed)
+			e.current.Load().conns.Close(ErrClosed)
 			return nil, err
 		}
-		e.watch = w.add(e, id.key.caFile, id.key.certFile, id.key.keyFile)
+		e.watch = w.add(&e.rotation, id.src.caFile, id.src.certFile, id.src.keyFile)
 	}
 	return e, nil
 }
@@ -240,7 +211,7 @@ func (r *registry) expire(e *entry) {
 	delete(r.entries, e.id.key)
 	r.releasedLocked(e)
 	r.mu.Unlock()
-	r.opts.logger.V(4).Info("Released an identity no client uses", "identity", e.id.key)
+	r.opts.logger.V(4).Info("Released an identity no client uses", "identity", e.name)
 	e.close()
 }
 
@@ -304,25 +275,15 @@ func (r *registry) close() error {
 	return nil
 }
 
-// close stops e's watches and closes every connection it holds, draining
-// generations included.
+// close closes e's rotation, and lets go of client-go's transports: leases
+// may keep a closed entry reachable.
 func (e *entry) close() {
-	e.mu.Lock()
-	if e.closed.Swap(true) {
-		e.mu.Unlock()
+	if !e.rotation.close() {
 		return
 	}
-	e.mu.Unlock()
-
-	if e.watch != nil {
-		e.watch.stop()
-	}
-	// Leases may keep a closed entry reachable: it keeps none of
-	// client-go's transports alive.
 	e.clientGoMu.Lock()
 	e.clientGo, e.clientGoFor = nil, 0
 	e.clientGoMu.Unlock()
-	e.current.Load().conns.Close(ErrClosed)
 }
 
 // lease is a hold on an entry: while a wrapped config, a copy, or a client

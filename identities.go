@@ -15,7 +15,7 @@ import (
 // log and to export as metrics.
 type IdentityInfo struct {
 	// Name is the identity's name in the pool's logs: an HMAC under a random
-	// per-process key, stable for the process.
+	// key of the pool's, stable for the pool.
 	Name string
 	// Hosts are the servers the identity sent requests to, as
 	// "scheme://host:port"; empty until the first request.
@@ -92,7 +92,7 @@ func (e *entry) sentTo(u *url.URL) {
 func (e *entry) info() IdentityInfo {
 	id, g := e.id, e.current.Load()
 	info := IdentityInfo{
-		Name:           id.key.String(),
+		Name:           e.name,
 		Proxy:          id.key.proxy,
 		Since:          g.since,
 		OpenConns:      int(e.stats.conn.Open.Load()),
@@ -113,21 +113,12 @@ func (e *entry) info() IdentityInfo {
 		return true
 	})
 	slices.Sort(info.Hosts)
-	for _, f := range []string{id.key.caFile, id.key.certFile, id.key.keyFile} {
+	for _, f := range []string{id.src.caFile, id.src.certFile, id.src.keyFile} {
 		if f != "" {
 			info.Files = append(info.Files, f)
 		}
 	}
-	switch {
-	case id.key.insecure:
-		info.Auth = AuthInsecure
-	case id.key.getCert != nil:
-		info.Auth = AuthExecPlugin
-	case g.material.cert != nil:
-		info.Auth = AuthClientCertificate
-	default:
-		info.Auth = AuthNone
-	}
+	info.Auth = authOf(id, g)
 	if f := e.files.lastFailure(); f != nil {
 		info.LastError, info.LastErrorTime, info.LastErrorFile = f.err, f.at, f.file
 	}
@@ -135,4 +126,17 @@ func (e *entry) info() IdentityInfo {
 		info.FilesError = e.filesError()
 	}
 	return info
+}
+
+// authOf says what id authenticates with at the TLS layer in generation g.
+func authOf(id *identity, g *generation) AuthKind {
+	switch {
+	case id.key.insecure:
+		return AuthInsecure
+	case id.key.getCert != nil:
+		return AuthExecPlugin
+	case g.material.cert != nil:
+		return AuthClientCertificate
+	}
+	return AuthNone
 }

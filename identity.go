@@ -6,7 +6,6 @@ package sharedtransport
 import (
 	"context"
 	"crypto/hmac"
-	"crypto/rand"
 	"crypto/sha256"
 	"crypto/tls"
 	"encoding/binary"
@@ -20,7 +19,6 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
-	"sync"
 
 	utilnet "k8s.io/apimachinery/pkg/util/net"
 	"k8s.io/client-go/rest"
@@ -49,31 +47,29 @@ type identityKey struct {
 	connectHeader digest // of the headers CONNECT requests carry (proxy credentials)
 	noHTTP2       bool   // DISABLE_HTTP2 when the identity was computed: its transports keep to it
 	// fixedTLS keys what a TLSTransport configuration sets beyond the
-	// fields above: versions, and its roots by content (rootsID).
+	// fields above: versions, and its roots by content (rootsTable).
 	fixedTLS string
 }
 
-// nameSecret keys the names identities are printed with: a plain digest
-// would let a log reader test guesses (a proxy password) offline.
-var nameSecret = sync.OnceValue(func() []byte {
-	b := make([]byte, 32)
-	rand.Read(b) // never fails: Go 1.24's crypto/rand crashes the program instead
-	return b
-})
+// String never prints the key's fields: they hold digests of key material
+// and proxy URLs. Logs name an identity by entry.name.
+func (k identityKey) String() string { return "identityKey{redacted}" }
 
-// String names the identity by an HMAC under a random per-process key:
-// stable for the process, revealing nothing that went into it.
-func (k identityKey) String() string { return "identity:" + hex.EncodeToString(k.mac()[:6]) }
+// GoString keeps %#v as redacted as %v.
+func (k identityKey) GoString() string { return k.String() }
 
-func (k identityKey) mac() []byte {
+// mac is an HMAC of k under the pool's naming key: stable for the pool,
+// revealing nothing that went into k; a plain digest would let a log reader
+// test guesses (a proxy password) offline.
+func (v *env) mac(k identityKey) []byte {
 	type fields identityKey // no String method: fmt prints every field
-	h := hmac.New(sha256.New, nameSecret())
+	h := hmac.New(sha256.New, v.nameKey[:])
 	fmt.Fprintf(h, "%#v", fields(k))
 	return h.Sum(nil)
 }
 
-// GoString keeps %#v as redacted as %v.
-func (k identityKey) GoString() string { return k.String() }
+// nameOf is how logs and Identities name the identity keyed k.
+func (v *env) nameOf(k identityKey) string { return "identity:" + hex.EncodeToString(v.mac(k)[:6]) }
 
 // identity is everything that decides what a connection is and whom it
 // authenticates as, computed once per config. Per-request credentials
@@ -83,10 +79,8 @@ type identity struct {
 	key identityKey // the comparable part; the fields below build the transport
 
 	nextProtos []string
-	// Inline material, fixed for the identity; files (key.caFile ...) are
-	// watched and reloaded.
-	caData, certData, keyData []byte
-	dial                      dialFunc // nil: the default dialer
+	src        sources  // its files, watched and reloaded, and its inline material
+	dial       dialFunc // nil: the default dialer
 	// connectHeader goes with every CONNECT request: what the caller
 	// declared its wrappers set (WithProxyConnectHeader).
 	connectHeader http.Header
@@ -98,7 +92,7 @@ type identity struct {
 
 // watchesFiles reports whether the identity's material comes from files that
 // are watched for rotation.
-func (id *identity) watchesFiles() bool { return id.key.caFile != "" || id.key.certFile != "" }
+func (id *identity) watchesFiles() bool { return id.src.caFile != "" || id.src.certFile != "" }
 
 // sharing is what the pool makes of one config it is given.
 type sharing struct {
@@ -190,21 +184,11 @@ func identityOf(cfg *rest.Config, tc *transport.Config, g given, req *http.Reque
 			noHTTP2:            noHTTP2(),
 		},
 		nextProtos:    tc.TLS.NextProtos,
-		caData:        src.caData,
-		certData:      src.certData,
-		keyData:       src.keyData,
+		src:           src,
 		dial:          dial,
 		connectHeader: g.connectHeader,
 		proxy:         r.fixed,
 	}, shares, nil, nil
-}
-
-// sources are where an identity's CA and client certificate come from: as
-// in client-go, files are reloaded only when named without inline data (for
-// the certificate, both halves); a mix is read once.
-type sources struct {
-	caFile, certFile, keyFile string // absolute paths, watched
-	caData, certData, keyData []byte // inline, or read once
 }
 
 func sourcesOf(tc *transport.Config) (s sources, err error) {

@@ -400,7 +400,7 @@ func FuzzCABundle(f *testing.F) {
 			}
 		}
 		// Through the whole loader, as inline CA data.
-		if _, lerr := loadMaterial(&identity{caData: b}, p.opts.now); (lerr == nil) != (err == nil || len(b) == 0) {
+		if _, lerr := loadMaterial(&sources{caData: b}, p.opts.now); (lerr == nil) != (err == nil || len(b) == 0) {
 			t.Fatalf("loadMaterial: %v, checkCABundle: %v", lerr, err)
 		}
 	})
@@ -441,7 +441,7 @@ func FuzzKeyPair(f *testing.F) {
 	p := New()
 	f.Fuzz(func(t *testing.T, cert, key []byte) {
 		now := time.Now()
-		_, err := loadMaterial(&identity{certData: cert, keyData: key}, p.opts.now)
+		_, err := loadMaterial(&sources{certData: cert, keyData: key}, p.opts.now)
 		pair, tlsErr := tls.X509KeyPair(cert, key)
 		// crypto/tls accepts the pair, and its certificate is valid now.
 		valid := tlsErr == nil && !now.After(pair.Leaf.NotAfter) && !now.Add(clockSkew).Before(pair.Leaf.NotBefore)

@@ -14,6 +14,10 @@ import (
 	"github.com/sharedtransport/sharedtransport/internal/conns"
 )
 
+// pooled marks the round trippers the pool puts under client-go's layers,
+// which a hook passes on as they are.
+type pooled interface{ pooled() }
+
 // RoundTrip sends req through the identity's current transports; ErrClosed
 // means the pool or the identity was closed.
 func (l *lease) RoundTrip(req *http.Request) (*http.Response, error) {

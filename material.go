@@ -17,10 +17,6 @@ import (
 	"os"
 	"syscall"
 	"time"
-
-	"k8s.io/client-go/transport"
-
-	"github.com/sharedtransport/sharedtransport/internal/conns"
 )
 
 // clockSkew is how far in the future a certificate's NotBefore may lie and
@@ -48,12 +44,21 @@ func (m *material) equal(o *material) bool {
 	return bytes.Equal(m.caPEM, o.caPEM) && bytes.Equal(m.certPEM, o.certPEM) && bytes.Equal(m.keyPEM, o.keyPEM)
 }
 
-// loadMaterial reads id's files and validates all its material at the time
-// clock gives. Errors name the file and what is wrong, never what it holds.
-func loadMaterial(id *identity, clock func() time.Time) (*material, error) {
-	m, err := readMaterial(id)
+// sources are where an identity's CA and client certificate come from: as
+// in client-go, files are reloaded only when named without inline data (for
+// the certificate, both halves); a mix is read once.
+type sources struct {
+	caFile, certFile, keyFile string // absolute paths, watched
+	caData, certData, keyData []byte // inline, or read once
+}
+
+// loadMaterial reads src's files and validates all its material at the
+// time clock gives. Errors name the file and what is wrong, never what it
+// holds.
+func loadMaterial(src *sources, clock func() time.Time) (*material, error) {
+	m, err := readMaterial(src)
 	if err == nil {
-		m, err = checkRead(id, m, clock)
+		m, err = checkRead(src, m, clock)
 	}
 	return m, err
 }
@@ -104,34 +109,34 @@ func readFile(path, what string) ([]byte, error) {
 	return b, nil
 }
 
-// checkRead checks m, read from id's files. A writer swapping certificate
+// checkRead checks m, read from src's files. A writer swapping certificate
 // and key between their reads gives a torn pair, so a mismatch is read once
 // more before it counts. It returns the material checked last, nil if the
 // second read failed.
-func checkRead(id *identity, m *material, clock func() time.Time) (*material, error) {
-	err := checkMaterial(id, m, clock())
+func checkRead(src *sources, m *material, clock func() time.Time) (*material, error) {
+	err := checkMaterial(src, m, clock())
 	var refused *materialError
-	if !errors.As(err, &refused) || !refused.pair || id.key.certFile == "" {
+	if !errors.As(err, &refused) || !refused.pair || src.certFile == "" {
 		return m, err
 	}
-	if m, err = readMaterial(id); err != nil {
+	if m, err = readMaterial(src); err != nil {
 		return nil, err
 	}
-	return m, checkMaterial(id, m, clock())
+	return m, checkMaterial(src, m, clock())
 }
 
-// readMaterial reads id's files, unvalidated, beside its inline data.
-func readMaterial(id *identity) (*material, error) {
-	m := &material{caPEM: id.caData, certPEM: id.certData, keyPEM: id.keyData}
+// readMaterial reads src's files, unvalidated, beside its inline data.
+func readMaterial(src *sources) (*material, error) {
+	m := &material{caPEM: src.caData, certPEM: src.certData, keyPEM: src.keyData}
 	var err error
-	if id.key.caFile != "" {
-		m.caPEM, err = readFile(id.key.caFile, "CA")
+	if src.caFile != "" {
+		m.caPEM, err = readFile(src.caFile, "CA")
 	}
-	if err == nil && id.key.certFile != "" {
-		m.certPEM, err = readFile(id.key.certFile, "client certificate")
+	if err == nil && src.certFile != "" {
+		m.certPEM, err = readFile(src.certFile, "client certificate")
 	}
-	if err == nil && id.key.certFile != "" {
-		m.keyPEM, err = readFile(id.key.keyFile, "client key")
+	if err == nil && src.certFile != "" {
+		m.keyPEM, err = readFile(src.keyFile, "client key")
 	}
 	if err != nil {
 		return nil, err
@@ -150,13 +155,13 @@ type materialError struct {
 func (e *materialError) Error() string { return e.err.Error() }
 func (e *materialError) Unwrap() error { return e.err }
 
-// checkMaterial validates m, id's material, at now: a CA bundle that can
+// checkMaterial validates m, src's material, at now: a CA bundle that can
 // verify a server, and a certificate that matches its key and is valid now.
 // It sets m.cert when the certificate is accepted.
-func checkMaterial(id *identity, m *material, now time.Time) error {
+func checkMaterial(src *sources, m *material, now time.Time) error {
 	if len(m.caPEM) > 0 {
 		if err := checkCABundle(m.caPEM, now); err != nil {
-			return &materialError{file: id.key.caFile, err: fmt.Errorf("sharedtransport: %s: %w", describe(id.key.caFile, "inline CA data"), err)}
+			return &materialError{file: src.caFile, err: fmt.Errorf("sharedtransport: %s: %w", describe(src.caFile, "inline CA data"), err)}
 		}
 	}
 	if len(m.certPEM) == 0 && len(m.keyPEM) == 0 {
@@ -164,16 +169,16 @@ func checkMaterial(id *identity, m *material, now time.Time) error {
 	}
 	cert, err := tls.X509KeyPair(m.certPEM, m.keyPEM)
 	if err != nil {
-		return &materialError{file: id.key.certFile, pair: true, err: fmt.Errorf("sharedtransport: %s and %s do not form a valid pair (%v): check that the key belongs to the certificate and that neither is half-written",
-			describe(id.key.certFile, "inline client certificate data"), describe(id.key.keyFile, "inline client key data"), err)}
+		return &materialError{file: src.certFile, pair: true, err: fmt.Errorf("sharedtransport: %s and %s do not form a valid pair (%v): check that the key belongs to the certificate and that neither is half-written",
+			describe(src.certFile, "inline client certificate data"), describe(src.keyFile, "inline client key data"), err)}
 	}
 	if cert.Leaf == nil { // GODEBUG x509keypairleaf=0: a main module older than Go 1.23
 		if cert.Leaf, err = x509.ParseCertificate(cert.Certificate[0]); err != nil {
-			return &materialError{file: id.key.certFile, err: fmt.Errorf("sharedtransport: %s: %w", describe(id.key.certFile, "inline client certificate data"), err)}
+			return &materialError{file: src.certFile, err: fmt.Errorf("sharedtransport: %s: %w", describe(src.certFile, "inline client certificate data"), err)}
 		}
 	}
 	if err := checkValidity(cert.Leaf, now); err != nil {
-		return &materialError{file: id.key.certFile, err: fmt.Errorf("sharedtransport: client certificate %s %w", describe(id.key.certFile, "(inline data)"), err)}
+		return &materialError{file: src.certFile, err: fmt.Errorf("sharedtransport: client certificate %s %w", describe(src.certFile, "(inline data)"), err)}
 	}
 	m.cert = &cert
 	return nil
@@ -276,71 +281,4 @@ func describe(file, inline string) string {
 		return inline
 	}
 	return fmt.Sprintf("file %q", file)
-}
-
-// generation is one version of an identity's TLS material and its
-// transports. A rotation builds the next and retires this one.
-type generation struct {
-	seq      uint64    // unique in the pool, greater for a newer one
-	since    time.Time // when it was built, to be taken into use
-	material *material
-	ca       digest // of material.caPEM (clientTransport.pick)
-	conns    *conns.Transports
-}
-
-// certificate is the client certificate the generation authenticates with;
-// nil without one, or with an exec plugin's.
-func (g *generation) certificate() *x509.Certificate {
-	if g.material.cert == nil {
-		return nil
-	}
-	return g.material.cert.Leaf
-}
-
-// newGeneration builds id's transports for m as client-go's
-// tlsTransportCache builds its own, with the pool's options, counting into
-// counters, the identity's. prev is the generation they take over from; nil
-// for the first.
-func newGeneration(id *identity, m *material, prev *generation, v *env, counters *conns.Counters) (*generation, error) {
-	if len(m.certPEM) > 0 && m.cert == nil {
-		return nil, errors.New("sharedtransport: internal error: a client certificate was not checked before use")
-	}
-	getCert := id.key.getCert
-	if m.cert != nil {
-		// The pair checkMaterial parsed, not bytes to parse again; it takes
-		// precedence over an exec plugin's callback, as in client-go.
-		getCert = &transport.GetCertHolder{GetCert: func() (*tls.Certificate, error) { return m.cert, nil }}
-	}
-	tlsConfig, err := transport.TLSConfigFor(&transport.Config{TLS: transport.TLSConfig{
-		Insecure:      id.key.insecure,
-		ServerName:    id.key.serverName,
-		NextProtos:    id.nextProtos,
-		CAData:        m.caPEM,
-		GetCertHolder: getCert,
-	}})
-	if err != nil {
-		return nil, err
-	}
-	if id.tlsConfig != nil {
-		tlsConfig = id.tlsConfig // TLSTransport: the caller's own, which holds no material
-	}
-	g := &generation{seq: v.generations.Add(1), since: time.Now(), material: m, ca: digestOf(m.caPEM)}
-	var older *conns.Transports
-	if prev != nil {
-		older = prev.conns
-	}
-	g.conns = conns.NewTransports(conns.Config{
-		TLS:                tlsConfig,
-		Dial:               id.dial,
-		Proxy:              id.proxy,
-		ProxyConnectHeader: id.connectHeader,
-		DisableCompression: id.key.disableCompression,
-		DisableHTTP2:       id.key.noHTTP2,
-		KeepAlive:          v.opts.keepAlive,
-		// An exec plugin's certificate changes without a new generation, and
-		// a resumed session would authenticate as the old one.
-		ResumeSessions: v.opts.sessionResumption && id.key.getCert == nil,
-		Counters:       counters,
-	}, older)
-	return g, nil
 }

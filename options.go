@@ -1,9 +1,10 @@
 // The options New takes, their defaults, and the environment every layer of
-// a pool shares: options, and the counters Stats reports.
+// a pool shares: options, the counters Stats reports, and ErrClosed.
 
 package sharedtransport
 
 import (
+	"errors"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -14,6 +15,11 @@ import (
 	"github.com/sharedtransport/sharedtransport/internal/conns"
 )
 
+// ErrClosed is returned by [Pool.Wrap] and [Pool.TransportFor] on a closed
+// pool, by requests sent through a closed pool's transports, and by requests
+// and response bodies whose connection [Pool.Close] closed under them.
+var ErrClosed = errors.New("sharedtransport: pool is closed")
+
 // env is what every layer of a pool reads and counts into. A Pool owns one;
 // its registry, entries, hooks and watcher refer to it, never to the Pool.
 type env struct {
@@ -21,6 +27,8 @@ type env struct {
 	stats counters
 	// generations numbers the pool's generations (generation.seq).
 	generations atomic.Uint64
+	nameKey     [32]byte   // random: keys the names identities are logged by (env.mac)
+	roots       rootsTable // numbers the root pools TLSTransport is given
 
 	undeclaredOnce sync.Once // logs the first config passed through for undeclared wrappers
 	functionsOnce  sync.Once // logs the first config Wrap passes through for its Proxy or Dial
@@ -104,21 +112,6 @@ func defaultOptions() options {
 		debounce:          100 * time.Millisecond,
 		now:               time.Now,
 	}
-}
-
-// WithKeepAlive turns HTTP keep-alive on (the default) or off for the pool's
-// transports. With it off every request opens its own connection, closed
-// when the response ends; TLS session resumption keeps most of those
-// handshakes cheap. Transports outside the pool are never touched.
-func WithKeepAlive(enabled bool) Option {
-	return func(o *options) { o.keepAlive = enabled }
-}
-
-// WithSessionResumption turns TLS session resumption on (the default) or
-// off. Each version of each identity's certificate has its own session
-// cache: a resumed session carries the client certificate it came from.
-func WithSessionResumption(enabled bool) Option {
-	return func(o *options) { o.sessionResumption = enabled }
 }
 
 // WithIdleTimeout sets how long an identity no client refers to any more

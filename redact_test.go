@@ -348,7 +348,7 @@ func checkNoSecrets(t *testing.T, logText string, texts, secrets []string, keyPE
 		}
 	}
 	// The scan is live: printing an identity's key data is caught.
-	if leaky := fmt.Sprintf("%+v", identity{keyData: keyPEM}); !containsAny(leaky, secrets) {
+	if leaky := fmt.Sprintf("%+v", identity{src: sources{keyData: keyPEM}}); !containsAny(leaky, secrets) {
 		t.Errorf("the scan misses a printed key")
 	}
 	lines := strings.Split(logText, "\n")
@@ -411,6 +411,7 @@ func withDebounce(d time.Duration) Option {
 // process printed.
 func TestIdentityNamesResistGuessing(t *testing.T) {
 	dictionary := []string{"password", "letmein", "hunter2", "secret", "admin", "kubernetes"}
+	p := newPool(t)
 	nameFor := func(password string) string {
 		proxy, _ := url.Parse("http://proxyuser:" + password + "@127.0.0.1:3128")
 		cfg := &rest.Config{Host: "https://127.0.0.1:6443", Proxy: http.ProxyURL(proxy)}
@@ -420,7 +421,7 @@ func TestIdentityNamesResistGuessing(t *testing.T) {
 		if err != nil || !share {
 			t.Fatalf("identityFor: %v, share %v", err, share)
 		}
-		return id.key.String()
+		return p.nameOf(id.key)
 	}
 	if os.Getenv("SHAREDTRANSPORT_GUESS") == "1" {
 		for _, word := range dictionary {

@@ -1,16 +1,45 @@
-// Certificate rotation: re-reading an identity's files (after a file event,
-// a poll, or for a config built now) and taking valid new material into use
-// by swapping in a new generation and draining the old one.
+// Certificate rotation: one identity's TLS material over time. A rotation
+// holds the generation in use, re-reads the files (after a file event, a
+// poll, or for a config built now) and takes valid new material into use by
+// swapping in a new generation and draining the old one.
 
 package sharedtransport
 
 import (
+	"crypto/tls"
+	"crypto/x509"
 	"errors"
 	"sync"
+	"sync/atomic"
 	"time"
+
+	"k8s.io/client-go/transport"
+
+	"github.com/sharedtransport/sharedtransport/internal/conns"
 )
 
-// filesState is everything an entry knows of its files: the last read and
+// rotation is one identity's material over time.
+//
+// Locks are taken in this order: files.reloading (held across the reads
+// it serializes), then mu, then the watcher's, then the connection
+// layer's, which never calls back up; files.mu is held alone, across no
+// call.
+type rotation struct {
+	env     *env
+	id      *identity
+	name    string // what logs and Identities call it (env.nameOf)
+	current atomic.Pointer[generation]
+	closed  atomic.Bool
+	stats   identityCounters
+	files   filesState
+	watch   *identityWatch // set before the rotation is shared; nil without files
+
+	// mu orders rotate and close, so a generation is never taken into use
+	// after close.
+	mu sync.Mutex
+}
+
+// filesState is everything a rotation knows of its files: the last read and
 // the last rejection.
 type filesState struct {
 	// reloading serializes the reads that may rotate, so an older read never
@@ -45,14 +74,30 @@ func (st *filesState) lastFailure() *reloadFailure {
 	return st.last
 }
 
+// load reads the material and builds the first generation.
+func (r *rotation) load() error {
+	readAt := r.env.opts.now()
+	m, err := loadMaterial(&r.id.src, r.env.opts.now)
+	if err != nil {
+		return err
+	}
+	g, err := newGeneration(r.id, m, nil, r.env, &r.stats.conn)
+	if err != nil {
+		return err
+	}
+	r.current.Store(g)
+	r.files.readAt = readAt
+	return nil
+}
+
 // reload re-reads the identity's files for the watcher.
-func (e *entry) reload() {
-	if e.closed.Load() {
+func (r *rotation) reload() {
+	if r.closed.Load() {
 		return
 	}
-	e.files.reloading.Lock()
-	e.refresh()
-	e.files.reloading.Unlock()
+	r.files.reloading.Lock()
+	r.refresh()
+	r.files.reloading.Unlock()
 }
 
 // fresh holds a config built now to what e's files hold now: it re-reads
@@ -62,11 +107,11 @@ func (e *entry) reload() {
 // file: fresh waits out the debounce and reads once more. So a config gets
 // material at most the debounce plus one read old, and a rotation half
 // written never fails one.
-func (e *entry) fresh() error {
-	if !e.id.watchesFiles() {
+func (r *rotation) fresh() error {
+	if !r.id.watchesFiles() {
 		return nil
 	}
-	opts, st := &e.env.opts, &e.files
+	opts, st := &r.env.opts, &r.files
 	stale := func() bool {
 		st.mu.Lock()
 		defer st.mu.Unlock()
@@ -77,7 +122,7 @@ func (e *entry) fresh() error {
 		if stale() {
 			st.reloading.Lock()
 			if stale() { // not read meanwhile by the reload waited for
-				e.refresh()
+				r.refresh()
 			}
 			st.reloading.Unlock()
 		}
@@ -90,46 +135,46 @@ func (e *entry) fresh() error {
 		t := time.NewTimer(wait)
 		select {
 		case <-t.C:
-		case <-e.watch.w.done:
+		case <-r.watch.w.done:
 			t.Stop()
 			return ErrClosed
 		}
 	}
 }
 
-// refresh reads e's files and takes valid new material into use; the
-// caller holds e.files.reloading. Unchanged bytes cost a read and a
+// refresh reads the files and takes valid new material into use; the
+// caller holds files.reloading. Unchanged bytes cost a read and a
 // comparison. Invalid material keeps the last good one, counted once.
-func (e *entry) refresh() {
-	v := e.env
-	m, err := readMaterial(e.id)
+func (r *rotation) refresh() {
+	v := r.env
+	m, err := readMaterial(&r.id.src)
 	now := v.opts.now()
 	switch {
-	case err == nil && m.equal(e.current.Load().material):
-		e.files.good(now)
+	case err == nil && m.equal(r.current.Load().material):
+		r.files.good(now)
 		return
 	case err == nil:
 		// Checked even when these bytes were rejected before: a certificate
 		// not valid yet becomes valid.
-		m, err = checkRead(e.id, m, v.opts.now)
+		m, err = checkRead(&r.id.src, m, v.opts.now)
 	}
 	if err != nil {
-		e.reject(err, m, now)
+		r.reject(err, m, now)
 		return
 	}
-	if !m.equal(e.current.Load().material) {
-		g, err := newGeneration(e.id, m, e.current.Load(), v, &e.stats.conn)
+	if !m.equal(r.current.Load().material) {
+		g, err := newGeneration(r.id, m, r.current.Load(), v, &r.stats.conn)
 		if err != nil {
-			e.reject(err, m, now)
+			r.reject(err, m, now)
 			return
 		}
-		if !e.rotate(g, v.opts.drainTimeout) {
+		if !r.rotate(g, v.opts.drainTimeout) {
 			return
 		}
-		e.stats.rotations.Add(1)
-		v.opts.logger.V(2).Info("Rotated TLS material", "identity", e.id.key, "files", []string{e.id.key.caFile, e.id.key.certFile, e.id.key.keyFile})
+		r.stats.rotations.Add(1)
+		v.opts.logger.V(2).Info("Rotated TLS material", "identity", r.name, "files", []string{r.id.src.caFile, r.id.src.certFile, r.id.src.keyFile})
 	}
-	e.files.good(now)
+	r.files.good(now)
 }
 
 func (st *filesState) good(now time.Time) {
@@ -140,10 +185,10 @@ func (st *filesState) good(now time.Time) {
 
 // reject counts and logs a rejected read of m (nil: unreadable files),
 // unless the same bytes were rejected last.
-func (e *entry) reject(err error, m *material, now time.Time) {
-	if !e.files.rejectedAgain(err, m, now) {
-		e.stats.rotationErrors.Add(1)
-		e.env.opts.logger.Info("Keeping the last good TLS material", "identity", e.id.key, "reason", err.Error())
+func (r *rotation) reject(err error, m *material, now time.Time) {
+	if !r.files.rejectedAgain(err, m, now) {
+		r.stats.rotationErrors.Add(1)
+		r.env.opts.logger.Info("Keeping the last good TLS material", "identity", r.name, "reason", err.Error())
 	}
 }
 
@@ -170,11 +215,11 @@ func (st *filesState) rejectedAgain(err error, m *material, now time.Time) bool 
 
 // filesError is the error configs built now fail with: the files' error once
 // they have been rejected for longer than the debounce; "" otherwise.
-func (e *entry) filesError() string {
-	st := &e.files
+func (r *rotation) filesError() string {
+	st := &r.files
 	st.mu.Lock()
 	defer st.mu.Unlock()
-	if st.err == nil || e.env.opts.now().Sub(st.badSince) < e.env.opts.debounce {
+	if st.err == nil || r.env.opts.now().Sub(st.badSince) < r.env.opts.debounce {
 		return ""
 	}
 	return st.err.Error()
@@ -183,15 +228,96 @@ func (e *entry) filesError() string {
 // rotate takes g into use. The old generation closes its connections as
 // they become idle and the rest (long watches) after drain, so informers
 // re-list spread out rather than all at the rotation.
-func (e *entry) rotate(g *generation, drain time.Duration) bool {
-	e.mu.Lock()
-	if e.closed.Load() {
-		e.mu.Unlock()
+func (r *rotation) rotate(g *generation, drain time.Duration) bool {
+	r.mu.Lock()
+	if r.closed.Load() {
+		r.mu.Unlock()
 		g.conns.Close(ErrClosed)
 		return false
 	}
-	old := e.current.Swap(g)
-	e.mu.Unlock()
+	old := r.current.Swap(g)
+	r.mu.Unlock()
 	old.conns.Retire(drain)
 	return true
+}
+
+// close stops the watches and closes every connection, of draining
+// generations too; false when it was closed already.
+func (r *rotation) close() bool {
+	r.mu.Lock()
+	if r.closed.Swap(true) {
+		r.mu.Unlock()
+		return false
+	}
+	r.mu.Unlock()
+	if r.watch != nil {
+		r.watch.stop()
+	}
+	r.current.Load().conns.Close(ErrClosed)
+	return true
+}
+
+// generation is one version of an identity's TLS material and its
+// transports. A rotation builds the next and retires this one.
+type generation struct {
+	seq      uint64    // unique in the pool, greater for a newer one
+	since    time.Time // when it was built, to be taken into use
+	material *material
+	ca       digest // of material.caPEM (clientTransport.pick)
+	conns    *conns.Transports
+}
+
+// certificate is the client certificate the generation authenticates with;
+// nil without one, or with an exec plugin's.
+func (g *generation) certificate() *x509.Certificate {
+	if g.material.cert == nil {
+		return nil
+	}
+	return g.material.cert.Leaf
+}
+
+// newGeneration builds id's transports for m as client-go's
+// tlsTransportCache builds its own, with the pool's options, counting into
+// counters, the identity's. prev is the generation they take over from; nil
+// for the first.
+func newGeneration(id *identity, m *material, prev *generation, v *env, counters *conns.Counters) (*generation, error) {
+	if len(m.certPEM) > 0 && m.cert == nil {
+		return nil, errors.New("sharedtransport: internal error: a client certificate was not checked before use")
+	}
+	getCert := id.key.getCert
+	if m.cert != nil {
+		// The pair checkMaterial parsed, not bytes to parse again; it takes
+		// precedence over an exec plugin's callback, as in client-go.
+		getCert = &transport.GetCertHolder{GetCert: func() (*tls.Certificate, error) { return m.cert, nil }}
+	}
+	tlsConfig, err := transport.TLSConfigFor(&transport.Config{TLS: transport.TLSConfig{
+		Insecure:      id.key.insecure,
+		ServerName:    id.key.serverName,
+		NextProtos:    id.nextProtos,
+		CAData:        m.caPEM,
+		GetCertHolder: getCert,
+	}})
+	if err != nil {
+		return nil, err
+	}
+	if id.tlsConfig != nil {
+		tlsConfig = id.tlsConfig // TLSTransport: the caller's own, which holds no material
+	}
+	g := &generation{seq: v.generations.Add(1), since: time.Now(), material: m, ca: digestOf(m.caPEM)}
+	var older *conns.Transports
+	if prev != nil {
+		older = prev.conns
+	}
+	g.conns = conns.NewTransports(conns.Config{
+		TLS:                tlsConfig,
+		Dial:               id.dial,
+		Proxy:              id.proxy,
+		ProxyConnectHeader: id.connectHeader,
+		DisableCompression: id.key.disableCompression,
+		DisableHTTP2:       id.key.noHTTP2,
+		KeepAlive:          v.opts.keepAlive,
+		SessionCache:       v.opts.sessionCache(id),
+		Counters:           counters,
+	}, older)
+	return g, nil
 }

@@ -729,7 +729,7 @@ func TestWatcherSetsNoWatchAfterClose(t *testing.T) {
 	w, err := p.reg.fileWatcher()
 	must(t, err)
 	must(t, p.Close())
-	w.add(&entry{id: &identity{key: identityKey{caFile: filepath.Join(t.TempDir(), "ca.crt")}}})
+	w.add(&stallingReloader{}, filepath.Join(t.TempDir(), "ca.crt"))
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	if len(w.notify) != 0 {

@@ -5,20 +5,13 @@
 package sharedtransport
 
 import (
-	"bytes"
-	"crypto/sha256"
 	"crypto/tls"
-	"crypto/x509"
 	"errors"
 	"fmt"
 	"net/http"
 	"net/url"
 	"reflect"
-	"runtime"
 	"slices"
-	"sync"
-	"sync/atomic"
-	"weak"
 )
 
 // TLSTransportConfig is what a hand-built transport to one server sets,
@@ -58,7 +51,7 @@ func (p *Pool) TLSTransport(c TLSTransportConfig) (http.RoundTripper, error) {
 	if p.isClosed() {
 		return nil, ErrClosed
 	}
-	id, err := tlsIdentity(c)
+	id, err := tlsIdentity(c, &p.roots)
 	if err != nil {
 		return nil, err
 	}
@@ -69,8 +62,8 @@ func (p *Pool) TLSTransport(c TLSTransportConfig) (http.RoundTripper, error) {
 	return &configTransport{lease: l}, nil
 }
 
-// tlsIdentity computes the identity of c.
-func tlsIdentity(c TLSTransportConfig) (*identity, error) {
+// tlsIdentity computes the identity of c, numbering its roots in roots.
+func tlsIdentity(c TLSTransportConfig, roots *rootsTable) (*identity, error) {
 	if c.TLS == nil {
 		return nil, errors.New("sharedtransport: TLSTransport needs a TLS configuration: set TLSTransportConfig.TLS")
 	}
@@ -96,7 +89,7 @@ func tlsIdentity(c TLSTransportConfig) (*identity, error) {
 			proxy:         route,
 			connectHeader: digestOf(canonicalHeader(c.ProxyConnectHeader)),
 			noHTTP2:       noHTTP2(),
-			fixedTLS:      fmt.Sprintf("min=%d max=%d roots=%d", tlsConfig.MinVersion, tlsConfig.MaxVersion, rootsID(tlsConfig.RootCAs)),
+			fixedTLS:      fmt.Sprintf("min=%d max=%d roots=%d", tlsConfig.MinVersion, tlsConfig.MaxVersion, roots.id(tlsConfig.RootCAs)),
 		},
 		nextProtos:    tlsConfig.NextProtos,
 		connectHeader: c.ProxyConnectHeader.Clone(),
@@ -107,83 +100,6 @@ func tlsIdentity(c TLSTransportConfig) (*identity, error) {
 
 // tlsFieldsKept are the fields of a tls.Config TLSTransport keeps.
 var tlsFieldsKept = []string{"RootCAs", "InsecureSkipVerify", "ServerName", "NextProtos", "MinVersion", "MaxVersion"}
-
-// rootsID numbers root pools by content: Equal pools get one number while
-// the first of them is alive (an identity holds it). Pools are bucketed by
-// a digest of their subjects and compared within a bucket.
-func rootsID(roots *x509.CertPool) uint64 {
-	if roots == nil {
-		return 0
-	}
-	bucket := subjectsDigest(roots)
-	rootsMu.Lock()
-	defer rootsMu.Unlock()
-	live := rootsSeen[bucket][:0]
-	var id uint64
-	for _, r := range rootsSeen[bucket] {
-		p := r.pool.Value()
-		if p == nil {
-			continue // its identity is gone
-		}
-		live = append(live, r)
-		if id == 0 && p.Equal(roots) {
-			id = r.id
-		}
-	}
-	if id == 0 {
-		id = rootsNext.Add(1)
-		live = append(live, seenRoots{weak.Make(roots), id})
-		runtime.AddCleanup(roots, forgetRoots, seenKey{bucket, id})
-	}
-	if len(live) == 0 {
-		delete(rootsSeen, bucket)
-	} else {
-		rootsSeen[bucket] = live
-	}
-	return id
-}
-
-type seenKey struct {
-	bucket [sha256.Size]byte
-	id     uint64
-}
-
-// forgetRoots drops the record of a pool that was collected.
-func forgetRoots(k seenKey) {
-	rootsMu.Lock()
-	defer rootsMu.Unlock()
-	rest := slices.DeleteFunc(rootsSeen[k.bucket], func(r seenRoots) bool { return r.id == k.id })
-	if len(rest) == 0 {
-		delete(rootsSeen, k.bucket)
-	} else {
-		rootsSeen[k.bucket] = rest
-	}
-}
-
-type seenRoots struct {
-	pool weak.Pointer[x509.CertPool]
-	id   uint64
-}
-
-var (
-	rootsMu   sync.Mutex
-	rootsSeen = map[[sha256.Size]byte][]seenRoots{}
-	rootsNext atomic.Uint64
-)
-
-// subjectsDigest digests the sorted subjects of roots' certificates, which
-// Equal pools share. A system pool's Subjects leaves the system's roots
-// out: such pools share a bucket, and Equal tells them apart.
-func subjectsDigest(roots *x509.CertPool) [sha256.Size]byte {
-	h := sha256.New()
-	subjects := roots.Subjects() //nolint:staticcheck // see above
-	slices.SortFunc(subjects, bytes.Compare)
-	for _, s := range subjects {
-		fmt.Fprintf(h, "%d:", len(s))
-		h.Write(s)
-	}
-	return [sha256.Size]byte(h.Sum(nil))
-}
 
 // tlsFieldBeyond returns the name of the first exported field of c that is
 // set and not in allowed, or "".

@@ -220,10 +220,10 @@ func TestTLSTransportRootsForgotten(t *testing.T) {
 	r := newTLSRig(t, testserver.Options{})
 	p := newPool(t, WithIdleTimeout(time.Millisecond))
 	count := func() int {
-		rootsMu.Lock()
-		defer rootsMu.Unlock()
+		p.roots.mu.Lock()
+		defer p.roots.mu.Unlock()
 		n := 0
-		for _, rs := range rootsSeen {
+		for _, rs := range p.roots.seen {
 			n += len(rs)
 		}
 		return n

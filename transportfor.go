@@ -117,6 +117,8 @@ type configTransport struct {
 	handedOut atomic.Bool
 }
 
+func (*configTransport) pooled() {}
+
 func (c *configTransport) RoundTrip(req *http.Request) (*http.Response, error) {
 	switch {
 	case c.handedOut.Load() && c.clientGo == nil:
@@ -238,7 +240,7 @@ func (l *clientGoLater) build() (any, error) {
 	if err != nil {
 		return nil, fmt.Errorf("sharedtransport: client-go's transport for the config: %w", err)
 	}
-	rt = l.id.withWrapperHeader(rt)
+	rt = withConnectHeader(rt, l.id.connectHeader)
 	l.rt.Store(&rt)
 	return rt, nil
 }

@@ -164,60 +164,58 @@ func (w *fileWatcher) place(d string, wd *watchedDir) {
 		if want {
 			fi, err = os.Stat(d) // may hang: d's own goroutine waits
 		}
-		if w.placed(d, wd, fi, err) {
+		w.move(d, wd, fi, err)
+		w.mu.Lock()
+		if !wd.again || w.closed {
+			wd.placing = false
+			if len(wd.identities) == 0 && wd.watch == nil {
+				delete(w.dirs, d)
+			}
+			w.mu.Unlock()
 			return
 		}
+		w.mu.Unlock()
 	}
 }
 
-// placed moves d's watch to the directory fi describes (nil: takes it
-// away) and reports whether place is done.
-func (w *fileWatcher) placed(d string, wd *watchedDir, fi os.FileInfo, err error) bool {
+// move puts d's watch on the directory fi describes (nil: takes it away),
+// unless it is there; err is why fi is nil.
+func (w *fileWatcher) move(d string, wd *watchedDir, fi os.FileInfo, err error) {
 	w.mu.Lock()
 	old := wd.watch
-	moved := fi == nil || old == nil || !os.SameFile(fi, wd.on)
-	n := old
-	if moved {
-		n = nil
-		if fi != nil {
-			n, err = w.watcherLocked(deviceOf(fi))
-		}
-		wd.watch, wd.on = n, fi // n stays in use while it adds d
+	if fi != nil && old != nil && os.SameFile(fi, wd.on) {
+		w.mu.Unlock()
+		return
 	}
+	var n *fsnotify.Watcher
+	if fi != nil {
+		n, err = w.watcherLocked(deviceOf(fi))
+	}
+	wd.watch, wd.on = n, fi // n stays in use while it adds d
 	w.mu.Unlock()
-	if moved && old != nil {
+	if old != nil {
 		_ = old.Remove(d) // fails when the kernel dropped the watch itself
 	}
 	tried := n
-	if moved && n != nil {
+	if n != nil {
 		if err = n.Add(d); err != nil {
 			n = nil
 		}
 	}
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	if moved {
-		wd.watch = n
-		w.releaseLocked(old)
-		w.releaseLocked(tried)
-		switch {
-		case err != nil && len(wd.identities) > 0:
-			w.logRefusalLocked(d, err)
-		case n != nil:
-			w.logRecoveryLocked()
-			for iw := range wd.identities {
-				w.queue.Add(iw) // for what changed before the watch was in place
-			}
+	wd.watch = n
+	w.releaseLocked(old)
+	w.releaseLocked(tried)
+	switch {
+	case err != nil && len(wd.identities) > 0:
+		w.logRefusalLocked(d, err)
+	case n != nil:
+		w.logRecoveryLocked()
+		for iw := range wd.identities {
+			w.queue.Add(iw) // for what changed before the watch was in place
 		}
 	}
-	if wd.again && !w.closed {
-		return false
-	}
-	wd.placing = false
-	if len(wd.identities) == 0 && n == nil {
-		delete(w.dirs, d)
-	}
-	return true
 }
 
 // watcherLocked returns the watcher of device dev's directories, starting it

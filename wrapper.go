@@ -1,7 +1,7 @@
-// The hook Wrap installs in a config's WrapTransport, and its rule for every
-// client built from the config or a copy: a client rides the shared
-// transport only when client-go hands the hook the transport its own cache
-// holds for the wrapped config.
+// Wrap, the hook it installs in a config's WrapTransport, and the hook's
+// rule for every client built from the config or a copy: a client rides the
+// shared transport only when client-go hands the hook the transport its own
+// cache holds for the wrapped config.
 
 package sharedtransport
 
@@ -17,8 +17,68 @@ import (
 
 	utilnet "k8s.io/apimachinery/pkg/util/net"
 	clientgofeatures "k8s.io/client-go/features"
+	"k8s.io/client-go/rest"
 	"k8s.io/client-go/transport"
 )
+
+// Wrap installs the package's default pool in cfg: the one-line drop-in for
+// code that already builds a [rest.Config]. See [Pool.Wrap].
+func Wrap(cfg *rest.Config, opts ...CallOption) error { return defaultPool().Wrap(cfg, opts...) }
+
+// Wrap makes every client built from cfg, and from copies that keep its TLS
+// identity, share this pool's transport for that identity. It installs a
+// hook as the innermost of cfg.WrapTransport, so wrappers set before or after
+// still see every request, and never sets cfg.Transport.
+//
+// Configs it cannot share pass through untouched, counted in
+// [Stats].PassThrough: a config with its own Transport, one client-go sends
+// through [http.DefaultTransport] anyway, undeclared wrappers (see
+// [CallOption]), and a Proxy or Dial function, which the hook cannot tell
+// from a copy's: share those with [Pool.HTTPClientFor] or
+// [Pool.TransportFor], which are given the config.
+//
+// For a config it shares, Wrap reads the certificate, key and CA files cfg
+// names; its error names the file that is missing, unreadable or invalid.
+// Wrap of a config this pool wrapped already changes nothing.
+func (p *Pool) Wrap(cfg *rest.Config, opts ...CallOption) error {
+	return p.wrap(cfg, givenBy(opts))
+}
+
+func (p *Pool) wrap(cfg *rest.Config, g given) error {
+	if p.isClosed() {
+		return ErrClosed
+	}
+	if p.reg.wrappedBefore(cfg) {
+		return nil // its hook is there, and decides for every client
+	}
+	s, share, err := sharingFor(cfg, g, p.opts.dialIdentity, true)
+	if err != nil {
+		return err
+	}
+	if !share {
+		p.passedThrough(cfg, s.pass, s.proxyErr)
+		if s.pass == functionsInWrap {
+			p.functionsOnce.Do(func() {
+				p.opts.logger.V(2).Info("Config passes through Wrap: it has a Proxy or Dial function, which the hook cannot tell from a copy's; "+
+					"build its clients with HTTPClientFor or TransportFor to share its transport (logged once)", "host", redactHost(cfg.Host))
+			})
+		}
+		return nil
+	}
+	l, err := p.reg.acquire(s.id) // reads and checks the material first: its errors name the file
+	if err != nil {
+		return err
+	}
+	// A rotation between the lease and newHook has the hook ask client-go
+	// again at the first client.
+	h, err := newHook(p.reg, s, l)
+	if err != nil {
+		return err
+	}
+	p.reg.holdLease(cfg, l)
+	cfg.WrapTransport = transport.Wrappers(h.wrap, cfg.WrapTransport)
+	return nil
+}
 
 // hook is the innermost rest.Config.WrapTransport Wrap installs in a config
 // client-go caches (no Proxy, no Dial). client-go calls it with the
@@ -91,28 +151,8 @@ func (h *hook) askClientGo(e *entry, g uint64) error {
 	return nil
 }
 
-// clientGoTransport returns the transport client-go builds, or takes from
-// its cache, for tc, as it hands it to WrapTransport. The per-request layers
-// (user agent, credentials, impersonation), which its key leaves out, are
-// not built.
-func clientGoTransport(tc *transport.Config) (http.RoundTripper, error) {
-	var base http.RoundTripper
-	c := *tc
-	c.UserAgent, c.Username, c.Password, c.BearerToken, c.BearerTokenFile = "", "", "", "", ""
-	c.Impersonate = transport.ImpersonationConfig{}
-	c.WrapTransport = func(rt http.RoundTripper) http.RoundTripper {
-		base = rt
-		return rt
-	}
-	if _, err := transport.New(&c); err != nil {
-		return nil, err
-	}
-	return base, nil
-}
-
 func (h *hook) wrap(rt http.RoundTripper) http.RoundTripper {
-	switch rt.(type) {
-	case *clientTransport, *configTransport, closedRoundTripper:
+	if _, ok := rt.(pooled); ok {
 		return rt // a hook installed later, or TransportFor, already decided
 	}
 	l, err := h.lease.get(h.reg, h.id)
@@ -128,12 +168,12 @@ func (h *hook) wrap(rt http.RoundTripper) http.RoundTripper {
 		return closedRoundTripper{}
 	}
 	g, ok := h.agrees(rt, l.e)
-	pinCA := h.id.key.caFile != "" && !caFileByPath()
+	pinCA := h.id.src.caFile != "" && !caFileByPath()
 	if !ok || pinCA && !trustsAlike(rt, g.conns.Shared().TLSClientConfig) {
 		h.reg.stats.passThrough.Add(1)
 		return rt // SPDY, websocket, a caller's own transport, another identity
 	}
-	return &clientTransport{lease: l, pinCA: pinCA, ca: g.ca, clientGo: h.id.withWrapperHeader(rt)}
+	return &clientTransport{lease: l, pinCA: pinCA, ca: g.ca, clientGo: withConnectHeader(rt, h.id.connectHeader)}
 }
 
 // caFileByPath reports whether client-go keys a CA file named without data
@@ -207,20 +247,9 @@ func (e *entry) rememberClientGo(g uint64, rt http.RoundTripper) {
 	}
 }
 
-// withWrapperHeader returns what the declared CONNECT-header wrapper
-// (WithProxyConnectHeader) makes of client-go's transport rt without the
-// pool below it: a clone with the header, when rt is a bare *http.Transport.
-func (id *identity) withWrapperHeader(rt http.RoundTripper) http.RoundTripper {
-	t, ok := rt.(*http.Transport)
-	if !ok || len(id.connectHeader) == 0 {
-		return rt
-	}
-	t = t.Clone()
-	t.ProxyConnectHeader = id.connectHeader.Clone()
-	return t
-}
-
 type closedRoundTripper struct{}
+
+func (closedRoundTripper) pooled() {}
 
 func (closedRoundTripper) RoundTrip(*http.Request) (*http.Response, error) {
 	return nil, fmt.Errorf("%w: build the client from a config wrapped by an open pool", ErrClosed)
@@ -242,6 +271,8 @@ type clientTransport struct {
 	// it from then on, as they would without the pool.
 	handedOut atomic.Bool
 }
+
+func (*clientTransport) pooled() {}
 
 func (c *clientTransport) RoundTrip(req *http.Request) (*http.Response, error) {
 	if c.handedOut.Load() {

@@ -41,8 +41,8 @@ type Config struct {
 	DisableCompression bool
 	DisableHTTP2       bool // DISABLE_HTTP2 as the identity first saw it
 	KeepAlive          bool
-	ResumeSessions     bool      // a session cache of its own: a resumed session authenticates as its certificate
-	Counters           *Counters // counted into; never nil
+	SessionCache       tls.ClientSessionCache // nil: no resumption; one per certificate, as a session authenticates as its own
+	Counters           *Counters              // counted into; never nil
 }
 
 // Counters are connection figures, counted as connections open and close.
@@ -88,9 +88,7 @@ func NewTransports(c Config, prev *Transports) *Transports {
 	if tlsConfig != nil {
 		tlsConfig = tlsConfig.Clone()
 		tlsConfig.NextProtos = slices.Clone(tlsConfig.NextProtos) // net/http may write the list at first use
-		if c.ResumeSessions {
-			tlsConfig.ClientSessionCache = tls.NewLRUClientSessionCache(sessionCacheSize)
-		}
+		tlsConfig.ClientSessionCache = c.SessionCache
 		tlsConfig.VerifyConnection = t.countHandshake
 	}
 	http1TLS := http1Only(tlsConfig) // before HTTP/2 set-up adds h2 to tlsConfig
