@@ -16,13 +16,13 @@ import "net/http"
 // every request through the round tripper they are handed (a wrapper that
 // clones an [http.Transport] it finds there, and otherwise passes the
 // request on, does).
-type CallOption func(*given)
+type CallOption func(*declaration)
 
 // WithPerRequestWrappers declares that the wrappers already on the config
 // act on requests only (headers, credentials, logging, metrics) and leave
 // the connection alone.
 func WithPerRequestWrappers() CallOption {
-	return func(g *given) { g.declared = true }
+	return func(g *declaration) { g.declared = true }
 }
 
 // WithProxyConnectHeader declares that the wrappers already on the config
@@ -33,17 +33,17 @@ func WithPerRequestWrappers() CallOption {
 // configs declaring other headers never share a connection.
 func WithProxyConnectHeader(h http.Header) CallOption {
 	h = h.Clone()
-	return func(g *given) { g.declared, g.connectHeader = true, h }
+	return func(g *declaration) { g.declared, g.connectHeader = true, h }
 }
 
-// given is what a caller declared with a config.
-type given struct {
+// declaration is what a caller declared with a config.
+type declaration struct {
 	declared      bool
 	connectHeader http.Header // added to CONNECT requests by the declared wrappers
 }
 
-func givenBy(opts []CallOption) given {
-	var g given
+func declarationOf(opts []CallOption) declaration {
+	var g declaration
 	for _, opt := range opts {
 		opt(&g)
 	}

@@ -27,7 +27,7 @@ type registry struct {
 	group singleflight.Group // one build per identity under concurrent first use
 
 	mu      sync.Mutex // guards entries, closed, watcher, released and wrapped
-	entries map[identityKey]*held
+	entries map[identityKey]*leasedEntry
 	closed  bool
 	watcher *fileWatcher // nil until a config names certificate files
 	// released sums the counters of the identities released, which have
@@ -41,8 +41,8 @@ type registry struct {
 	wrapped map[weak.Pointer[rest.Config]]struct{}
 }
 
-// held is an entry in the registry and the leases that hold it.
-type held struct {
+// leasedEntry is an entry in the registry and the leases that hold it.
+type leasedEntry struct {
 	e    *entry
 	refs int         // leases not yet collected
 	idle *time.Timer // releases the entry at the end of the idle grace
@@ -55,15 +55,38 @@ type entry struct {
 	hosts sync.Map // "scheme://host" -> struct{}: the servers the identity sent requests to
 
 	// clientGo are the transports client-go's cache held for the
-	// identity's configs (hook.agrees) while clientGoFor was current.
+	// identity's configs (hook.cachedByClientGo) while clientGoFor was
+	// current.
 	clientGoMu  sync.Mutex // guards clientGo and clientGoFor
 	clientGo    []http.RoundTripper
 	clientGoFor uint64 // a generation's seq
 }
 
+// share is what Wrap (viaHook) and TransportFor make of cfg: what it is
+// and, when the pool shares it, a lease on its identity's entry. A config
+// passed through is counted and logged and gets no lease; so does one Wrap
+// wrapped already, whose hook decides for every client.
+func (r *registry) share(cfg *rest.Config, d declaration, viaHook bool) (sharing, *lease, error) {
+	if r.isClosed() {
+		return sharing{}, nil, ErrClosed
+	}
+	if viaHook && r.wrappedBefore(cfg) {
+		return sharing{}, nil, nil
+	}
+	s, share, err := sharingFor(cfg, d, r.opts.dialIdentity, viaHook)
+	if err != nil || !share {
+		if err == nil {
+			r.passedThrough(cfg, s.pass, s.proxyErr)
+		}
+		return s, nil, err
+	}
+	l, err := r.acquire(s.id)
+	return s, l, err
+}
+
 // acquire returns a lease on id's entry, building the entry at first use
 // (once under concurrent first uses). An entry already there serves a
-// config built now only while its files hold what it uses (entry.fresh).
+// config built now only while its files hold what it uses (rotation.checkForNewConfig).
 func (r *registry) acquire(id *identity) (*lease, error) {
 	built := false
 	for {
@@ -72,7 +95,7 @@ func (r *registry) acquire(id *identity) (*lease, error) {
 			return nil, err
 		}
 		if e != nil {
-			if err := e.fresh(); err != nil {
+			if err := e.checkForNewConfig(); err != nil {
 				r.release(e)
 				return nil, err
 			}
@@ -134,7 +157,7 @@ func (r *registry) addEntry(id *identity) (added bool, err error) {
 		e.close()
 		return false, ErrClosed
 	}
-	r.entries[id.key] = &held{e: e}
+	r.entries[id.key] = &leasedEntry{e: e}
 	r.stats.misses.Add(1)
 	return true, nil
 }
@@ -147,7 +170,7 @@ func (r *registry) build(id *identity) (*entry, error) {
 	if id.watchesFiles() {
 		w, err := r.fileWatcher()
 		if err != nil {
-			e.current.Load().conns.Close(ErrClosed)
+			e.current.Load().transports.Close(ErrClosed)
 			return nil, err
 		}
 		e.watch = w.add(&e.rotation, id.src.caFile, id.src.certFile, id.src.keyFile)
@@ -193,7 +216,7 @@ func (r *registry) release(e *entry) {
 
 // stopIdleLocked stops h's idle timer, if it has one; one that fired
 // already counts itself out of expiring when its expiry ends.
-func (r *registry) stopIdleLocked(h *held) {
+func (r *registry) stopIdleLocked(h *leasedEntry) {
 	if h.idle != nil && h.idle.Stop() {
 		r.expiring.Done()
 	}
@@ -257,7 +280,7 @@ func (r *registry) close() error {
 	r.mu.Lock()
 	r.closed = true
 	entries := r.entries
-	r.entries = map[identityKey]*held{}
+	r.entries = map[identityKey]*leasedEntry{}
 	for _, h := range entries {
 		r.stopIdleLocked(h)
 		r.releasedLocked(h.e)

@@ -111,7 +111,7 @@ type sharing struct {
 // all, an unnamed custom Dial, undeclared wrappers, a Proxy function that
 // fails, and, for a config shared through Wrap's hook (viaHook), a Proxy or
 // Dial function.
-func sharingFor(cfg *rest.Config, g given, dialIdentity func(*rest.Config) string, viaHook bool) (s sharing, share bool, err error) {
+func sharingFor(cfg *rest.Config, g declaration, dialIdentity func(*rest.Config) string, viaHook bool) (s sharing, share bool, err error) {
 	switch {
 	case cfg == nil:
 		return s, false, errors.New("sharedtransport: called with a nil *rest.Config")
@@ -142,17 +142,17 @@ func sharingFor(cfg *rest.Config, g given, dialIdentity func(*rest.Config) strin
 		return s, false, errors.New("sharedtransport: a config cannot set both a CA and insecure: remove one of them")
 	}
 	s.id, s.pass, s.proxyErr, err = identityOf(cfg, s.tc, g, req, dialIdentity)
-	return s, s.pass == shares && err == nil, err
+	return s, s.pass == shared && err == nil, err
 }
 
 // identityOf computes the identity of cfg, whose transport config is tc, or
 // why it passes through. req is a request to cfg's host for its Proxy
 // function; dialIdentity names a custom Dial. It neither logs nor counts: its callers do.
-func identityOf(cfg *rest.Config, tc *transport.Config, g given, req *http.Request,
+func identityOf(cfg *rest.Config, tc *transport.Config, g declaration, req *http.Request,
 	dialIdentity func(*rest.Config) string) (id *identity, pass passReason, proxyErr, err error) {
 	src, err := sourcesOf(tc)
 	if err != nil {
-		return nil, shares, nil, err
+		return nil, shared, nil, err
 	}
 	dial, dialName, share := dialerOf(cfg, tc, dialIdentity)
 	if !share {
@@ -180,7 +180,7 @@ func identityOf(cfg *rest.Config, tc *transport.Config, g given, req *http.Reque
 			getCert:            tc.TLS.GetCertHolder,
 			dialName:           dialName,
 			proxy:              r.url,
-			connectHeader:      digestOf(canonicalHeader(g.connectHeader)),
+			connectHeader:      headerDigest(g.connectHeader),
 			noHTTP2:            noHTTP2(),
 		},
 		nextProtos:    tc.TLS.NextProtos,
@@ -188,7 +188,7 @@ func identityOf(cfg *rest.Config, tc *transport.Config, g given, req *http.Reque
 		dial:          dial,
 		connectHeader: g.connectHeader,
 		proxy:         r.fixed,
-	}, shares, nil, nil
+	}, shared, nil, nil
 }
 
 func sourcesOf(tc *transport.Config) (s sources, err error) {
@@ -300,6 +300,12 @@ func urlString(u *url.URL) string {
 		return "direct"
 	}
 	return u.String()
+}
+
+// headerDigest is how a CONNECT header enters an identity's key.
+func headerDigest(h http.Header) digest {
+	b := canonicalHeader(h)
+	return digestOf(b)
 }
 
 // canonicalHeader encodes h so that equal headers give equal bytes.

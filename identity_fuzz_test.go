@@ -273,7 +273,7 @@ func (fx *identityFixture) checkIdentityPair(t *testing.T, a, b identitySpec) {
 	var keys [2]string
 	for i, s := range []identitySpec{a, b} {
 		cfg := fx.config(s)
-		sh, share, err := sharingFor(cfg, given{}, fx.pool.opts.dialIdentity, false)
+		sh, share, err := sharingFor(cfg, declaration{}, fx.pool.opts.dialIdentity, false)
 		id := sh.id
 		if !share {
 			id = nil

@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"net/url"
 
 	utilnet "k8s.io/apimachinery/pkg/util/net"
 
@@ -31,17 +32,17 @@ const maxResends = 3
 // roundTrip sends req through the current generation, or through other
 // when pick (nil: any) refuses it. A request its generation's close refused
 // before it was sent goes on the one current then.
-func (l *lease) roundTrip(req *http.Request, pick func(*generation) bool, other http.RoundTripper) (*http.Response, error) {
+func (l *lease) roundTrip(req *http.Request, use func(*generation) bool, other http.RoundTripper) (*http.Response, error) {
 	for resends := 0; ; resends++ {
 		if l.e.closed.Load() {
 			return nil, fmt.Errorf("%w: build the client from a config wrapped by an open pool", ErrClosed)
 		}
 		g := l.e.current.Load()
-		if pick != nil && !pick(g) {
+		if use != nil && !use(g) {
 			return other.RoundTrip(req) // not the pool's: as it came
 		}
 		l.e.sentTo(req.URL)
-		resp, err := g.conns.RoundTrip(req, l)
+		resp, err := g.transports.RoundTrip(req, l)
 		switch {
 		case err == nil:
 			return resp, nil
@@ -79,10 +80,29 @@ func resendable(req *http.Request, err error) (*http.Request, error) {
 
 // WrappedRoundTripper lets client-go helpers (utilnet.TLSClientConfig) see
 // the shared transport, which carries every request but upgrades.
-func (l *lease) WrappedRoundTripper() http.RoundTripper { return l.e.current.Load().conns.Shared() }
+func (l *lease) WrappedRoundTripper() http.RoundTripper {
+	return l.e.current.Load().transports.Shared()
+}
 
 var _ utilnet.RoundTripperWrapper = &lease{}
 
+// sharedProxy is the shared transport's answer for req: the environment's
+// proxy, or the identity's route.
+func (l *lease) sharedProxy(req *http.Request) (*url.URL, error) {
+	return l.e.current.Load().transports.Shared().Proxy(req)
+}
+
+// ownTransport builds a transport for a caller that unwraps the pool's
+// round tripper and may change it (conns.Transports.Own).
+func (l *lease) ownTransport() *http.Transport { return l.e.current.Load().transports.Own() }
+
+// material is the identity's material in use.
+func (l *lease) material() *material { return l.e.current.Load().material }
+
+// countPassThrough counts a client that goes to client-go's own transport
+// from now on.
+func (l *lease) countPassThrough() { l.e.env.stats.passThrough.Add(1) }
+
 // CloseIdleConnections closes the idle connections of the identity's
 // transports, other clients' included, as on client-go's shared transports.
-func (l *lease) CloseIdleConnections() { l.e.current.Load().conns.CloseIdle() }
+func (l *lease) CloseIdleConnections() { l.e.current.Load().transports.CloseIdle() }

@@ -14,7 +14,7 @@ import (
 type passReason int
 
 const (
-	shares             passReason = iota
+	shared             passReason = iota
 	ownTransport                  // the caller's own Transport is never replaced
 	noTLS                         // client-go uses http.DefaultTransport, already shared
 	unnamedDial                   // a custom Dial WithDialIdentity does not name
@@ -25,7 +25,7 @@ const (
 
 // passedThrough counts a config left to client-go, and logs why where its
 // caller can share it after all: once per pool for undeclared wrappers,
-// every time for a Proxy function that fails.
+// every time for a Proxy function that fails. Wrap logs its own reason.
 func (v *env) passedThrough(cfg *rest.Config, pass passReason, proxyErr error) {
 	v.stats.passThrough.Add(1)
 	log := v.opts.logger.V(2)

@@ -416,7 +416,7 @@ func TestIdentityNamesResistGuessing(t *testing.T) {
 		proxy, _ := url.Parse("http://proxyuser:" + password + "@127.0.0.1:3128")
 		cfg := &rest.Config{Host: "https://127.0.0.1:6443", Proxy: http.ProxyURL(proxy)}
 		cfg.Insecure = true
-		sh, share, err := sharingFor(cfg, given{}, nil, false)
+		sh, share, err := sharingFor(cfg, declaration{}, nil, false)
 		id := sh.id
 		if err != nil || !share {
 			t.Fatalf("identityFor: %v, share %v", err, share)

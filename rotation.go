@@ -100,14 +100,14 @@ func (r *rotation) reload() {
 	r.files.reloading.Unlock()
 }
 
-// fresh holds a config built now to what e's files hold now: it re-reads
-// them when their last read is older than the debounce or was rejected,
-// and fails with the files' error once they have been rejected for longer
-// than the debounce. A younger rejection may be a pair written file after
-// file: fresh waits out the debounce and reads once more. So a config gets
-// material at most the debounce plus one read old, and a rotation half
-// written never fails one.
-func (r *rotation) fresh() error {
+// checkForNewConfig holds a config built now to what the files hold now:
+// it re-reads them when their last read is older than the debounce or was
+// rejected, and fails with the files' error once they have been rejected
+// for longer than the debounce. A younger rejection may be a pair written
+// file after file: it waits out the debounce and reads once more. So a
+// config gets material at most the debounce plus one read old, and a
+// rotation half written never fails one.
+func (r *rotation) checkForNewConfig() error {
 	if !r.id.watchesFiles() {
 		return nil
 	}
@@ -232,12 +232,12 @@ func (r *rotation) rotate(g *generation, drain time.Duration) bool {
 	r.mu.Lock()
 	if r.closed.Load() {
 		r.mu.Unlock()
-		g.conns.Close(ErrClosed)
+		g.transports.Close(ErrClosed)
 		return false
 	}
 	old := r.current.Swap(g)
 	r.mu.Unlock()
-	old.conns.Retire(drain)
+	old.transports.Retire(drain)
 	return true
 }
 
@@ -253,18 +253,18 @@ func (r *rotation) close() bool {
 	if r.watch != nil {
 		r.watch.stop()
 	}
-	r.current.Load().conns.Close(ErrClosed)
+	r.current.Load().transports.Close(ErrClosed)
 	return true
 }
 
 // generation is one version of an identity's TLS material and its
 // transports. A rotation builds the next and retires this one.
 type generation struct {
-	seq      uint64    // unique in the pool, greater for a newer one
-	since    time.Time // when it was built, to be taken into use
-	material *material
-	ca       digest // of material.caPEM (clientTransport.pick)
-	conns    *conns.Transports
+	seq        uint64    // unique in the pool, greater for a newer one
+	since      time.Time // when it was built, to be taken into use
+	material   *material
+	ca         digest // of material.caPEM (clientTransport.sameCA)
+	transports *conns.Transports
 }
 
 // certificate is the client certificate the generation authenticates with;
@@ -306,9 +306,9 @@ func newGeneration(id *identity, m *material, prev *generation, v *env, counters
 	g := &generation{seq: v.generations.Add(1), since: time.Now(), material: m, ca: digestOf(m.caPEM)}
 	var older *conns.Transports
 	if prev != nil {
-		older = prev.conns
+		older = prev.transports
 	}
-	g.conns = conns.NewTransports(conns.Config{
+	g.transports = conns.NewTransports(conns.Config{
 		TLS:                tlsConfig,
 		Dial:               id.dial,
 		Proxy:              id.proxy,

@@ -32,7 +32,7 @@ func New(opts ...Option) *Pool {
 		opt(&v.opts)
 	}
 	rand.Read(v.nameKey[:]) // never fails: Go 1.24's crypto/rand crashes the program instead
-	return &Pool{env: v, reg: &registry{env: v, entries: make(map[identityKey]*held), wrapped: make(map[weak.Pointer[rest.Config]]struct{})}}
+	return &Pool{env: v, reg: &registry{env: v, entries: make(map[identityKey]*leasedEntry), wrapped: make(map[weak.Pointer[rest.Config]]struct{})}}
 }
 
 var defaultPool = sync.OnceValue(func() *Pool { return New() })

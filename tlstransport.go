@@ -12,6 +12,10 @@ import (
 	"net/url"
 	"reflect"
 	"slices"
+	"sync"
+	"sync/atomic"
+
+	utilnet "k8s.io/apimachinery/pkg/util/net"
 )
 
 // TLSTransportConfig is what a hand-built transport to one server sets,
@@ -59,8 +63,52 @@ func (p *Pool) TLSTransport(c TLSTransportConfig) (http.RoundTripper, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &configTransport{lease: l}, nil
+	return &tlsTransport{lease: l}, nil
 }
+
+// tlsTransport is what TLSTransport returns: the identity's shared
+// transport, through a lease, until a caller unwraps it.
+type tlsTransport struct {
+	lease   *lease
+	ownOnce sync.Once
+	own     *http.Transport
+	// handedOut: WrappedRoundTripper gave own out: every request goes
+	// through it.
+	handedOut atomic.Bool
+}
+
+func (*tlsTransport) pooled() {}
+
+func (t *tlsTransport) RoundTrip(req *http.Request) (*http.Response, error) {
+	if t.handedOut.Load() {
+		return t.own.RoundTrip(req)
+	}
+	return t.lease.RoundTrip(req)
+}
+
+// WrappedRoundTripper returns a transport of the caller's own, built as the
+// pool builds its own, which apimachinery's UpgradeAwareHandler dials
+// upgrades with: the caller may change it, and the change reaches no other
+// caller. This round tripper's requests go through it from then on
+// (counted in Stats.PassThrough).
+func (t *tlsTransport) WrappedRoundTripper() http.RoundTripper {
+	t.ownOnce.Do(func() { t.own = t.lease.ownTransport() })
+	if !t.handedOut.Swap(true) {
+		t.lease.countPassThrough()
+	}
+	return t.own
+}
+
+// CloseIdleConnections closes idle connections of both transports the round
+// tripper may use.
+func (t *tlsTransport) CloseIdleConnections() {
+	utilnet.CloseIdleConnectionsFor(t.lease)
+	if t.handedOut.Load() {
+		t.own.CloseIdleConnections()
+	}
+}
+
+var _ utilnet.RoundTripperWrapper = &tlsTransport{}
 
 // tlsIdentity computes the identity of c, numbering its roots in roots.
 func tlsIdentity(c TLSTransportConfig, roots *rootsTable) (*identity, error) {
@@ -87,7 +135,7 @@ func tlsIdentity(c TLSTransportConfig, roots *rootsTable) (*identity, error) {
 			serverName:    tlsConfig.ServerName,
 			nextProtos:    lengthPrefixed(tlsConfig.NextProtos),
 			proxy:         route,
-			connectHeader: digestOf(canonicalHeader(c.ProxyConnectHeader)),
+			connectHeader: headerDigest(c.ProxyConnectHeader),
 			noHTTP2:       noHTTP2(),
 			fixedTLS:      fmt.Sprintf("min=%d max=%d roots=%d", tlsConfig.MinVersion, tlsConfig.MaxVersion, roots.id(tlsConfig.RootCAs)),
 		},

@@ -11,8 +11,6 @@ import (
 	"sync"
 	"sync/atomic"
 
-	"golang.org/x/sync/singleflight"
-
 	utilnet "k8s.io/apimachinery/pkg/util/net"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/transport"
@@ -52,31 +50,24 @@ func HTTPClientFor(cfg *rest.Config, opts ...CallOption) (*http.Client, error) {
 // reads the certificate, key and CA files cfg names; its error names the
 // file that is missing, unreadable or invalid.
 func (p *Pool) TransportFor(cfg *rest.Config, opts ...CallOption) (http.RoundTripper, error) {
-	return p.transportFor(cfg, givenBy(opts))
+	return p.transportFor(cfg, declarationOf(opts))
 }
 
-func (p *Pool) transportFor(cfg *rest.Config, g given) (http.RoundTripper, error) {
-	if p.isClosed() {
-		return nil, ErrClosed
-	}
-	s, share, err := sharingFor(cfg, g, p.opts.dialIdentity, false)
-	if err != nil {
+func (p *Pool) transportFor(cfg *rest.Config, d declaration) (http.RoundTripper, error) {
+	s, l, err := p.reg.share(cfg, d, false)
+	switch {
+	case err != nil:
 		return nil, err
-	}
-	if !share {
-		p.passedThrough(cfg, s.pass, s.proxyErr)
-		if s.tc == nil {
-			return rest.TransportFor(cfg)
+	case l == nil && s.tc == nil: // its own Transport, which rest.TransportFor wraps
+		if s.tc, err = cfg.TransportConfig(); err != nil {
+			return nil, err
 		}
+		fallthrough
+	case l == nil:
 		return transport.New(s.tc)
 	}
-	l, err := p.reg.acquire(s.id)
-	if err != nil {
-		return nil, err
-	}
-	held := func() *material { return l.e.current.Load().material }
-	base := &configTransport{lease: l, proxy: s.tc.Proxy, clientGo: &clientGoLater{tc: s.tc, id: s.id, held: held}}
-	return transport.HTTPWrappersForConfig(s.tc, base)
+	later := &clientGoLater{tc: s.tc, header: s.id.connectHeader, inUse: l.material}
+	return transport.HTTPWrappersForConfig(s.tc, &configTransport{lease: l, proxy: s.tc.Proxy, clientGo: later})
 }
 
 // HTTPClientFor is the pool's [rest.HTTPClientFor]: an [http.Client] over
@@ -84,11 +75,11 @@ func (p *Pool) transportFor(cfg *rest.Config, g given) (http.RoundTripper, error
 // kubernetes.NewForConfigAndClient and the other NewForConfigAndClient
 // constructors (dynamic, discovery, metadata).
 func (p *Pool) HTTPClientFor(cfg *rest.Config, opts ...CallOption) (*http.Client, error) {
-	return p.httpClientFor(cfg, givenBy(opts))
+	return p.httpClientFor(cfg, declarationOf(opts))
 }
 
-func (p *Pool) httpClientFor(cfg *rest.Config, g given) (*http.Client, error) {
-	rt, err := p.transportFor(cfg, g)
+func (p *Pool) httpClientFor(cfg *rest.Config, d declaration) (*http.Client, error) {
+	rt, err := p.transportFor(cfg, d)
 	if err != nil {
 		return nil, err
 	}
@@ -99,21 +90,16 @@ func (p *Pool) httpClientFor(cfg *rest.Config, g given) (*http.Client, error) {
 }
 
 // configTransport is what TransportFor puts under client-go's per-request
-// layers, and what TLSTransport returns: the identity's shared transport,
-// through a lease, and client-go's own transport for what that one does not
-// carry.
+// layers: the identity's shared transport, through a lease, and client-go's
+// own transport for the config for what that one does not carry.
 type configTransport struct {
 	lease *lease
 	// proxy is the config's Proxy function, asked for every request as
 	// net/http asks it over HTTP/1.1 (viaProxy); nil without one.
-	proxy func(*http.Request) (*url.URL, error)
-	// clientGo is client-go's transport for the config, built when first
-	// needed; nil for TLSTransport, which has no config and hands out own.
+	proxy    func(*http.Request) (*url.URL, error)
 	clientGo *clientGoLater
-	ownOnce  sync.Once
-	own      *http.Transport
-	// handedOut: WrappedRoundTripper gave clientGo or own out: every request
-	// goes through it.
+	// handedOut: WrappedRoundTripper gave clientGo out: every request goes
+	// through it.
 	handedOut atomic.Bool
 }
 
@@ -121,8 +107,6 @@ func (*configTransport) pooled() {}
 
 func (c *configTransport) RoundTrip(req *http.Request) (*http.Response, error) {
 	switch {
-	case c.handedOut.Load() && c.clientGo == nil:
-		return c.own.RoundTrip(req)
 	case c.handedOut.Load():
 		return c.clientGo.RoundTrip(req)
 	case c.proxy == nil:
@@ -143,7 +127,7 @@ func (c *configTransport) viaProxy(req *http.Request) (*http.Response, error) {
 		}
 		return nil, err
 	}
-	shared, err := c.lease.e.current.Load().conns.Shared().Proxy(req) // the pool's own: the environment's, or the route
+	shared, err := c.lease.sharedProxy(req) // the pool's own: the environment's, or the route
 	if err != nil || !sameURL(u, shared) {
 		return c.clientGo.RoundTrip(withAskedProxy(req, u))
 	}
@@ -174,60 +158,38 @@ func answeredProxy(proxy func(*http.Request) (*url.URL, error)) func(*http.Reque
 // CloseIdleConnections closes idle connections of both transports the
 // round tripper may use.
 func (c *configTransport) CloseIdleConnections() {
-	if c.clientGo != nil {
-		c.clientGo.CloseIdleConnections()
-	}
+	c.clientGo.CloseIdleConnections()
 	utilnet.CloseIdleConnectionsFor(c.lease)
-	if c.handedOut.Load() && c.own != nil {
-		c.own.CloseIdleConnections()
-	}
 }
 
 // CancelRequest stops client-go's cancellation here (see
 // clientTransport.CancelRequest).
 func (c *configTransport) CancelRequest(req *http.Request) {
-	if c.clientGo == nil {
-		return
-	}
-	if rt := c.clientGo.rt.Load(); rt != nil {
-		if cr, ok := (*rt).(interface{ CancelRequest(*http.Request) }); ok {
-			cr.CancelRequest(req)
-		}
+	if cr, ok := c.clientGo.built().(interface{ CancelRequest(*http.Request) }); ok {
+		cr.CancelRequest(req)
 	}
 }
 
 // clientGoLater is client-go's transport for a config, built at the first
-// request or unwrap that needs it; concurrent ones share the build. Where
-// client-go cannot build it from the files the config names now (they are
-// being rewritten, say), it is built from the material the pool holds for
-// them, what the client was built with. A build that still fails is not
-// kept: the next request or unwrap tries again, and one that joined a
-// failed build tries once on its own.
+// request or unwrap that needs it. Where client-go cannot build it from the
+// files the config names now (they are being rewritten, say), it is built
+// from the material the pool holds for them, what the client was built
+// with. A build that fails is not kept: the next caller builds again.
 type clientGoLater struct {
-	tc       *transport.Config
-	id       *identity
-	held     func() *material // the identity's current material
-	building singleflight.Group
-	rt       atomic.Pointer[http.RoundTripper] // set once built
+	tc     *transport.Config
+	header http.Header      // added to CONNECT requests by a declared wrapper (withConnectHeader)
+	inUse  func() *material // the identity's current material
+	// mu guards rt. It is held across the build: a caller waiting for it
+	// waits for the transport it needs.
+	mu sync.Mutex
+	rt http.RoundTripper // nil until built
 }
 
 func (l *clientGoLater) get() (http.RoundTripper, error) {
-	if rt := l.rt.Load(); rt != nil {
-		return *rt, nil
-	}
-	rt, err, joined := l.building.Do("", l.build)
-	if err != nil && joined {
-		rt, err = l.build()
-	}
-	if err != nil {
-		return nil, err
-	}
-	return rt.(http.RoundTripper), nil
-}
-
-func (l *clientGoLater) build() (any, error) {
-	if rt := l.rt.Load(); rt != nil {
-		return *rt, nil
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.rt != nil {
+		return l.rt, nil
 	}
 	tc := *l.tc
 	if tc.Proxy != nil {
@@ -235,14 +197,20 @@ func (l *clientGoLater) build() (any, error) {
 	}
 	rt, err := clientGoTransport(&tc)
 	if err != nil {
-		rt, err = clientGoTransport(fromMaterial(tc, l.held()))
+		rt, err = clientGoTransport(fromMaterial(tc, l.inUse()))
 	}
 	if err != nil {
 		return nil, fmt.Errorf("sharedtransport: client-go's transport for the config: %w", err)
 	}
-	rt = withConnectHeader(rt, l.id.connectHeader)
-	l.rt.Store(&rt)
-	return rt, nil
+	l.rt = withConnectHeader(rt, l.header)
+	return l.rt, nil
+}
+
+// built returns the transport if it was built, else nil.
+func (l *clientGoLater) built() http.RoundTripper {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.rt
 }
 
 // fromMaterial returns tc with m's bytes in place of the files it names.
@@ -273,33 +241,26 @@ func (l *clientGoLater) RoundTrip(req *http.Request) (*http.Response, error) {
 // CloseIdleConnections closes the transport's idle connections, if it was
 // built.
 func (l *clientGoLater) CloseIdleConnections() {
-	if rt := l.rt.Load(); rt != nil {
-		utilnet.CloseIdleConnectionsFor(*rt)
+	if rt := l.built(); rt != nil {
+		utilnet.CloseIdleConnectionsFor(rt)
 	}
 }
 
-// WrappedRoundTripper returns a transport of the caller's own: code that
-// unwraps the round tripper (utilnet.TLSClientConfig, a wrapper that
-// changes the *http.Transport it finds) may change it, and the change
-// reaches no other caller. For TransportFor and HTTPClientFor it is
-// client-go's transport for the config, as rest.TransportFor gives it; for
-// TLSTransport one built as the pool builds its own, which apimachinery's
-// UpgradeAwareHandler dials upgrades with. This round tripper's requests go
-// through it from then on (counted in Stats.PassThrough). While the files
-// the config names are being rewritten, client-go's transport is built from
-// the material the pool holds for them, what the client was built with.
+// WrappedRoundTripper returns client-go's transport for the config, as
+// rest.TransportFor gives it: code that unwraps the round tripper
+// (utilnet.TLSClientConfig, a wrapper that changes the *http.Transport it
+// finds) may change it, and the change reaches no other caller. This round
+// tripper's requests go through it from then on (counted in
+// Stats.PassThrough). While the files the config names are being
+// rewritten, it is built from the material the pool holds for them, what
+// the client was built with.
 func (c *configTransport) WrappedRoundTripper() http.RoundTripper {
-	var rt http.RoundTripper
-	if c.clientGo == nil {
-		c.ownOnce.Do(func() { c.own = c.lease.e.current.Load().conns.Own() })
-		rt = c.own
-	} else if built, err := c.clientGo.get(); err == nil {
-		rt = built
-	} else {
+	rt, err := c.clientGo.get()
+	if err != nil {
 		return c.clientGo
 	}
 	if !c.handedOut.Swap(true) {
-		c.lease.e.env.stats.passThrough.Add(1)
+		c.lease.countPassThrough()
 	}
 	return rt
 }

@@ -41,32 +41,18 @@ func Wrap(cfg *rest.Config, opts ...CallOption) error { return defaultPool().Wra
 // names; its error names the file that is missing, unreadable or invalid.
 // Wrap of a config this pool wrapped already changes nothing.
 func (p *Pool) Wrap(cfg *rest.Config, opts ...CallOption) error {
-	return p.wrap(cfg, givenBy(opts))
+	return p.wrap(cfg, declarationOf(opts))
 }
 
-func (p *Pool) wrap(cfg *rest.Config, g given) error {
-	if p.isClosed() {
-		return ErrClosed
+func (p *Pool) wrap(cfg *rest.Config, d declaration) error {
+	s, l, err := p.reg.share(cfg, d, true) // reads and checks the material first: its errors name the file
+	if s.pass == functionsInWrap {
+		p.functionsOnce.Do(func() {
+			p.opts.logger.V(2).Info("Config passes through Wrap: it has a Proxy or Dial function, which the hook cannot tell from a copy's; "+
+				"build its clients with HTTPClientFor or TransportFor to share its transport (logged once)", "host", redactHost(cfg.Host))
+		})
 	}
-	if p.reg.wrappedBefore(cfg) {
-		return nil // its hook is there, and decides for every client
-	}
-	s, share, err := sharingFor(cfg, g, p.opts.dialIdentity, true)
-	if err != nil {
-		return err
-	}
-	if !share {
-		p.passedThrough(cfg, s.pass, s.proxyErr)
-		if s.pass == functionsInWrap {
-			p.functionsOnce.Do(func() {
-				p.opts.logger.V(2).Info("Config passes through Wrap: it has a Proxy or Dial function, which the hook cannot tell from a copy's; "+
-					"build its clients with HTTPClientFor or TransportFor to share its transport (logged once)", "host", redactHost(cfg.Host))
-			})
-		}
-		return nil
-	}
-	l, err := p.reg.acquire(s.id) // reads and checks the material first: its errors name the file
-	if err != nil {
+	if err != nil || l == nil {
 		return err
 	}
 	// A rotation between the lease and newHook has the hook ask client-go
@@ -97,7 +83,7 @@ func (p *Pool) wrap(cfg *rest.Config, g given) error {
 // wrapped config's cached transport and must never follow the file it does
 // not name: a client rides the shared transport only when client-go's
 // transport for it trusts exactly the shared one's roots (trustsAlike), and
-// only while the identity's CA stays what it was then (clientTransport.pick).
+// only while the identity's CA stays what it was then (clientTransport.sameCA).
 //
 // The hook holds its lease weakly (weakLease).
 type hook struct {
@@ -167,9 +153,9 @@ func (h *hook) wrap(rt http.RoundTripper) http.RoundTripper {
 	if l.e.closed.Load() {
 		return closedRoundTripper{}
 	}
-	g, ok := h.agrees(rt, l.e)
+	g, ok := h.cachedByClientGo(rt, l.e)
 	pinCA := h.id.src.caFile != "" && !caFileByPath()
-	if !ok || pinCA && !trustsAlike(rt, g.conns.Shared().TLSClientConfig) {
+	if !ok || pinCA && !trustsAlike(rt, g.transports.Shared().TLSClientConfig) {
 		h.reg.stats.passThrough.Add(1)
 		return rt // SPDY, websocket, a caller's own transport, another identity
 	}
@@ -200,13 +186,13 @@ func trustsAlike(rt http.RoundTripper, ours *tls.Config) bool {
 	return theirs.RootCAs.Equal(ours.RootCAs)
 }
 
-// agrees reports whether rt is a transport client-go's cache holds now for
+// cachedByClientGo reports whether rt is a transport client-go's cache holds now for
 // a wrapped config of the identity, and returns the current generation. An
 // answer holds for the generation current when client-go was asked: after
 // a rotation client-go is asked again, since before v0.36 it keys a CA by
 // its bytes, and a copy with the old bytes inline would match the
 // transport it held for the files before.
-func (h *hook) agrees(rt http.RoundTripper, e *entry) (*generation, bool) {
+func (h *hook) cachedByClientGo(rt http.RoundTripper, e *entry) (*generation, bool) {
 	if e.files.bad() {
 		// A client built while the files are rejected meets them as it
 		// would without the pool.
@@ -278,13 +264,13 @@ func (c *clientTransport) RoundTrip(req *http.Request) (*http.Response, error) {
 	if c.handedOut.Load() {
 		return c.clientGo.RoundTrip(req)
 	}
-	return c.lease.roundTrip(req, c.pick, c.clientGo)
+	return c.lease.roundTrip(req, c.sameCA, c.clientGo)
 }
 
-// pick takes the current generation g while it trusts what the client was
+// sameCA takes the current generation g while it trusts what the client was
 // built to trust; after a CA change, requests go through client-go's
 // transport, which trusts what client-go alone would.
-func (c *clientTransport) pick(g *generation) bool {
+func (c *clientTransport) sameCA(g *generation) bool {
 	if !c.pinCA || g.ca == c.ca {
 		return true
 	}

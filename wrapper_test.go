@@ -1276,7 +1276,7 @@ func TestHookIdentityAgainstClientGoKey(t *testing.T) {
 	p := newPool(t)
 	keyOf := func(cfg *rest.Config) (identityKey, http.RoundTripper) {
 		t.Helper()
-		s, share, err := sharingFor(cfg, given{}, p.opts.dialIdentity, false)
+		s, share, err := sharingFor(cfg, declaration{}, p.opts.dialIdentity, false)
 		if err != nil || !share {
 			t.Fatalf("%v, share %v", err, share)
 		}
