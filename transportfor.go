@@ -162,8 +162,10 @@ func (c *configTransport) CloseIdleConnections() {
 	utilnet.CloseIdleConnectionsFor(c.lease)
 }
 
-// CancelRequest stops client-go's cancellation here (see
-// clientTransport.CancelRequest).
+// CancelRequest stops client-go's cancellation, which unwraps to the first
+// round tripper that has the method, here rather than at
+// WrappedRoundTripper: requests on the shared transport end with their
+// context.
 func (c *configTransport) CancelRequest(req *http.Request) {
 	if cr, ok := c.clientGo.built().(interface{ CancelRequest(*http.Request) }); ok {
 		cr.CancelRequest(req)

@@ -275,7 +275,7 @@ func (c *clientTransport) sameCA(g *generation) bool {
 		return true
 	}
 	if !c.caMoved.Swap(true) {
-		c.lease.e.env.stats.passThrough.Add(1)
+		c.lease.countPassThrough()
 	}
 	return false
 }
@@ -293,7 +293,7 @@ func (c *clientTransport) CloseIdleConnections() {
 // in Stats.PassThrough); the pool's other clients stay on the pool.
 func (c *clientTransport) WrappedRoundTripper() http.RoundTripper {
 	if !c.handedOut.Swap(true) {
-		c.lease.e.env.stats.passThrough.Add(1)
+		c.lease.countPassThrough()
 	}
 	return c.clientGo
 }
