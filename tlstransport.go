@@ -115,7 +115,7 @@ func tlsIdentity(c TLSTransportConfig, roots *rootsTable) (*identity, error) {
 	if c.TLS == nil {
 		return nil, errors.New("sharedtransport: TLSTransport needs a TLS configuration: set TLSTransportConfig.TLS")
 	}
-	if f := tlsFieldBeyond(c.TLS, tlsFieldsKept); f != "" {
+	if f := tlsFieldBeyond(c.TLS, "RootCAs", "InsecureSkipVerify", "ServerName", "NextProtos", "MinVersion", "MaxVersion"); f != "" {
 		return nil, fmt.Errorf("sharedtransport: TLSTransport cannot compare tls.Config.%s: leave it unset, or keep a transport of your own for this server", f)
 	}
 	tlsConfig := c.TLS.Clone()
@@ -146,12 +146,9 @@ func tlsIdentity(c TLSTransportConfig, roots *rootsTable) (*identity, error) {
 	}, nil
 }
 
-// tlsFieldsKept are the fields of a tls.Config TLSTransport keeps.
-var tlsFieldsKept = []string{"RootCAs", "InsecureSkipVerify", "ServerName", "NextProtos", "MinVersion", "MaxVersion"}
-
 // tlsFieldBeyond returns the name of the first exported field of c that is
 // set and not in allowed, or "".
-func tlsFieldBeyond(c *tls.Config, allowed []string) string {
+func tlsFieldBeyond(c *tls.Config, allowed ...string) string {
 	v := reflect.ValueOf(c).Elem()
 	t := v.Type()
 	for i := range t.NumField() {

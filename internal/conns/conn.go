@@ -21,16 +21,13 @@ import (
 
 type dialFunc = func(ctx context.Context, network, address string) (net.Conn, error)
 
-// client-go's dialer for the transports it builds (transport/cache.go).
-var clientGoDialer = &net.Dialer{Timeout: 30 * time.Second, KeepAlive: 30 * time.Second}
-
 // newTransport builds a transport of t as client-go's cache builds its
 // own (utilnet.SetTransportDefaults): HTTP/2 unless DISABLE_HTTP2 was set
 // when the identity was first seen, or tlsConfig offers no h2.
 func (t *Transports) newTransport(c Config, tlsConfig *tls.Config) *http.Transport {
 	dial := c.Dial
-	if dial == nil {
-		dial = clientGoDialer.DialContext
+	if dial == nil { // client-go's dialer for the transports it builds (transport/cache.go)
+		dial = (&net.Dialer{Timeout: 30 * time.Second, KeepAlive: 30 * time.Second}).DialContext
 	}
 	rt := &http.Transport{
 		Proxy:               c.Proxy, // nil: the defaults install the environment's, as in client-go
