@@ -1,0 +1,113 @@
+package fakeopenstack
+
+import (
+	"context"
+	"crypto/tls"
+	"crypto/x509"
+	"errors"
+	"net/http"
+	"testing"
+	"time"
+
+	"github.com/gophercloud/gophercloud/v2"
+	"github.com/gophercloud/gophercloud/v2/openstack"
+	"github.com/gophercloud/gophercloud/v2/openstack/compute/v2/servers"
+)
+
+// client authenticates user with password against s through rt, as
+// gophercloud does for CAPO.
+func client(t *testing.T, s *Server, rt http.RoundTripper, user, password string) (*gophercloud.ProviderClient, error) {
+	t.Helper()
+	provider, err := openstack.NewClient(s.URL + "/v3")
+	if err != nil {
+		t.Fatal(err)
+	}
+	provider.HTTPClient.Transport = rt
+	return provider, openstack.Authenticate(context.Background(), provider, gophercloud.AuthOptions{
+		IdentityEndpoint: s.URL + "/v3", Username: user, Password: password, DomainName: "Default",
+		TenantName: "project-" + user, AllowReauth: true,
+	})
+}
+
+func transport(t *testing.T, s *Server) *http.Transport {
+	pool := x509.NewCertPool()
+	if !pool.AppendCertsFromPEM(s.CA) {
+		t.Fatal("the server's CA does not parse")
+	}
+	return &http.Transport{TLSClientConfig: &tls.Config{RootCAs: pool, MinVersion: tls.VersionTLS12}, ForceAttemptHTTP2: true}
+}
+
+// TestServesWhatCAPOAsks: a token for each user, the compute service from
+// the catalog, Nova's version document and each user's own servers; a
+// wrong password is refused; the server counts what it saw.
+func TestServesWhatCAPOAsks(t *testing.T) {
+	for _, http1 := range []bool{false, true} {
+		s, err := Start(Options{HTTP1Only: http1, Users: map[string]string{"alice": "a-pass", "bob": "b-pass"}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer s.Close()
+		rt := transport(t, s)
+		for _, user := range []string{"alice", "bob"} {
+			provider, err := client(t, s, rt, user, user[:1]+"-pass")
+			if err != nil {
+				t.Fatalf("authenticate %s: %v", user, err)
+			}
+			compute, err := openstack.NewComputeV2(provider, gophercloud.EndpointOpts{Region: Region})
+			if err != nil {
+				t.Fatalf("the compute service from %s's catalog: %v", user, err)
+			}
+			var version struct {
+				Version struct {
+					Version    string `json:"version"`
+					MinVersion string `json:"min_version"`
+				} `json:"version"`
+			}
+			if _, err := compute.Request(context.Background(), "GET", compute.Endpoint, &gophercloud.RequestOpts{JSONResponse: &version, OkCodes: []int{200}}); err != nil || version.Version.MinVersion != "2.1" {
+				t.Errorf("Nova's version document for %s: %+v, %v", user, version, err)
+			}
+			pages, err := servers.List(compute, servers.ListOpts{}).AllPages(context.Background())
+			if err != nil {
+				t.Fatalf("list %s's servers: %v", user, err)
+			}
+			list, err := servers.ExtractServers(pages)
+			if err != nil || len(list) != 1 || list[0].Name != "server-of-"+user {
+				t.Errorf("%s's servers: %+v, %v; want one, server-of-%s", user, list, err, user)
+			}
+		}
+		if _, err := client(t, s, rt, "alice", "wrong"); !errors.As(err, new(gophercloud.ErrUnexpectedResponseCode)) {
+			t.Errorf("a wrong password: %v, want a refusal", err)
+		}
+		c := s.Counts()
+		t.Logf("HTTP/1.1 only %v: %+v", http1, c)
+		if c.Tokens != 2 || c.Requests != 4 || c.WrongTokens != 0 || c.Accepted < 1 || c.FullHandshakes < 1 {
+			t.Errorf("HTTP/1.1 only %v: counted %+v, want 2 tokens, 4 Nova requests, none wrong", http1, c)
+		}
+		rt.CloseIdleConnections()
+	}
+}
+
+// TestTokensExpire: a token past its lifetime is refused and counted, and
+// gophercloud authenticates again (AllowReauth) and goes on.
+func TestTokensExpire(t *testing.T) {
+	s, err := Start(Options{TokenLifetime: 300 * time.Millisecond, Users: map[string]string{"alice": "a-pass"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	provider, err := client(t, s, transport(t, s), "alice", "a-pass")
+	if err != nil {
+		t.Fatal(err)
+	}
+	compute, err := openstack.NewComputeV2(provider, gophercloud.EndpointOpts{Region: Region})
+	if err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(400 * time.Millisecond) // the token expires
+	if _, err := servers.List(compute, servers.ListOpts{}).AllPages(context.Background()); err != nil {
+		t.Fatalf("list after the token expired: %v", err)
+	}
+	if c := s.Counts(); c.WrongTokens != 1 || c.Tokens != 2 {
+		t.Errorf("counted %+v, want the expired token refused once and a second token issued", c)
+	}
+}
