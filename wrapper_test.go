@@ -289,8 +289,30 @@ func (r *copyRig) hold(t *testing.T, pair copyPair, want *observation) heldClien
 // transport is built, meets a file change and a handshake, the race
 // detector reports that race inside client-go, with or without the pool.
 // Tests that change certificate files under client-go transports they built
-// a moment before wait here first.
-func settleClientGoReloaders() { time.Sleep(300 * time.Millisecond) }
+// a moment before wait here first: until every goroutine of a reloader
+// waits (its first load done, its next one minutes away), however long a
+// busy machine takes to schedule them.
+func settleClientGoReloaders() {
+	deadline := time.Now().Add(10 * time.Second)
+	for !clientGoReloadersWaiting() && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// clientGoReloadersWaiting reports whether every goroutine of client-go's
+// certificate reloaders is blocked, none of them in a load.
+func clientGoReloadersWaiting() bool {
+	buf := make([]byte, 16<<20)
+	buf = buf[:runtime.Stack(buf, true)]
+	for _, g := range strings.Split(string(buf), "\n\n") {
+		header, _, _ := strings.Cut(g, "\n")
+		if strings.Contains(g, "(*dynamicClientCert)") &&
+			(strings.Contains(g, "loadClientCert") || strings.Contains(header, "[runnable") || strings.Contains(header, "[running")) {
+			return false
+		}
+	}
+	return true
+}
 
 // agree asserts that after the change the far side sees the held client
 // through the pool exactly as the one through client-go alone, and, when

@@ -3,7 +3,7 @@ module github.com/sharedtransport/sharedtransport/capo
 go 1.26.0
 
 require (
-	github.com/gophercloud/gophercloud/v2 v2.13.0
+	github.com/gophercloud/gophercloud/v2 v2.10.0
 	github.com/sharedtransport/sharedtransport v0.0.0-00010101000000-000000000000
 )
 

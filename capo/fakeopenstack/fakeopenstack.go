@@ -10,6 +10,8 @@ import (
 	"crypto/tls"
 	"encoding/hex"
 	"encoding/json"
+	"io"
+	"log"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -100,6 +102,7 @@ func Start(opts Options) (*Server, error) {
 	} else {
 		s.srv.EnableHTTP2 = true
 	}
+	s.srv.Config.ErrorLog = log.New(io.Discard, "", 0) // handshakes cut by Close
 	s.srv.Config.ConnState = func(_ net.Conn, st http.ConnState) {
 		switch st {
 		case http.StateNew:

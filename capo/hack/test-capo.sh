@@ -2,7 +2,9 @@
 # Applies capo/patches to Cluster API Provider OpenStack's own source and runs
 # CAPO's unit tests of pkg/scope and pkg/clients before and after the patch
 # (top-level tests passed and failed, both times); patched, it also builds the
-# manager and vets pkg/scope. The module proxy does not serve CAPO's module:
+# manager and vets pkg/scope. Then capo/'s own tests of CAPO's code
+# (capo/testdata, copied into CAPO's pkg/scope) run as is and patched (build
+# tag capo_patched). The module proxy does not serve CAPO's module:
 # DIR is a CAPO tree, or the git directory of its repository (a snapshot of
 # kubernetes-sigs/cluster-api-provider-openstack), and REF a tag or commit in
 # it (default: main for a git directory, the tree as it is otherwise). The
@@ -70,20 +72,27 @@ echo "== CAPO $described as is: go test ${tests[*]}"
 run_tests "as-is"
 
 cp go.mod "$work/go.mod.as-is"
-echo "== applying ${patches#"$root"/}"
-for p in "$patches"/*.patch; do
-	patch -p1 --forward --silent <"$p"
-	echo "$(basename "$p"): +$(grep -c '^+[^+]' "$p") -$(grep -c '^-[^-]' "$p") lines"
-done
+# capo/'s tests run inside CAPO's module, with this checkout's two modules.
 go mod edit -require=github.com/sharedtransport/sharedtransport@v0.0.0-00010101000000-000000000000 \
-	-replace=github.com/sharedtransport/sharedtransport="$root"
+	-replace=github.com/sharedtransport/sharedtransport="$root" \
+	-require=github.com/sharedtransport/sharedtransport/capo@v0.0.0-00010101000000-000000000000 \
+	-replace=github.com/sharedtransport/sharedtransport/capo="$here"
+api="$(sed -n 's/^[[:space:]]*infrav1 "\(.*\)"$/\1/p' pkg/scope/provider.go)"
+ours=()
+copy_ours() {
+	for f in "$here"/testdata/*_test.go; do
+		sed "s|sigs.k8s.io/cluster-api-provider-openstack/api/v1beta2|$api|" "$f" >"pkg/scope/zz_sharedtransport_$(basename "$f")"
+		ours+=("pkg/scope/zz_sharedtransport_$(basename "$f")")
+	done
+}
+copy_ours
 # A new requirement has the go command read the go.mod of every module in
 # CAPO's graph. The proxy refuses some that no package built here uses
 # (v0.14.7: sigs.k8s.io/cluster-api/test v1.12.10, for CAPO's e2e tests):
 # each is replaced by an empty module of its path, which lowers no version
 # CAPO's go.mod selects.
 for _ in 1 2 3 4 5 6 7 8; do
-	go list -mod=mod -deps ./pkg/scope/ . >/dev/null 2>"$work/list.err" && break
+	go list -mod=mod -deps -test ./pkg/scope/ . >/dev/null 2>"$work/list.err" && break
 	refused="$(sed -n 's/^go: \([^ @]*\)@\([^:]*\): reading .*\.mod: 40[34] .*/\1 \2/p' "$work/list.err" | head -1)"
 	[ -n "$refused" ] || { cat "$work/list.err"; exit 1; }
 	read -r path version <<<"$refused"
@@ -92,6 +101,17 @@ for _ in 1 2 3 4 5 6 7 8; do
 	printf 'module %s\n\ngo 1.22\n' "$path" >"$stub/go.mod"
 	go mod edit -replace="$path@$version=$stub"
 	echo "$path $version: not served by the module proxy; an empty module stands in (no package of it is built)"
+done
+echo "== capo/'s tests of CAPO $described as is"
+go test -mod=mod -count=1 -v -run '^TestShared' ./pkg/scope/ 2>&1 | grep -v '^=== ' | tee "$work/ours-as-is.out"
+grep -q '^ok' "$work/ours-as-is.out"
+rm -f "${ours[@]}"
+ours=()
+
+echo "== applying ${patches#"$root"/}"
+for p in "$patches"/*.patch; do
+	patch -p1 --forward --silent <"$p"
+	echo "$(basename "$p"): +$(grep -c '^+[^+]' "$p") -$(grep -c '^-[^-]' "$p") lines"
 done
 
 echo "== CAPO $described patched: go test ${tests[*]}"
@@ -102,8 +122,14 @@ if [ -n "$(comm -13 "$work/as-is.failed" "$work/patched.failed")" ]; then
 fi
 echo "== go.mod, as is -> patched: requirements added or raised"
 requires() { awk '/^require \(/ {r = 1; next} /^\)/ {r = 0} r {print $1, $2} /^require [^(]/ {print $2, $3}' "$1" | sort; }
-comm -13 <(requires "$work/go.mod.as-is") <(requires go.mod)
+comm -13 <(requires "$work/go.mod.as-is") <(requires go.mod) | grep -v '^github.com/sharedtransport/sharedtransport/capo ' || true
+echo "(and github.com/sharedtransport/sharedtransport/capo, for capo/'s tests only)"
 echo "== CAPO patched: go vet ./pkg/scope/, go build (the manager)"
 go vet -mod=mod ./pkg/scope/
 go build -mod=mod -o "$work/manager" .
 echo "manager built: $(du -h "$work/manager" | cut -f1)"
+
+echo "== capo/'s tests of CAPO $described patched"
+copy_ours
+go test -mod=mod -count=1 -v -tags capo_patched -run '^TestShared' ./pkg/scope/ 2>&1 | grep -v '^=== ' | tee "$work/ours-patched.out"
+grep -q '^ok' "$work/ours-patched.out"
