@@ -30,7 +30,7 @@ func (l *lease) RoundTrip(req *http.Request) (*http.Response, error) {
 const maxResends = 3
 
 // roundTrip sends req through the current generation, or through other
-// when pick (nil: any) refuses it. A request its generation's close refused
+// when use (nil: any) refuses it. A request its generation's close refused
 // before it was sent goes on the one current then.
 func (l *lease) roundTrip(req *http.Request, use func(*generation) bool, other http.RoundTripper) (*http.Response, error) {
 	for resends := 0; ; resends++ {

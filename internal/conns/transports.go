@@ -193,9 +193,11 @@ func (t *Transports) requestEnded() {
 	t.closeIdle()
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	if t.idleRecheck == nil {
+	switch {
+	case t.isClosed(): // close stopped the timer; none is set after it
+	case t.idleRecheck == nil:
 		t.idleRecheck = time.AfterFunc(idleRecheckDelay, t.closeIdle)
-	} else if !t.isClosed() {
+	default:
 		t.idleRecheck.Reset(idleRecheckDelay)
 	}
 }

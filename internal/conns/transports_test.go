@@ -40,3 +40,17 @@ func TestRotationsKeepNothing(t *testing.T) {
 		time.Sleep(10 * time.Millisecond)
 	}
 }
+
+// TestNoTimerAfterClose: a request that ends on a retired Transports after
+// Close sets no timer that would outlive it.
+func TestNoTimerAfterClose(t *testing.T) {
+	tr := NewTransports(Config{TLS: &tls.Config{}, KeepAlive: true}, nil)
+	tr.Retire(time.Hour)
+	tr.Close(nil)
+	tr.requestEnded()
+	tr.mu.Lock()
+	defer tr.mu.Unlock()
+	if tr.idleRecheck != nil {
+		t.Error("a request that ended after Close set the idle recheck timer")
+	}
+}
