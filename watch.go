@@ -64,11 +64,9 @@ type identityWatch struct {
 	dirs []string // the directories of the identity's files
 }
 
-// A reloader is what the watcher reloads: an identity's entry.
-type reloader interface {
-	// reload re-reads the files.
-	reload()
-}
+// A reloader is what the watcher reloads: an identity's rotation, which
+// re-reads its files.
+type reloader interface{ reload() }
 
 // watchSettings are a watcher's settings, from the pool's options.
 type watchSettings struct {
@@ -288,9 +286,8 @@ func (w *fileWatcher) logRecoveryLocked() {
 	w.set.logger.Info("File events available again for every watched directory")
 }
 
-// close stops the watcher and waits for its goroutines: a reload in a read
-// the kernel holds holds close too. A directory's place goroutine held by
-// the kernel is not waited for; it finds the watcher closed.
+// close stops the watcher and waits for its goroutines, reloads held in a
+// read by the kernel too, but not a directory's place goroutine held there.
 func (w *fileWatcher) close() error {
 	w.mu.Lock()
 	w.closed = true
