@@ -7,14 +7,9 @@ package fakeopenstack
 
 import (
 	"crypto/rand"
-	"crypto/tls"
 	"encoding/hex"
 	"encoding/json"
-	"io"
-	"log"
-	"net"
 	"net/http"
-	"net/http/httptest"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -42,15 +37,16 @@ type Counts struct {
 	WrongTokens                             int64 // requests whose token was unknown or expired
 }
 
-// Server is a fake Keystone and Nova behind one TLS listener.
+// Server is a fake Keystone and Nova behind one testserver listener: its
+// TLS, and its connections counted as the API server's are.
 type Server struct {
 	URL string // Keystone is URL+"/v3"; Nova URL+"/compute/v2.1"
 	CA  []byte // PEM of the CA that issued the server's certificate
 
 	opts Options
-	srv  *httptest.Server
+	srv  *testserver.Server
 
-	accepted, open, full, resumed, tokens, requests, wrong atomic.Int64
+	tokens, requests, wrong atomic.Int64
 
 	mu     sync.Mutex
 	issued map[string]issued // token -> whom, until when
@@ -66,54 +62,22 @@ func Start(opts Options) (*Server, error) {
 	if opts.TokenLifetime == 0 {
 		opts.TokenLifetime = time.Hour
 	}
-	ca, err := testserver.NewCA("fake-openstack-ca")
-	if err != nil {
-		return nil, err
-	}
-	kp, err := ca.IssueServer()
-	if err != nil {
-		return nil, err
-	}
-	cert, err := kp.TLSCertificate()
-	if err != nil {
-		return nil, err
-	}
-	s := &Server{CA: ca.CertPEM(), opts: opts, issued: map[string]issued{}}
+	s := &Server{opts: opts, issued: map[string]issued{}}
 	mux := http.NewServeMux()
 	mux.HandleFunc("POST /v3/auth/tokens", s.issue)
 	mux.HandleFunc("GET /v3/auth/tokens", s.validate)
 	mux.HandleFunc("GET /compute/v2.1", s.novaVersion)
 	mux.HandleFunc("GET /compute/v2.1/", s.novaVersion)
 	mux.HandleFunc("GET /compute/v2.1/servers/detail", s.servers)
-	s.srv = httptest.NewUnstartedServer(mux)
-	s.srv.TLS = &tls.Config{
-		Certificates: []tls.Certificate{cert},
-		VerifyConnection: func(cs tls.ConnectionState) error {
-			if cs.DidResume {
-				s.resumed.Add(1)
-			} else {
-				s.full.Add(1)
-			}
-			return nil
-		},
+	srv, err := testserver.Start(testserver.Options{
+		Handler:      mux,
+		DisableHTTP2: opts.HTTP1Only,
+		ClientAuth:   testserver.VerifyClientCertIfGiven, // clients authenticate with tokens
+	})
+	if err != nil {
+		return nil, err
 	}
-	if opts.HTTP1Only {
-		s.srv.TLS.NextProtos = []string{"http/1.1"}
-	} else {
-		s.srv.EnableHTTP2 = true
-	}
-	s.srv.Config.ErrorLog = log.New(io.Discard, "", 0) // handshakes cut by Close
-	s.srv.Config.ConnState = func(_ net.Conn, st http.ConnState) {
-		switch st {
-		case http.StateNew:
-			s.accepted.Add(1)
-			s.open.Add(1)
-		case http.StateClosed, http.StateHijacked:
-			s.open.Add(-1)
-		}
-	}
-	s.srv.StartTLS()
-	s.URL = s.srv.URL
+	s.srv, s.URL, s.CA = srv, srv.URL(), srv.CA().CertPEM()
 	return s, nil
 }
 
@@ -125,11 +89,23 @@ func (s *Server) CloseClientConnections() { s.srv.CloseClientConnections() }
 
 // Counts returns what the server saw so far.
 func (s *Server) Counts() Counts {
+	st := s.srv.Stats()
 	return Counts{
-		Accepted: s.accepted.Load(), Open: s.open.Load(),
-		FullHandshakes: s.full.Load(), Resumed: s.resumed.Load(),
+		Accepted: int64(st.Accepted), Open: int64(st.Open),
+		FullHandshakes: int64(st.FullHandshakes), Resumed: int64(st.ResumedHandshakes),
 		Tokens: s.tokens.Load(), Requests: s.requests.Load(), WrongTokens: s.wrong.Load(),
 	}
+}
+
+// holderOrRefuse returns whom r's X-Auth-Token was issued to, or answers
+// 401 and counts a wrong token.
+func (s *Server) holderOrRefuse(w http.ResponseWriter, r *http.Request) (issued, bool) {
+	who, ok := s.holder(r.Header.Get("X-Auth-Token"))
+	if !ok {
+		s.wrong.Add(1)
+		http.Error(w, `{"error": {"code": 401, "message": "invalid token"}}`, http.StatusUnauthorized)
+	}
+	return who, ok
 }
 
 // issue is Keystone's password authentication, scoped to the user's project.
@@ -169,10 +145,8 @@ func (s *Server) issue(w http.ResponseWriter, r *http.Request) {
 
 // validate is Keystone's token validation (GET with X-Subject-Token).
 func (s *Server) validate(w http.ResponseWriter, r *http.Request) {
-	who, ok := s.holder(r.Header.Get("X-Auth-Token"))
+	who, ok := s.holderOrRefuse(w, r)
 	if !ok {
-		s.wrong.Add(1)
-		http.Error(w, `{"error": {"code": 401, "message": "invalid token"}}`, http.StatusUnauthorized)
 		return
 	}
 	subject, ok := s.holder(r.Header.Get("X-Subject-Token"))
@@ -221,9 +195,7 @@ func (s *Server) holder(token string) (issued, bool) {
 // novaVersion is Nova's version document, which the compute client reads
 // for the microversions the server supports.
 func (s *Server) novaVersion(w http.ResponseWriter, r *http.Request) {
-	if _, ok := s.holder(r.Header.Get("X-Auth-Token")); !ok {
-		s.wrong.Add(1)
-		http.Error(w, `{"error": {"code": 401, "message": "invalid token"}}`, http.StatusUnauthorized)
+	if _, ok := s.holderOrRefuse(w, r); !ok {
 		return
 	}
 	s.requests.Add(1)
@@ -236,10 +208,8 @@ func (s *Server) novaVersion(w http.ResponseWriter, r *http.Request) {
 // servers lists the servers of the token's project: one, named after its
 // user, so a client sees whose token the server took.
 func (s *Server) servers(w http.ResponseWriter, r *http.Request) {
-	who, ok := s.holder(r.Header.Get("X-Auth-Token"))
+	who, ok := s.holderOrRefuse(w, r)
 	if !ok {
-		s.wrong.Add(1)
-		http.Error(w, `{"error": {"code": 401, "message": "invalid token"}}`, http.StatusUnauthorized)
 		return
 	}
 	s.requests.Add(1)

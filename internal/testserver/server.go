@@ -105,6 +105,11 @@ type Options struct {
 	// RecordHeaders puts a copy of every request's headers in
 	// RequestInfo.Header.
 	RecordHeaders bool
+	// Handler, when set, serves every request in place of the API: another
+	// protocol (a fake OpenStack) behind the same TLS, counted connections
+	// and restarts. The API's authentication, counters and faults do not
+	// apply to it.
+	Handler http.Handler
 }
 
 // RequestInfo is what the server saw on one request.
@@ -260,6 +265,9 @@ func Start(opts Options) (*Server, error) {
 	}
 	s.api = newAPI(s)
 	s.handler = http.HandlerFunc(s.serveHTTP)
+	if opts.Handler != nil {
+		s.handler = opts.Handler
+	}
 	if err := s.listen(opts.Addr); err != nil {
 		return nil, err
 	}
