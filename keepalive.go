@@ -7,7 +7,11 @@
 
 package sharedtransport
 
-import "crypto/tls"
+import (
+	"crypto/tls"
+
+	"github.com/sharedtransport/sharedtransport/internal/conns"
+)
 
 // WithKeepAlive turns HTTP keep-alive on (the default) or off for the pool's
 // transports. With it off every request opens its own connection, closed
@@ -24,10 +28,6 @@ func WithSessionResumption(enabled bool) Option {
 	return func(o *options) { o.sessionResumption = enabled }
 }
 
-// sessionCacheSize holds a session per server of an identity, with room to
-// spare.
-const sessionCacheSize = 64
-
 // sessionCache returns the session cache of a new version of id's
 // certificate, or nil when its sessions are not resumed: resumption is off,
 // or an exec plugin gives the certificate, which changes without a new
@@ -36,5 +36,5 @@ func (o *options) sessionCache(id *identity) tls.ClientSessionCache {
 	if !o.sessionResumption || id.key.getCert != nil {
 		return nil
 	}
-	return tls.NewLRUClientSessionCache(sessionCacheSize)
+	return tls.NewLRUClientSessionCache(conns.SessionCacheSize)
 }

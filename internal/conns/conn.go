@@ -85,7 +85,7 @@ func http1Only(tlsConfig *tls.Config) *tls.Config {
 func ownSessions(tlsConfig *tls.Config) *tls.Config {
 	c := tlsConfig.Clone()
 	if c != nil && c.ClientSessionCache != nil {
-		c.ClientSessionCache = tls.NewLRUClientSessionCache(sessionCacheSize)
+		c.ClientSessionCache = tls.NewLRUClientSessionCache(SessionCacheSize)
 	}
 	return c
 }

@@ -22,7 +22,7 @@ import (
 )
 
 const (
-	sessionCacheSize = 64 // TLS sessions: one per server of the identity, with room to spare
+	SessionCacheSize = 64 // TLS sessions: one per server of the identity, with room to spare
 	// idleRecheckDelay is how long after a retired Transports' request ends its idle
 	// connections close once more: Go frees an HTTP/2 stream just after its body ends.
 	idleRecheckDelay = 50 * time.Millisecond
