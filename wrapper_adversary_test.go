@@ -32,34 +32,6 @@ import (
 	"github.com/sharedtransport/sharedtransport/internal/testserver"
 )
 
-// TestAdversaryCopyFilesRotate: a copy names other certificate files that
-// hold the original's bytes. The match is remembered for the pool's
-// generation; when the COPY's files change (the original's do not), the pool
-// has no new generation, re-checks nothing, and the copy keeps presenting the
-// original's certificate.
-func TestAdversaryCopyFilesRotate(t *testing.T) {
-	f := newFixture(t, testserver.Options{})
-	r := newCopyRig(t, testserver.Options{CA: f.ca})
-	h2 := "HTTP/2.0"
-	for _, layout := range []string{renameOver, secretVolume} {
-		t.Run(layout, func(t *testing.T) {
-			p := newPool(t, WithPollInterval(0))
-			d := newCertDir(t, layout, f.alice, f.ca.CertPEM())
-			other := newCertDir(t, layout, f.alice, f.ca.CertPEM())
-			pair := wrapPair(t, p, func() *rest.Config { return d.config(r.srv.URL()) })
-			cp := pair.copies(func(c *rest.Config) { c.CertFile, c.KeyFile = other.cert, other.key })
-			before := r.hold(t, cp, &observation{CN: "alice", Proto: h2, Gzip: true, Via: "direct"})
-			other.write(t, f.bob, f.ca.CertPEM())
-			// Past client-go's one-second cache of the files and the pool's 1.2 s
-			// limit on a finding made by comparing what files hold.
-			time.Sleep(certSettle + 500*time.Millisecond)
-			bobSeen := observation{CN: "bob", Proto: h2, Gzip: true, Via: "direct"}
-			before.agree(t, &bobSeen)
-			r.check(t, cp, &bobSeen)
-		})
-	}
-}
-
 // TestAdversaryExecRotationRemembered: an exec-plugin identity has one
 // generation for good (its certificate changes without a rotation of the
 // pool), so a client found to agree with the plugin's certificate once rides
@@ -824,35 +796,6 @@ func TestAdversaryClientGoCertificateHolder(t *testing.T) {
 			before.agree(t, &observation{CN: "bob", Proto: h2, Gzip: true, Via: "direct"})
 		})
 	}
-}
-
-// TestAdversaryCopyFilesRotateOriginalBad: TestAdversaryCopyFilesRotate while
-// the original's files are bad. A copy names other certificate files holding
-// the original's bytes; its match, made by comparing what those files held,
-// lasts while the original's files fail to load (so that the original's own
-// clients do not read the files the pool just failed to read). The copy's
-// files are not those: they change, and the copy keeps presenting the
-// original's certificate for as long as the original's files stay bad.
-func TestAdversaryCopyFilesRotateOriginalBad(t *testing.T) {
-	f := newFixture(t, testserver.Options{})
-	r := newCopyRig(t, testserver.Options{CA: f.ca})
-	p := newPool(t, WithPollInterval(0))
-	d, other, pair := filesPairWithTwin(t, f, r, p)
-	cp := pair.copies(func(c *rest.Config) { c.CertFile, c.KeyFile = other.cert, other.key })
-	before := r.hold(t, cp, nil)
-	aliceSeen := observation{CN: "alice", Proto: h2, Gzip: true, Via: "direct"}
-	for i, c := range before {
-		if o := c.observe(); o != aliceSeen {
-			t.Fatalf("client %d before the files changed: %+v, want %+v", i, o, aliceSeen)
-		}
-	}
-	writeAtomic(t, d.key, f.bob.KeyPEM) // the original's key no longer matches its certificate
-	waitFor(t, "the original's bad key rejected", func() bool { return p.Stats().RotationErrors == 1 })
-	other.write(t, f.bob, f.ca.CertPEM())
-	time.Sleep(certSettle + 500*time.Millisecond)
-	bobSeen := observation{CN: "bob", Proto: h2, Gzip: true, Via: "direct"}
-	before.agree(t, &bobSeen)
-	r.check(t, cp, &bobSeen)
 }
 
 // TestAdversaryProxyTokenAsUserName: a proxy that takes its credential as the
