@@ -9,7 +9,9 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"encoding/json"
+	"net"
 	"net/http"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -27,6 +29,10 @@ type Options struct {
 	// Users are the credentials Keystone accepts: user name to password.
 	// Each user's project is named and numbered after it.
 	Users map[string]string
+	// Host is the name in the server's URL, catalog and certificate
+	// (default 127.0.0.1); it listens on 127.0.0.1 whatever the name. A
+	// name nobody resolves is reached through a Proxy that knows it.
+	Host string
 }
 
 // Counts are what the server saw.
@@ -50,6 +56,7 @@ type Server struct {
 
 	mu     sync.Mutex
 	issued map[string]issued // token -> whom, until when
+	order  []string          // the tokens, in the order issued
 }
 
 type issued struct {
@@ -63,6 +70,18 @@ func Start(opts Options) (*Server, error) {
 		opts.TokenLifetime = time.Hour
 	}
 	s := &Server{opts: opts, issued: map[string]issued{}}
+	ca, err := testserver.NewCA("fakeopenstack-ca")
+	if err != nil {
+		return nil, err
+	}
+	var names []string
+	if opts.Host != "" {
+		names = append(names, opts.Host)
+	}
+	serving, err := ca.IssueServer(names...)
+	if err != nil {
+		return nil, err
+	}
 	mux := http.NewServeMux()
 	mux.HandleFunc("POST /v3/auth/tokens", s.issue)
 	mux.HandleFunc("GET /v3/auth/tokens", s.validate)
@@ -70,6 +89,8 @@ func Start(opts Options) (*Server, error) {
 	mux.HandleFunc("GET /compute/v2.1/", s.novaVersion)
 	mux.HandleFunc("GET /compute/v2.1/servers/detail", s.servers)
 	srv, err := testserver.Start(testserver.Options{
+		CA:           ca,
+		ServerCert:   serving,
 		Handler:      mux,
 		DisableHTTP2: opts.HTTP1Only,
 		ClientAuth:   testserver.VerifyClientCertIfGiven, // clients authenticate with tokens
@@ -77,7 +98,11 @@ func Start(opts Options) (*Server, error) {
 	if err != nil {
 		return nil, err
 	}
-	s.srv, s.URL, s.CA = srv, srv.URL(), srv.CA().CertPEM()
+	s.srv, s.URL, s.CA = srv, srv.URL(), ca.CertPEM()
+	if opts.Host != "" {
+		_, port, _ := net.SplitHostPort(srv.Addr())
+		s.URL = "https://" + net.JoinHostPort(opts.Host, port)
+	}
 	return s, nil
 }
 
@@ -95,6 +120,14 @@ func (s *Server) Counts() Counts {
 		FullHandshakes: int64(st.FullHandshakes), Resumed: int64(st.ResumedHandshakes),
 		Tokens: s.tokens.Load(), Requests: s.requests.Load(), WrongTokens: s.wrong.Load(),
 	}
+}
+
+// Tokens returns every token issued so far, for tests that look for them
+// where they must not be.
+func (s *Server) Tokens() []string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return slices.Clone(s.order)
 }
 
 // holderOrRefuse returns whom r's X-Auth-Token was issued to, or answers
@@ -137,6 +170,7 @@ func (s *Server) issue(w http.ResponseWriter, r *http.Request) {
 	expires := time.Now().Add(s.opts.TokenLifetime).UTC()
 	s.mu.Lock()
 	s.issued[token] = issued{user: u.Name, expires: expires}
+	s.order = append(s.order, token)
 	s.mu.Unlock()
 	s.tokens.Add(1)
 	w.Header().Set("X-Subject-Token", token)

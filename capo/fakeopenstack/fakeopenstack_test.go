@@ -6,6 +6,10 @@ import (
 	"crypto/x509"
 	"errors"
 	"net/http"
+	"net/url"
+	"os"
+	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -109,5 +113,71 @@ func TestTokensExpire(t *testing.T) {
 	}
 	if c := s.Counts(); c.WrongTokens != 1 || c.Tokens != 2 {
 		t.Errorf("counted %+v, want the expired token refused once and a second token issued", c)
+	}
+}
+
+func TestMain(m *testing.M) {
+	if code, isChild := Main(); isChild {
+		os.Exit(code)
+	}
+	os.Exit(m.Run())
+}
+
+// TestProcess: a server in a child process serves and counts as one in
+// this process does, and the connection this process keeps toward it is
+// the one ESTABLISHED socket counted here.
+func TestProcess(t *testing.T) {
+	p, err := StartProcess(context.Background(), Options{Users: map[string]string{"alice": "a-pass"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	rt := transport(t, &Server{URL: p.URL, CA: p.CA})
+	defer rt.CloseIdleConnections()
+	if _, err := client(t, &Server{URL: p.URL}, rt, "alice", "a-pass"); err != nil {
+		t.Fatal(err)
+	}
+	c, err := p.Counts(context.Background())
+	if err != nil || c.Tokens != 1 || c.Accepted != 1 || c.Open != 1 {
+		t.Errorf("the child counted %+v, %v; want 1 token, 1 connection accepted and open", c, err)
+	}
+	if n, err := Established(p.URL); err != nil || n != 1 {
+		t.Errorf("ESTABLISHED toward the child: %d, %v; want 1", n, err)
+	}
+	rt.CloseIdleConnections()
+	time.Sleep(100 * time.Millisecond) // the kernel's table catches up
+	if n, err := Established(p.URL); err != nil || n != 0 {
+		t.Errorf("ESTABLISHED toward the child after closing: %d, %v; want 0", n, err)
+	}
+}
+
+// TestProxyResolves: a server known by a name only the proxy resolves is
+// reached through it, as a site's egress proxy reaches its cloud; the
+// tokens issued are listed.
+func TestProxyResolves(t *testing.T) {
+	const host = "openstack.fakeopenstack.test"
+	s, err := Start(Options{Host: host, Users: map[string]string{"alice": "a-pass"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	p, err := StartProxy(map[string]string{host: "127.0.0.1"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	proxyURL, _ := url.Parse(p.URL())
+	rt := transport(t, s)
+	rt.Proxy = http.ProxyURL(proxyURL)
+	defer rt.CloseIdleConnections()
+	provider, err := client(t, s, rt, "alice", "a-pass")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if provider.Token() == "" || !slices.Equal(s.Tokens(), []string{provider.Token()}) {
+		t.Errorf("tokens issued %q, the client's %q", s.Tokens(), provider.Token())
+	}
+	if !strings.HasPrefix(s.URL, "https://"+host+":") || p.Tunnels() != 1 {
+		t.Errorf("URL %s, %d tunnels; want the name and 1 tunnel", s.URL, p.Tunnels())
 	}
 }

@@ -35,6 +35,10 @@ type Options struct {
 	// AnswerDelay is how long the proxy takes to answer a CONNECT it
 	// accepts, once it has dialed the target: a slow or distant proxy.
 	AnswerDelay time.Duration
+	// Hosts are names the proxy resolves itself (name to IP address), as a
+	// site's egress proxy reaches names its clients cannot resolve: a client
+	// sends a request for such a name only through the proxy.
+	Hosts map[string]string
 }
 
 // requestTimeout bounds the read of a CONNECT request, so that a client that
@@ -231,7 +235,11 @@ func (p *Proxy) handle(c net.Conn) {
 		c.Close()
 		return
 	}
-	up, err := net.DialTimeout("tcp", req.Host, p.opts.DialTimeout)
+	target := req.Host
+	if host, port, err := net.SplitHostPort(target); err == nil && p.opts.Hosts[host] != "" {
+		target = net.JoinHostPort(p.opts.Hosts[host], port)
+	}
+	up, err := net.DialTimeout("tcp", target, p.opts.DialTimeout)
 	if err != nil {
 		p.failed.Add(1)
 		fmt.Fprintf(c, "HTTP/1.1 502 Bad Gateway\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")

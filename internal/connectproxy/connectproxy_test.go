@@ -1,9 +1,13 @@
 package connectproxy
 
 import (
+	"bufio"
 	"context"
+	"fmt"
+	"net"
 	"net/http"
 	"net/url"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -169,5 +173,40 @@ func TestNotConnectAndClose(t *testing.T) {
 	}
 	if err := p.Close(); err != nil {
 		t.Errorf("second Close: %v", err)
+	}
+}
+
+// A name only the proxy resolves: a CONNECT for it reaches the address
+// Hosts gives; a name it does not know fails at the proxy (502).
+func TestHosts(t *testing.T) {
+	srv, err := testserver.Start(testserver.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer srv.Close()
+	_, port, _ := strings.Cut(srv.Addr(), "127.0.0.1:")
+	p, err := Start(Options{Hosts: map[string]string{"api.internal.test": "127.0.0.1"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	for host, want := range map[string]string{"api.internal.test": "200", "other.internal.test": "502"} {
+		c, err := net.Dial("tcp", p.Addr())
+		if err != nil {
+			t.Fatal(err)
+		}
+		fmt.Fprintf(c, "CONNECT %s:%s HTTP/1.1\r\nHost: %s:%s\r\n\r\n", host, port, host, port)
+		resp, err := http.ReadResponse(bufio.NewReader(c), nil)
+		c.Close()
+		if err != nil {
+			t.Fatalf("CONNECT %s: %v", host, err)
+		}
+		resp.Body.Close()
+		if got := strconv.Itoa(resp.StatusCode); got != want {
+			t.Errorf("CONNECT %s: %s, want %s", host, resp.Status, want)
+		}
+	}
+	if st := p.Stats(); st.Tunnels != 1 || st.Failed != 1 {
+		t.Errorf("proxy stats %+v, want 1 tunnel and 1 failed", st)
 	}
 }
