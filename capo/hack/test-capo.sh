@@ -10,17 +10,22 @@
 # it (default: main for a git directory, the tree as it is otherwise). The
 # patch set is the one that applies: capo/patches (release v0.14.7) or
 # capo/patches/main. The library comes from this checkout (a replace).
+# With CAPO_CHART set to a file, the load's connections over time, as is and
+# patched, are drawn there (capo/scope-load.svg, the pull request's chart).
 #
-# Usage: capo/hack/test-capo.sh DIR [REF]
+# Usage: [CAPO_CHART=capo/scope-load.svg] capo/hack/test-capo.sh DIR [REF]
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
 root="$(cd "$here/.." && pwd)"
 src="${1:?usage: capo/hack/test-capo.sh DIR [REF]: DIR is a CAPO tree or the git directory of its repository}"
 ref="${2:-}"
+chart="${CAPO_CHART:+$(realpath -m "$CAPO_CHART")}"
 work="$(mktemp -d "${TMPDIR:-/tmp}/capo.XXXXXX")"
 trap 'chmod -R u+w "$work" 2>/dev/null; rm -rf "$work"' EXIT
 tree="$work/capo"
 mkdir "$tree"
+export CAPO_LOAD_CHART="$work/chart"
+mkdir "$CAPO_LOAD_CHART"
 
 if [ ! -f "$src/go.mod" ] && git -C "$src" rev-parse --git-dir >/dev/null 2>&1; then
 	ref="${ref:-main}"
@@ -133,3 +138,9 @@ echo "== capo/'s tests of CAPO $described patched"
 copy_ours
 go test -mod=mod -count=1 -v -tags capo_patched -run '^TestShared' ./pkg/scope/ 2>&1 | grep -v '^=== ' | tee "$work/ours-patched.out"
 grep -q '^ok' "$work/ours-patched.out"
+
+if [ -n "$chart" ]; then
+	caption="50 clusters, 100 workers x 20 reconciles, tokens of 2 s, --scope-cache-max-size=10; CAPO $described; sharedtransport $(git -C "$root" rev-parse --short HEAD)"
+	(cd "$here" && go run ./hack/chart "$caption" "$CAPO_LOAD_CHART"/{as-is,patched}_--scope-cache-max-size10_HTTP{2,1.1}.json) >"$chart"
+	echo "wrote $chart"
+fi

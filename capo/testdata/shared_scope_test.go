@@ -13,13 +13,14 @@ import (
 	"sync"
 	"testing"
 
-	"github.com/go-logr/logr"
 	"github.com/gophercloud/gophercloud/v2"
 	"github.com/gophercloud/gophercloud/v2/openstack"
 	"github.com/gophercloud/gophercloud/v2/openstack/compute/v2/servers"
+	"github.com/gophercloud/gophercloud/v2/pagination"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/klog/v2"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/client/fake"
 
@@ -40,8 +41,9 @@ func (c credentialed) GetIdentityRef() (*string, *infrav1.OpenStackIdentityRefer
 	return &c.namespace, &c.ref
 }
 
-// cloudsYAML is a clouds.yaml for user against s, CAPO's credential Secret.
-func cloudsYAML(s *fakeopenstack.Server, user string) []byte {
+// cloudsYAML is a clouds.yaml for user against the cloud at url, CAPO's
+// credential Secret.
+func cloudsYAML(url, user string) []byte {
 	return fmt.Appendf(nil, `clouds:
   openstack:
     auth:
@@ -54,7 +56,33 @@ func cloudsYAML(s *fakeopenstack.Server, user string) []byte {
     region_name: %s
     interface: public
     identity_api_version: 3
-`, s.URL, user, user, user, fakeopenstack.Region)
+`, url, user, user, user, fakeopenstack.Region)
+}
+
+// passwords are n users' passwords, by user: user0, user1, ...
+func passwords(n int) map[string]string {
+	users := map[string]string{}
+	for i := range n {
+		users[fmt.Sprintf("user%d", i)] = fmt.Sprintf("user%d-pass", i)
+	}
+	return users
+}
+
+// credentials are the credential Secrets of n users of the cloud at url
+// (trusting ca) in a fake controller-runtime client, and the identity
+// references of n clusters, the i-th using user i's.
+func credentials(url string, ca []byte, n int) (client.Client, []credentialed) {
+	var objs []runtime.Object
+	var refs []credentialed
+	for i := range n {
+		user := fmt.Sprintf("user%d", i)
+		objs = append(objs, &corev1.Secret{
+			ObjectMeta: metav1.ObjectMeta{Namespace: "clusters", Name: "cred-" + user},
+			Data:       map[string][]byte{scope.CloudsSecretKey: cloudsYAML(url, user), scope.CASecretKey: ca},
+		})
+		refs = append(refs, credentialed{namespace: "clusters", ref: infrav1.OpenStackIdentityReference{Name: "cred-" + user, CloudName: "openstack"}})
+	}
+	return fake.NewClientBuilder().WithRuntimeObjects(objs...).Build(), refs
 }
 
 // TestSharedScopeConnections: clusters with a credential each, every
@@ -73,26 +101,13 @@ func TestSharedScopeConnections(t *testing.T) {
 
 func sharedScopeConnections(t *testing.T, http1 bool) {
 	const clusters, workers, reconciles = 10, 10, 5
-	users := map[string]string{}
-	for i := range clusters {
-		users[fmt.Sprintf("user%d", i)] = fmt.Sprintf("user%d-pass", i)
-	}
+	users := passwords(clusters)
 	s, err := fakeopenstack.Start(fakeopenstack.Options{HTTP1Only: http1, Users: users})
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer s.Close()
-	var objs []runtime.Object
-	var refs []credentialed
-	for i := range clusters {
-		user := fmt.Sprintf("user%d", i)
-		objs = append(objs, &corev1.Secret{
-			ObjectMeta: metav1.ObjectMeta{Namespace: "clusters", Name: "cred-" + user},
-			Data:       map[string][]byte{scope.CloudsSecretKey: cloudsYAML(s, user), scope.CASecretKey: s.CA},
-		})
-		refs = append(refs, credentialed{namespace: "clusters", ref: infrav1.OpenStackIdentityReference{Name: "cred-" + user, CloudName: "openstack"}})
-	}
-	c := fake.NewClientBuilder().WithRuntimeObjects(objs...).Build()
+	c, refs := credentials(s.URL, s.CA, clusters)
 	factory := scope.NewFactory(0)
 
 	var wg sync.WaitGroup
@@ -152,24 +167,7 @@ func sharedTransportLoad(t *testing.T, http1 bool, users map[string]string, work
 			defer wg.Done()
 			for r := range reconciles {
 				user := fmt.Sprintf("user%d", (w+r)%len(users))
-				provider, err := openstack.NewClient(s.URL + "/v3")
-				if err == nil {
-					provider.HTTPClient.Transport = shared
-					err = openstack.Authenticate(context.Background(), provider, gophercloud.AuthOptions{
-						IdentityEndpoint: s.URL + "/v3", Username: user, Password: users[user], DomainName: "Default",
-						TenantName: "project-" + user, AllowReauth: true,
-					})
-				}
-				var compute *gophercloud.ServiceClient
-				if err == nil {
-					compute, err = openstack.NewComputeV2(provider, gophercloud.EndpointOpts{Region: fakeopenstack.Region})
-				}
-				if err == nil {
-					_, err = compute.Request(context.Background(), "GET", compute.Endpoint, &gophercloud.RequestOpts{OkCodes: []int{200}})
-				}
-				if err == nil {
-					_, err = servers.List(compute, servers.ListOpts{}).AllPages(context.Background())
-				}
+				err := listThrough(shared, s.URL, user, users[user])
 				if err != nil {
 					t.Errorf("net/http's best case, %s: %v", user, err)
 				}
@@ -180,10 +178,41 @@ func sharedTransportLoad(t *testing.T, http1 bool, users map[string]string, work
 	return s.Counts()
 }
 
+// listThrough authenticates user and lists its servers through rt, without
+// CAPO's scopes: what a scope does, gophercloud's calls in CAPO's order.
+func listThrough(rt http.RoundTripper, url, user, password string) error {
+	provider, err := openstack.NewClient(url + "/v3")
+	if err == nil {
+		provider.HTTPClient.Transport = rt
+		err = openstack.Authenticate(context.Background(), provider, gophercloud.AuthOptions{
+			IdentityEndpoint: url + "/v3", Username: user, Password: password, DomainName: "Default",
+			TenantName: "project-" + user, AllowReauth: true,
+		})
+	}
+	var compute *gophercloud.ServiceClient
+	if err == nil {
+		compute, err = openstack.NewComputeV2(provider, gophercloud.EndpointOpts{Region: fakeopenstack.Region})
+	}
+	if err == nil {
+		_, err = compute.Request(context.Background(), "GET", compute.Endpoint, &gophercloud.RequestOpts{OkCodes: []int{200}})
+	}
+	if err == nil {
+		var pages pagination.Page
+		if pages, err = servers.List(compute, servers.ListOpts{}).AllPages(context.Background()); err == nil {
+			var list []servers.Server
+			if list, err = servers.ExtractServers(pages); err == nil && (len(list) != 1 || list[0].Name != "server-of-"+user) {
+				err = fmt.Errorf("servers of %s: %+v: a token of another user", user, list)
+			}
+		}
+	}
+	return err
+}
+
 // reconcile builds a scope for ref, as a reconcile does, and lists its
 // servers with CAPO's compute client; the server names whose token it took.
+// The scope logs through klog, as CAPO's manager's do.
 func reconcile(factory scope.Factory, c client.Client, ref credentialed, want string) error {
-	sc, err := factory.NewClientScopeFromObject(context.Background(), c, nil, logr.Discard(), ref)
+	sc, err := factory.NewClientScopeFromObject(context.Background(), c, nil, klog.Background(), ref)
 	if err != nil {
 		return fmt.Errorf("scope for %s: %w", ref.ref.Name, err)
 	}

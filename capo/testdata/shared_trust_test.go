@@ -38,7 +38,7 @@ func TestSharedScopeTrust(t *testing.T) {
 	other.Close()
 	ctx := context.Background()
 	secret := func(user string, ca []byte, insecure bool) *corev1.Secret {
-		clouds := cloudsYAML(s, user)
+		clouds := cloudsYAML(s.URL, user)
 		if insecure {
 			clouds = append(clouds, "    verify: false\n"...)
 		}
