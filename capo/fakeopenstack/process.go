@@ -97,11 +97,13 @@ func Established(serverURL string) (int, error) {
 	if err != nil {
 		return 0, err
 	}
-	n := 0
+	// The kernel's table is read in pieces: a socket may be listed twice
+	// while others open and close. Its local port names it.
+	local := map[int]bool{}
 	for _, c := range conns {
 		if c.State == procnet.Established && c.RemotePort == port {
-			n++
+			local[c.LocalPort] = true
 		}
 	}
-	return n, nil
+	return len(local), nil
 }
