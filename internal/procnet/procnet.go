@@ -43,6 +43,7 @@ func of(proc string) ([]Conn, error) {
 		return nil, err
 	}
 	var out []Conn
+	seen := map[uint64]bool{}
 	for _, file := range []string{"/proc/" + proc + "/net/tcp", "/proc/" + proc + "/net/tcp6"} {
 		b, err := os.ReadFile(file)
 		if err != nil {
@@ -55,13 +56,22 @@ func of(proc string) ([]Conn, error) {
 		if err != nil {
 			return nil, fmt.Errorf("%s: %w", file, err)
 		}
-		for _, c := range conns {
-			if c.Inode != 0 && owned[c.Inode] {
-				out = append(out, c)
-			}
-		}
+		out = appendOwned(out, conns, owned, seen)
 	}
 	return out, nil
+}
+
+// appendOwned appends to out the sockets of conns whose inode is owned and
+// not seen yet. The kernel writes its table in pieces, so a socket can be
+// listed twice while others open and close; its inode names it once.
+func appendOwned(out, conns []Conn, owned, seen map[uint64]bool) []Conn {
+	for _, c := range conns {
+		if c.Inode != 0 && owned[c.Inode] && !seen[c.Inode] {
+			seen[c.Inode] = true
+			out = append(out, c)
+		}
+	}
+	return out
 }
 
 // Parse parses the socket table format. Addresses are hex: IPv4 as one

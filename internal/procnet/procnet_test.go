@@ -76,3 +76,15 @@ func TestOf(t *testing.T) {
 		t.Errorf("Of(-1): no error")
 	}
 }
+
+// A socket listed twice (the table read while it changed), one not this
+// process's and one without an inode (TIME_WAIT) are dropped.
+func TestAppendOwnedOnce(t *testing.T) {
+	conns := []Conn{{LocalPort: 1, Inode: 10}, {LocalPort: 2, Inode: 20}, {LocalPort: 1, Inode: 10}, {LocalPort: 3, Inode: 30}, {LocalPort: 4}}
+	seen := map[uint64]bool{}
+	got := appendOwned(nil, conns, map[uint64]bool{10: true, 20: true}, seen)
+	got = appendOwned(got, conns[:1], map[uint64]bool{10: true}, seen) // the IPv6 table names it again
+	if len(got) != 2 || got[0].LocalPort != 1 || got[1].LocalPort != 2 {
+		t.Errorf("got %+v, want the sockets of inodes 10 and 20, once each", got)
+	}
+}
