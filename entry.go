@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"runtime"
 	"sync"
+	"sync/atomic"
 	"time"
 	"weak"
 
@@ -52,7 +53,8 @@ type leasedEntry struct {
 // what its clients met.
 type entry struct {
 	rotation
-	hosts sync.Map // "scheme://host" -> struct{}: the servers the identity sent requests to
+	hosts    sync.Map                 // "scheme://host" -> struct{}: the servers the identity sent requests to
+	lastHost atomic.Pointer[sentHost] // the one sentTo recorded last, in hosts already
 
 	// clientGo are the transports client-go's cache held for the
 	// identity's configs (hook.cachedByClientGo) while clientGoFor was
@@ -61,6 +63,9 @@ type entry struct {
 	clientGo    []http.RoundTripper
 	clientGoFor uint64 // a generation's seq
 }
+
+// sentHost is a server an identity sent requests to.
+type sentHost struct{ scheme, host string }
 
 // share is what Wrap (viaHook) and TransportFor make of cfg: what it is
 // and, when the pool shares it, a lease on its identity's entry. A config

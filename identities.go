@@ -81,12 +81,17 @@ func (p *Pool) Identities() []IdentityInfo {
 }
 
 // sentTo records u's server among those the identity sent requests to, for
-// IdentityInfo.Hosts.
+// IdentityInfo.Hosts. A request to the server recorded last (most
+// identities have one) allocates nothing: it is in hosts already.
 func (e *entry) sentTo(u *url.URL) {
+	if last := e.lastHost.Load(); last != nil && last.scheme == u.Scheme && last.host == u.Host {
+		return
+	}
 	h := u.Scheme + "://" + u.Host
 	if _, ok := e.hosts.Load(h); !ok {
 		e.hosts.Store(h, struct{}{})
 	}
+	e.lastHost.Store(&sentHost{u.Scheme, u.Host})
 }
 
 func (e *entry) info() IdentityInfo {

@@ -2,6 +2,8 @@ package sharedtransport
 
 import (
 	"context"
+	"crypto/tls"
+	"io"
 	"net/http"
 	"net/url"
 	"runtime"
@@ -256,4 +258,40 @@ func TestIdentitiesShowExpiry(t *testing.T) {
 	longDir.write(t, short, f.ca.CertPEM())
 	waitFor(t, "the rotation shown", func() bool { return notAfter(longDir).Equal(short.Cert.NotAfter) })
 	runtime.KeepAlive([]*rest.Config{shortCfg, longCfg})
+}
+
+// TestIdentityHosts: a TLSTransport round tripper serves any server its
+// roots trust; requests to two servers in turn list both among the
+// identity's hosts, and a request to the server recorded last allocates
+// nothing for it.
+func TestIdentityHosts(t *testing.T) {
+	f := newFixture(t, testserver.Options{ClientAuth: testserver.VerifyClientCertIfGiven})
+	other, err := testserver.Start(testserver.Options{CA: f.ca, ClientAuth: testserver.VerifyClientCertIfGiven})
+	must(t, err)
+	defer other.Close()
+	p := newPool(t)
+	rt, err := p.TLSTransport(TLSTransportConfig{TLS: &tls.Config{RootCAs: f.ca.Pool()}})
+	must(t, err)
+	for _, server := range []string{f.srv.URL(), other.URL(), f.srv.URL(), other.URL()} {
+		req, err := http.NewRequest(http.MethodGet, server+"/version", nil)
+		must(t, err)
+		resp, err := rt.RoundTrip(req)
+		must(t, err)
+		io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+	}
+	infos := p.Identities()
+	want := []string{f.srv.URL(), other.URL()}
+	slices.Sort(want)
+	if len(infos) != 1 || !slices.Equal(infos[0].Hosts, want) {
+		t.Fatalf("identities %+v, want one with hosts %q", infos, want)
+	}
+
+	e := &entry{}
+	u, err := url.Parse(f.srv.URL() + "/version")
+	must(t, err)
+	e.sentTo(u)
+	if n := testing.AllocsPerRun(100, func() { e.sentTo(u) }); n != 0 {
+		t.Errorf("a request to the server recorded last: %v allocations, want 0", n)
+	}
 }
