@@ -13,7 +13,6 @@ package sharedtransport
 
 import (
 	"testing"
-	"time"
 
 	"k8s.io/client-go/rest"
 
@@ -38,12 +37,7 @@ func TestAdversaryCopyFilesRotate(t *testing.T) {
 			cp := pair.copies(func(c *rest.Config) { c.CertFile, c.KeyFile = other.cert, other.key })
 			before := r.hold(t, cp, &observation{CN: "alice", Proto: h2, Gzip: true, Via: "direct"})
 			other.write(t, f.bob, f.ca.CertPEM())
-			// Past client-go's one-second cache of the files and the pool's 1.2 s
-			// limit on a finding made by comparing what files hold.
-			time.Sleep(certSettle + 500*time.Millisecond)
-			bobSeen := observation{CN: "bob", Proto: h2, Gzip: true, Via: "direct"}
-			before.agree(t, &bobSeen)
-			r.check(t, cp, &bobSeen)
+			r.checkAfterFileCache(t, before, cp, observation{CN: "bob", Proto: h2, Gzip: true, Via: "direct"})
 		})
 	}
 }
@@ -71,8 +65,5 @@ func TestAdversaryCopyFilesRotateOriginalBad(t *testing.T) {
 	writeAtomic(t, d.key, f.bob.KeyPEM) // the original's key no longer matches its certificate
 	waitFor(t, "the original's bad key rejected", func() bool { return p.Stats().RotationErrors == 1 })
 	other.write(t, f.bob, f.ca.CertPEM())
-	time.Sleep(certSettle + 500*time.Millisecond)
-	bobSeen := observation{CN: "bob", Proto: h2, Gzip: true, Via: "direct"}
-	before.agree(t, &bobSeen)
-	r.check(t, cp, &bobSeen)
+	r.checkAfterFileCache(t, before, cp, observation{CN: "bob", Proto: h2, Gzip: true, Via: "direct"})
 }

@@ -726,10 +726,7 @@ func TestAdversaryOuterWrapperUnwraps(t *testing.T) {
 	before := r.hold(t, cp, &observation{CN: "alice", Proto: h2, Gzip: true, Via: "proxy 2"})
 	d.write(t, f.bob, f.ca.CertPEM())
 	waitFor(t, "rotation to bob", func() bool { return p.Stats().Rotations == 1 })
-	time.Sleep(certSettle + 500*time.Millisecond)
-	bobSeen := observation{CN: "bob", Proto: h2, Gzip: true, Via: "proxy 2"}
-	before.agree(t, &bobSeen)
-	r.check(t, cp, &bobSeen)
+	r.checkAfterFileCache(t, before, cp, observation{CN: "bob", Proto: h2, Gzip: true, Via: "proxy 2"})
 }
 
 // TestAdversaryClientGoCertificateHolder: TestAdversaryInnerWrapperOwnCertificate

@@ -282,6 +282,17 @@ func (r *copyRig) hold(t *testing.T, pair copyPair, want *observation) heldClien
 	return h
 }
 
+// checkAfterFileCache waits past client-go's one-second cache of
+// certificate files and the pool's limit on a finding made by comparing
+// what files hold (certSettle), then checks that the clients held before the
+// change and new clients of pair are seen alike, as want.
+func (r *copyRig) checkAfterFileCache(t *testing.T, before heldClients, pair copyPair, want observation) {
+	t.Helper()
+	time.Sleep(certSettle + 500*time.Millisecond)
+	before.agree(t, &want)
+	r.check(t, pair, &want)
+}
+
 // settleClientGoReloaders waits for the certificate reloaders of client-go
 // transports just built to do their first load. client-go's reloader
 // (transport/cert_rotation.go) reads the certificate it cached outside its
