@@ -145,8 +145,12 @@ func TestProcess(t *testing.T) {
 		t.Errorf("ESTABLISHED toward the child: %d, %v; want 1", n, err)
 	}
 	rt.CloseIdleConnections()
-	time.Sleep(100 * time.Millisecond) // the kernel's table catches up
-	if n, err := Established(p.URL); err != nil || n != 0 {
+	n, err := Established(p.URL)
+	for deadline := time.Now().Add(5 * time.Second); (err != nil || n != 0) && time.Now().Before(deadline); {
+		time.Sleep(10 * time.Millisecond)
+		n, err = Established(p.URL)
+	}
+	if err != nil || n != 0 {
 		t.Errorf("ESTABLISHED toward the child after closing: %d, %v; want 0", n, err)
 	}
 }
