@@ -303,10 +303,7 @@ func urlString(u *url.URL) string {
 }
 
 // headerDigest is how a CONNECT header enters an identity's key.
-func headerDigest(h http.Header) digest {
-	b := canonicalHeader(h)
-	return digestOf(b)
-}
+func headerDigest(h http.Header) digest { return digestOf(canonicalHeader(h)) }
 
 // canonicalHeader encodes h so that equal headers give equal bytes.
 func canonicalHeader(h http.Header) []byte {

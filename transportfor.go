@@ -59,10 +59,7 @@ func (p *Pool) transportFor(cfg *rest.Config, d declaration) (http.RoundTripper,
 	case err != nil:
 		return nil, err
 	case l == nil && s.tc == nil: // its own Transport, which rest.TransportFor wraps
-		if s.tc, err = cfg.TransportConfig(); err != nil {
-			return nil, err
-		}
-		fallthrough
+		return rest.TransportFor(cfg)
 	case l == nil:
 		return transport.New(s.tc)
 	}
